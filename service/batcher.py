@@ -1,0 +1,238 @@
+"""The dynamic batcher: groups single images into backend batches.
+
+* It waits on an Event, never polls. The clock is the event loop's (monotonic).
+* An idle backend gets whatever is queued at once, so a lone request pays no delay. While other
+  batches are in the backend, a new batch may wait up to ``max_delay`` (from its oldest image) to
+  fill; it leaves early when it is full or when the backend goes idle.
+* ``max_inflight_batches`` batches may be in the backend at once, so the next batch forms while
+  one runs.
+* Admission is all-or-nothing per request and bounded by ``max_queue_size`` (``QueueFull``).
+* Cancellation-safe: a request that is cancelled or passes its deadline leaves the queue; if its
+  batch is already running, its result is dropped and nobody else is affected. Futures are
+  completed only if not already done.
+* Every failure of a batch reaches every request in it, and the backend must return one result
+  per image.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import deque
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from service.errors import BackendError, BackendUnavailable, DeadlineExceeded, GatewayError, QueueFull
+
+logger = logging.getLogger(__name__)
+
+InferFn = Callable[[np.ndarray], Awaitable[np.ndarray]]
+
+
+@dataclass(eq=False)
+class _Item:
+    image: np.ndarray
+    future: asyncio.Future[np.ndarray]
+    deadline: float | None
+    enqueued: float
+
+
+@dataclass(frozen=True)
+class BatchReport:
+    """What happened to one batch, for metrics."""
+
+    size: int
+    queue_waits: list[float] = field(repr=False)
+    """Seconds each image waited between admission and dispatch."""
+    backend_seconds: float
+    error: str | None
+    """The error code when the batch failed, else None."""
+
+
+class DynamicBatcher:
+    def __init__(
+        self,
+        infer: InferFn,
+        *,
+        max_batch_size: int,
+        max_delay: float,
+        max_queue_size: int,
+        max_inflight_batches: int,
+        on_batch: Callable[[BatchReport], None] | None = None,
+    ) -> None:
+        if max_batch_size < 1 or max_queue_size < 1 or max_inflight_batches < 1 or max_delay < 0:
+            raise ValueError("batcher limits must be positive")
+        self._infer = infer
+        self.max_batch_size = max_batch_size
+        self.max_delay = max_delay
+        self.max_queue_size = max_queue_size
+        self.max_inflight_batches = max_inflight_batches
+        self._on_batch = on_batch
+        self._queue: deque[_Item] = deque()
+        self._wake = asyncio.Event()
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._slots = asyncio.Semaphore(max_inflight_batches)
+        self._inflight = 0
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._loop_task: asyncio.Task[None] | None = None
+        self._closing = False
+
+    @property
+    def queue_depth(self) -> int:
+        return len(self._queue)
+
+    @property
+    def inflight_batches(self) -> int:
+        return self._inflight
+
+    def start(self) -> None:
+        if self._loop_task is None:
+            self._loop_task = asyncio.create_task(self._run(), name="batcher")
+
+    async def submit(self, images: Sequence[np.ndarray], *, deadline: float | None = None) -> list[np.ndarray]:
+        """Queue the images as one request and return their score rows in order.
+
+        ``deadline`` is on the event loop's clock (``loop.time()``)."""
+        if self._closing or self._loop_task is None:
+            raise BackendUnavailable("the gateway is shutting down" if self._closing else "batcher not started")
+        if not images:
+            return []
+        if len(self._queue) + len(images) > self.max_queue_size:
+            raise QueueFull(f"{len(self._queue)} images are queued and the limit is {self.max_queue_size}; retry later")
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        items = [_Item(img, loop.create_future(), deadline, now) for img in images]
+        self._queue.extend(items)
+        self._idle.clear()
+        self._wake.set()
+        try:
+            async with asyncio.timeout_at(deadline):
+                return list(await asyncio.gather(*(item.future for item in items)))
+        except TimeoutError:
+            raise DeadlineExceeded("the request deadline passed before inference finished") from None
+        finally:
+            self._forget(items)
+
+    def _forget(self, items: list[_Item]) -> None:
+        """Drop a finished, failed or cancelled request's items that are still waiting."""
+        for item in items:
+            if not item.future.done():
+                item.future.cancel()
+        if any(item in self._queue for item in items):
+            self._queue = deque(i for i in self._queue if not i.future.done())
+        self._check_idle()
+
+    def _check_idle(self) -> None:
+        if not self._queue and self._inflight == 0:
+            self._idle.set()
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            while not self._queue:
+                self._wake.clear()
+                await self._wake.wait()
+            await self._slots.acquire()
+            try:
+                await self._fill(loop)
+                batch = self._take(loop.time())
+            except BaseException:
+                self._slots.release()
+                raise
+            if not batch:
+                self._slots.release()
+                self._check_idle()
+                continue
+            self._inflight += 1
+            task = asyncio.create_task(self._run_batch(batch, loop), name="batch")
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    async def _fill(self, loop: asyncio.AbstractEventLoop) -> None:
+        """While the backend is busy, wait for a full batch or until the oldest image's delay is up."""
+        if not self._queue:
+            return
+        flush_at = self._queue[0].enqueued + self.max_delay
+        while True:
+            self._wake.clear()
+            remaining = flush_at - loop.time()
+            if self._inflight == 0 or len(self._queue) >= self.max_batch_size or remaining <= 0:
+                return
+            try:
+                async with asyncio.timeout(remaining):
+                    await self._wake.wait()
+            except TimeoutError:
+                return
+
+    def _take(self, now: float) -> list[_Item]:
+        batch: list[_Item] = []
+        while self._queue and len(batch) < self.max_batch_size:
+            item = self._queue.popleft()
+            if item.future.done():
+                continue
+            if item.deadline is not None and item.deadline <= now:
+                item.future.set_exception(DeadlineExceeded("the request deadline passed while queued"))
+                continue
+            batch.append(item)
+        return batch
+
+    async def _run_batch(self, batch: list[_Item], loop: asyncio.AbstractEventLoop) -> None:
+        started = loop.time()
+        error: GatewayError | None = None
+        try:
+            scores = await self._infer(np.stack([item.image for item in batch]))
+            if len(scores) != len(batch):
+                raise BackendError(f"backend returned {len(scores)} results for a batch of {len(batch)} images")
+            for item, row in zip(batch, scores, strict=True):
+                if not item.future.done():
+                    item.future.set_result(row)
+        except asyncio.CancelledError:
+            error = BackendUnavailable("the gateway shut down before this batch finished")
+            raise
+        except GatewayError as exc:
+            error = exc
+        except Exception as exc:
+            logger.exception("backend failed on a batch of %d images", len(batch))
+            error = BackendError(f"backend failed: {type(exc).__name__}: {exc}")
+        finally:
+            if error is not None:
+                for item in batch:
+                    if not item.future.done():
+                        item.future.set_exception(error)
+            self._inflight -= 1
+            self._slots.release()
+            self._wake.set()
+            self._check_idle()
+            if self._on_batch is not None:
+                self._on_batch(
+                    BatchReport(
+                        size=len(batch),
+                        queue_waits=[started - item.enqueued for item in batch],
+                        backend_seconds=loop.time() - started,
+                        error=None if error is None else error.error,
+                    )
+                )
+
+    async def aclose(self, drain_timeout: float = 10.0) -> None:
+        """Refuse new requests, let queued and running batches finish within ``drain_timeout``,
+        then fail whatever is left with 503."""
+        self._closing = True
+        try:
+            async with asyncio.timeout(drain_timeout):
+                await self._idle.wait()
+        except TimeoutError:
+            logger.warning(
+                "batcher: drain timed out with %d queued, %d batches running", len(self._queue), self._inflight
+            )
+        if self._loop_task is not None:
+            self._loop_task.cancel()
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*(t for t in (self._loop_task, *self._tasks) if t is not None), return_exceptions=True)
+        while self._queue:
+            item = self._queue.popleft()
+            if not item.future.done():
+                item.future.set_exception(BackendUnavailable("the gateway shut down before this image was inferred"))

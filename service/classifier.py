@@ -1,0 +1,86 @@
+"""The classification service: bytes in, labels out, through the thread pool, batcher and backend.
+
+Shared by the HTTP API and (later) the offline queue worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from concurrent.futures import Executor
+from dataclasses import dataclass
+
+import numpy as np
+
+from service.batcher import DynamicBatcher
+from service.errors import DeadlineExceeded, GatewayError
+from service.metrics import Metrics
+from service.models.profiles import ModelProfile, top_k
+from service.preprocess import PreprocessConfig, prepare
+
+
+@dataclass(frozen=True)
+class ImageInput:
+    data: bytes
+    filename: str | None = None
+
+
+@dataclass(frozen=True)
+class Classification:
+    filename: str | None
+    labels: list[tuple[int, str, float]]
+
+
+class Classifier:
+    def __init__(
+        self,
+        profile: ModelProfile,
+        batcher: DynamicBatcher,
+        executor: Executor,
+        metrics: Metrics,
+        config: PreprocessConfig,
+    ) -> None:
+        self.profile = profile
+        self.batcher = batcher
+        self.executor = executor
+        self.metrics = metrics
+        self.config = config
+
+    def _prepare_timed(self, data: bytes) -> np.ndarray:
+        start = time.perf_counter()
+        try:
+            return prepare(data, self.config)
+        finally:
+            self.metrics.preprocess_duration.observe(time.perf_counter() - start)
+
+    async def preprocess(self, images: list[ImageInput]) -> list[np.ndarray]:
+        """Decode every image in the pool; if any is bad, raise its error naming which image.
+
+        A request whose images are not all valid is refused whole, before anything is queued."""
+        loop = asyncio.get_running_loop()
+        outcomes = await asyncio.gather(
+            *(loop.run_in_executor(self.executor, self._prepare_timed, image.data) for image in images),
+            return_exceptions=True,
+        )
+        arrays: list[np.ndarray] = []
+        for i, (image, outcome) in enumerate(zip(images, outcomes, strict=True)):
+            if isinstance(outcome, BaseException):
+                if isinstance(outcome, GatewayError) and len(images) > 1:
+                    name = f" ({image.filename})" if image.filename else ""
+                    outcome.detail = f"image {i + 1} of {len(images)}{name}: {outcome.detail}"
+                raise outcome
+            arrays.append(outcome)
+        return arrays
+
+    async def classify(self, images: list[ImageInput], *, k: int, deadline: float | None) -> list[Classification]:
+        try:
+            async with asyncio.timeout_at(deadline):
+                arrays = await self.preprocess(images)
+        except TimeoutError:
+            raise DeadlineExceeded("the request deadline passed while decoding its images") from None
+        rows = await self.batcher.submit(arrays, deadline=deadline)
+        labels = self.profile.labels
+        return [
+            Classification(image.filename, [(i, labels[i], score) for i, score in top_k(row, k)])
+            for image, row in zip(images, rows, strict=True)
+        ]

@@ -1,0 +1,111 @@
+"""Command line: ``gateway [serve]``, ``gateway models build``, ``gateway models list``.
+
+Every setting is a flag of ``serve`` (``--max-batch-size 32`` for ``GATEWAY_MAX_BATCH_SIZE``);
+flags override the environment.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from collections.abc import Sequence
+
+from pydantic import ValidationError
+
+from service.settings import Settings
+
+
+def _add_setting_flags(parser: argparse.ArgumentParser) -> None:
+    for name, field in Settings.model_fields.items():
+        parser.add_argument(
+            f"--{name.replace('_', '-')}",
+            dest=name,
+            default=None,
+            metavar=name.upper(),
+            help=f"{field.description or ''} (env GATEWAY_{name.upper()})",
+        )
+
+
+def _settings(args: argparse.Namespace) -> Settings:
+    overrides = {name: getattr(args, name) for name in Settings.model_fields if getattr(args, name, None) is not None}
+    try:
+        return Settings(**overrides)
+    except ValidationError as exc:
+        sys.exit(f"gateway: invalid settings:\n{exc}")
+
+
+def _serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from service.app import create_app
+
+    settings = _settings(args)
+    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    uvicorn.run(
+        create_app(settings),
+        host=settings.host,
+        port=settings.port,
+        log_level=settings.log_level,
+        timeout_graceful_shutdown=int(settings.request_timeout) + 5,
+    )
+    return 0
+
+
+def _models_build(args: argparse.Namespace) -> int:
+    from service.models.profiles import PROFILES, get_profile
+    from service.models.store import ensure_model
+
+    logging.basicConfig(level="INFO", format="%(levelname)s %(name)s: %(message)s")
+    settings = _settings(args)
+    names = list(PROFILES) if args.all else [settings.model]
+    for name in names:
+        weights = settings.model_weights if name == settings.model else None
+        path = ensure_model(settings.models_dir, get_profile(name), weights, force=args.force)
+        print(path)
+    return 0
+
+
+def _models_list(args: argparse.Namespace) -> int:
+    from service.models.profiles import PROFILES
+    from service.models.store import model_path
+
+    settings = _settings(args)
+    for profile in PROFILES.values():
+        path = model_path(settings.models_dir, profile)
+        meta = path.with_name("build.json")
+        state = json.loads(meta.read_text()).get("sha256", "")[:12] if meta.exists() else "not built"
+        print(f"{profile.name:20} v{profile.version}  {profile.image_size}px  {state}  {path}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="gateway", description="Async inference gateway.")
+    commands = parser.add_subparsers(dest="command")
+    serve = commands.add_parser("serve", help="run the HTTP gateway (the default command)")
+    _add_setting_flags(serve)
+    serve.set_defaults(func=_serve)
+    models = commands.add_parser("models", help="build or list the cached ONNX models")
+    model_commands = models.add_subparsers(dest="models_command", required=True)
+    build = model_commands.add_parser("build", help="build the configured model's ONNX file (or --all)")
+    _add_setting_flags(build)
+    build.add_argument("--all", action="store_true", help="build every known model")
+    build.add_argument("--force", action="store_true", help="rebuild even when the cached file is current")
+    build.set_defaults(func=_models_build)
+    listing = model_commands.add_parser("list", help="list the known models and their cache state")
+    _add_setting_flags(listing)
+    listing.set_defaults(func=_models_list)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or (argv[0].startswith("-") and argv[0] not in ("-h", "--help")):
+        argv = ["serve", *argv]
+    args = build_parser().parse_args(argv)
+    return int(args.func(args))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

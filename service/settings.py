@@ -1,0 +1,70 @@
+"""Gateway settings: environment variables with the ``GATEWAY_`` prefix, overridden by CLI flags."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+def _default_models_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "inference-gateway" / "models"
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="GATEWAY_", extra="forbid", use_attribute_docstrings=True)
+
+    host: str = "127.0.0.1"
+    """Address the HTTP server binds to."""
+    port: int = Field(8000, ge=0, le=65535)
+    """TCP port of the HTTP server (0 picks a free one)."""
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+    """Log level of the gateway's loggers and of uvicorn."""
+
+    backend: Literal["embedded", "fake"] = "embedded"
+    """Where batches run: ``embedded`` (ONNX Runtime in this process, on CPU) or ``fake`` (a
+    deterministic stand-in with no model, for testing the gateway itself)."""
+    model: str = "efficientnet-lite0"
+    """Model profile to serve: ``efficientnet-lite0`` (real ImageNet weights) or ``resnet50``."""
+    model_weights: Path | None = None
+    """Weights file for the model (a PyTorch state_dict); default: the packaged weights for
+    EfficientNet-Lite0, random He-initialised weights for ResNet-50."""
+    models_dir: Path = Field(default_factory=_default_models_dir)
+    """Directory where built ONNX models are cached."""
+    embedded_threads: int = Field(0, ge=0)
+    """ONNX Runtime intra-op threads per batch for the embedded backend (0: one per core)."""
+
+    max_batch_size: int = Field(16, ge=1, le=1024)
+    """Most images the batcher puts in one backend call."""
+    max_delay: float = Field(0.005, ge=0.0, le=10.0)
+    """Seconds the batcher waits for a batch to fill while another batch is in the backend; an idle
+    backend gets a lone request at once."""
+    max_inflight_batches: int = Field(2, ge=1, le=64)
+    """Batches in the backend at once: more than one lets the next batch form while one runs."""
+    max_queue_size: int = Field(256, ge=1)
+    """Images waiting for a batch; beyond it requests are rejected with 429."""
+
+    request_timeout: float = Field(10.0, gt=0.0)
+    """Seconds a /classify request may take end to end before it gets 504."""
+    max_body_bytes: int = Field(32 * 1024 * 1024, ge=1024)
+    """Largest request body accepted; larger bodies get 413."""
+    max_image_pixels: int = Field(50_000_000, ge=1)
+    """Largest width x height accepted, checked from the header before decoding; larger get 413."""
+    max_images_per_request: int = Field(64, ge=1)
+    """Most images in one /classify request."""
+    preprocess_workers: int = Field(default_factory=lambda: os.cpu_count() or 1, ge=1)
+    """Threads that decode and resize images (OpenCV releases the GIL); default one per core."""
+
+    @model_validator(mode="after")
+    def _check(self) -> Settings:
+        from service.models.profiles import PROFILES
+
+        if self.model not in PROFILES:
+            raise ValueError(f"unknown model {self.model!r}; known: {', '.join(PROFILES)}")
+        if self.max_queue_size < self.max_images_per_request:
+            raise ValueError("max_queue_size must be at least max_images_per_request")
+        return self
