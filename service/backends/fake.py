@@ -26,6 +26,7 @@ class FakeBackend:
         """When set to an unset Event, batches wait for it before answering."""
         self.entered = asyncio.Condition()
         self.fail_next: Exception | None = None
+        """The next batch to enter raises this."""
         self.drop_one_row = False
         self.is_ready = True
         self.started = False
@@ -35,6 +36,7 @@ class FakeBackend:
         self.started = True
 
     async def infer(self, batch: np.ndarray) -> np.ndarray:
+        failure, self.fail_next = self.fail_next, None  # the batch entering now takes the failure
         async with self.entered:
             self.batches.append(int(batch.shape[0]))
             self.entered.notify_all()
@@ -42,9 +44,8 @@ class FakeBackend:
             await self.gate.wait()
         if self.delay:
             await asyncio.sleep(self.delay)
-        if self.fail_next is not None:
-            exc, self.fail_next = self.fail_next, None
-            raise exc
+        if failure is not None:
+            raise failure
         if not self.is_ready:
             raise BackendError("fake backend is down")
         scores = np.zeros((batch.shape[0], self.classes), np.float32)

@@ -1,0 +1,99 @@
+from __future__ import annotations
+
+import asyncio
+import io
+import socket
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import cv2
+import httpx
+import numpy as np
+import pytest
+import uvicorn
+from skimage import data as skdata
+
+from service.app import create_app
+from service.backends.base import Backend
+from service.models.profiles import get_profile
+from service.models.store import ensure_model
+from service.settings import Settings
+
+CAT_CLASSES = {281, 282, 283, 284, 285, 286, 287}  # tabby, tiger cat, Persian, Siamese, Egyptian, cougar, lynx
+ESPRESSO = 967
+
+
+def encode(rgb: np.ndarray, ext: str = ".jpg") -> bytes:
+    ok, buf = cv2.imencode(ext, np.ascontiguousarray(rgb[:, :, ::-1]) if rgb.ndim == 3 else rgb)
+    assert ok
+    return buf.tobytes()
+
+
+@pytest.fixture(scope="session")
+def cat_jpeg() -> bytes:
+    """scikit-image's 'chelsea': a photo of a tabby cat."""
+    return encode(skdata.chelsea())
+
+
+@pytest.fixture(scope="session")
+def coffee_jpeg() -> bytes:
+    """scikit-image's 'coffee': a photo of a cup of espresso."""
+    return encode(skdata.coffee())
+
+
+@pytest.fixture(scope="session")
+def models_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A models directory with EfficientNet-Lite0 built once for the whole session."""
+    path = tmp_path_factory.mktemp("models")
+    ensure_model(path, get_profile("efficientnet-lite0"))
+    return path
+
+
+def solid_image(value: int, size: int = 224) -> np.ndarray:
+    return np.full((size, size, 3), value, np.uint8)
+
+
+def png_bytes(array: np.ndarray) -> bytes:
+    from PIL import Image
+
+    buffer = io.BytesIO()
+    Image.fromarray(array).save(buffer, "PNG")
+    return buffer.getvalue()
+
+
+def _bound_socket() -> socket.socket:
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", 0))
+    return sock
+
+
+@asynccontextmanager
+async def running_gateway(settings: Settings, backend: Backend | None = None) -> AsyncIterator[httpx.AsyncClient]:
+    """A real uvicorn server on a free loopback port, in this event loop; yields a client for it.
+
+    The socket is bound before the server starts, so requests wait in its backlog until the
+    lifespan has finished: no polling for readiness."""
+    sock = _bound_socket()
+    port = sock.getsockname()[1]
+    app = create_app(settings, backend=backend)
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
+    task = asyncio.create_task(server.serve(sockets=[sock]))
+    try:
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=30) as client:
+            yield client
+    finally:
+        server.should_exit = True
+        await task
+        sock.close()
+
+
+@pytest.fixture
+def gateway_factory(models_dir: Path) -> Callable[..., Settings]:
+    """Settings for a test gateway: the session's models directory plus the given overrides."""
+
+    def make(**overrides: object) -> Settings:
+        return Settings(models_dir=models_dir, **overrides)  # type: ignore[arg-type]
+
+    return make

@@ -1,0 +1,260 @@
+"""The dynamic batcher against a gated fake backend: timing is driven by events, not sleeps."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable
+
+import numpy as np
+import pytest
+
+from service.backends.fake import FakeBackend
+from service.batcher import BatchReport, DynamicBatcher
+from service.errors import BackendError, BackendUnavailable, DeadlineExceeded, QueueFull
+from tests.conftest import solid_image
+
+Factory = Callable[..., DynamicBatcher]
+
+
+@pytest.fixture
+def fake() -> FakeBackend:
+    backend = FakeBackend()
+    backend.gate = asyncio.Event()
+    return backend
+
+
+@pytest.fixture
+async def make(fake: FakeBackend) -> AsyncIterator[Factory]:
+    made: list[DynamicBatcher] = []
+    reports: list[BatchReport] = []
+
+    def factory(**kwargs: object) -> DynamicBatcher:
+        options: dict[str, object] = {
+            "max_batch_size": 4,
+            "max_delay": 10.0,
+            "max_queue_size": 64,
+            "max_inflight_batches": 1,
+            "on_batch": reports.append,
+        }
+        options.update(kwargs)
+        batcher = DynamicBatcher(fake.infer, **options)  # type: ignore[arg-type]
+        batcher.start()
+        made.append(batcher)
+        return batcher
+
+    yield factory
+    if fake.gate is not None:
+        fake.gate.set()
+    for batcher in made:
+        await batcher.aclose(drain_timeout=1)
+
+
+def submit(batcher: DynamicBatcher, *values: int, deadline: float | None = None) -> asyncio.Task[list[np.ndarray]]:
+    return asyncio.create_task(batcher.submit([solid_image(v, 8) for v in values], deadline=deadline))
+
+
+def classes(rows: list[np.ndarray]) -> list[int]:
+    return [int(row.argmax()) for row in rows]
+
+
+async def test_lone_request_on_idle_backend_goes_at_once(make: Factory, fake: FakeBackend) -> None:
+    """With max_delay 10 s, a request to an idle backend still goes immediately, alone."""
+    fake.gate = None
+    batcher = make()
+    async with asyncio.timeout(2):
+        assert classes(await batcher.submit([solid_image(7, 8)])) == [7]
+    assert fake.batches == [1]
+
+
+async def test_batches_fill_to_max_size_while_backend_is_busy(make: Factory, fake: FakeBackend) -> None:
+    batcher = make(max_batch_size=4, max_inflight_batches=1)
+    first = submit(batcher, 1)
+    await fake.wait_for_batches(1)
+    rest = [submit(batcher, v) for v in range(10, 20)]
+    await asyncio.sleep(0)
+    assert fake.gate is not None
+    fake.gate.set()
+    results = await asyncio.gather(first, *rest)
+    assert [classes(r)[0] for r in results] == [1, *range(10, 20)]
+    assert fake.batches == [1, 4, 4, 2]
+
+
+async def test_partial_batch_leaves_after_max_delay(make: Factory, fake: FakeBackend) -> None:
+    """While the backend is busy, a partial batch waits max_delay for company, then leaves anyway."""
+    batcher = make(max_delay=0.05, max_inflight_batches=2)
+    loop = asyncio.get_running_loop()
+    submit(batcher, 1)
+    await fake.wait_for_batches(1)
+    sent = loop.time()
+    submit(batcher, 2)
+    async with asyncio.timeout(2):
+        await fake.wait_for_batches(2)
+    assert loop.time() - sent >= 0.05
+    assert fake.batches == [1, 1]
+
+
+async def test_full_batch_leaves_without_waiting_for_max_delay(make: Factory, fake: FakeBackend) -> None:
+    batcher = make(max_delay=10.0, max_batch_size=4, max_inflight_batches=2)
+    submit(batcher, 1)
+    await fake.wait_for_batches(1)
+    submit(batcher, 2, 3)
+    submit(batcher, 4, 5)
+    async with asyncio.timeout(2):
+        await fake.wait_for_batches(2)
+    assert fake.batches == [1, 4]
+
+
+async def test_waiting_batch_leaves_when_backend_goes_idle(make: Factory, fake: FakeBackend) -> None:
+    """A partial batch waiting for company leaves as soon as the busy backend becomes idle."""
+    batcher = make(max_delay=10.0, max_inflight_batches=2)
+    first = submit(batcher, 1)
+    await fake.wait_for_batches(1)
+    second = submit(batcher, 2)
+    await asyncio.sleep(0.01)
+    assert fake.batches == [1]  # still waiting to fill
+    assert fake.gate is not None
+    fake.gate.set()
+    async with asyncio.timeout(2):
+        assert classes(await first) == [1]
+        assert classes(await second) == [2]
+
+
+async def test_every_caller_gets_its_own_result(make: Factory, fake: FakeBackend) -> None:
+    fake.gate = None
+    batcher = make(max_batch_size=8, max_delay=0.002, max_inflight_batches=2, max_queue_size=256)
+    tasks = [submit(batcher, v, v + 1) for v in range(0, 200, 2)]
+    results = await asyncio.gather(*tasks)
+    assert [classes(r) for r in results] == [[v, v + 1] for v in range(0, 200, 2)]
+    assert max(fake.batches) <= 8
+    assert sum(fake.batches) == 200
+
+
+async def test_queue_full_rejects_whole_requests(make: Factory, fake: FakeBackend) -> None:
+    batcher = make(max_queue_size=4)
+    submit(batcher, 1)
+    await fake.wait_for_batches(1)  # in the backend, no longer queued
+    queued = submit(batcher, 2, 3, 4)
+    await asyncio.sleep(0)
+    assert batcher.queue_depth == 3
+    with pytest.raises(QueueFull) as info:
+        await batcher.submit([solid_image(5, 8), solid_image(6, 8)])
+    assert info.value.headers["Retry-After"] == "1"
+    assert batcher.queue_depth == 3  # nothing of the refused request was admitted
+    assert fake.gate is not None
+    fake.gate.set()
+    assert classes(await queued) == [2, 3, 4]
+
+
+async def test_deadline_frees_the_queue_slot(make: Factory, fake: FakeBackend) -> None:
+    batcher = make()
+    loop = asyncio.get_running_loop()
+    submit(batcher, 1)
+    await fake.wait_for_batches(1)
+    with pytest.raises(DeadlineExceeded):
+        await batcher.submit([solid_image(2, 8)], deadline=loop.time() + 0.05)
+    assert batcher.queue_depth == 0
+    later = submit(batcher, 3)
+    assert fake.gate is not None
+    fake.gate.set()
+    assert classes(await later) == [3]
+    assert fake.batches == [1, 1]  # the expired image never reached the backend
+
+
+async def test_cancelled_request_is_dropped_before_its_batch(make: Factory, fake: FakeBackend) -> None:
+    """A client that disconnects while queued is removed; its neighbours are served normally."""
+    batcher = make(max_inflight_batches=1)
+    submit(batcher, 1)
+    await fake.wait_for_batches(1)
+    doomed = submit(batcher, 2)
+    kept = submit(batcher, 3)
+    await asyncio.sleep(0)
+    doomed.cancel()
+    await asyncio.wait([doomed])
+    assert batcher.queue_depth == 1
+    assert fake.gate is not None
+    fake.gate.set()
+    assert classes(await kept) == [3]
+    assert fake.batches == [1, 1]
+
+
+async def test_cancelled_request_inside_a_running_batch_harms_no_one(make: Factory, fake: FakeBackend) -> None:
+    batcher = make(max_batch_size=4, max_inflight_batches=1)
+    submit(batcher, 1)
+    await fake.wait_for_batches(1)
+    doomed, kept = submit(batcher, 2), submit(batcher, 3)
+    assert fake.gate is not None
+    fake.gate.set()
+    await fake.wait_for_batches(2)
+    fake.gate.clear()
+    # the second batch [2, 3] is gated again in the backend; cancel one of its requests
+    doomed.cancel()
+    await asyncio.sleep(0)
+    fake.gate.set()
+    assert classes(await kept) == [3]
+    with pytest.raises(asyncio.CancelledError):
+        await doomed
+
+
+async def test_backend_failure_reaches_every_request_of_the_batch(make: Factory, fake: FakeBackend) -> None:
+    batcher = make(max_batch_size=4, max_inflight_batches=1)
+    submit(batcher, 1)
+    await fake.wait_for_batches(1)
+    a, b = submit(batcher, 2), submit(batcher, 3)
+    fake.fail_next = RuntimeError("CUDA error: an illegal memory access")
+    assert fake.gate is not None
+    fake.gate.set()
+    for task in (a, b):
+        with pytest.raises(BackendError, match="illegal memory access"):
+            await task
+    assert classes(await batcher.submit([solid_image(4, 8)])) == [4]  # the next batch is fine
+
+
+async def test_wrong_result_count_fails_the_batch(make: Factory, fake: FakeBackend) -> None:
+    fake.gate = None
+    fake.drop_one_row = True
+    batcher = make()
+    with pytest.raises(BackendError, match="returned 1 results for a batch of 2"):
+        await batcher.submit([solid_image(1, 8), solid_image(2, 8)])
+
+
+async def test_close_drains_queued_work_then_refuses(make: Factory, fake: FakeBackend) -> None:
+    batcher = make(max_inflight_batches=1)
+    a = submit(batcher, 1)
+    await fake.wait_for_batches(1)
+    b = submit(batcher, 2)
+    await asyncio.sleep(0)
+    closing = asyncio.create_task(batcher.aclose(drain_timeout=5))
+    await asyncio.sleep(0)
+    with pytest.raises(BackendUnavailable, match="shutting down"):
+        await batcher.submit([solid_image(3, 8)])
+    assert fake.gate is not None
+    fake.gate.set()
+    await closing
+    assert classes(await a) == [1]
+    assert classes(await b) == [2]
+
+
+async def test_close_after_drain_timeout_fails_what_is_left(make: Factory, fake: FakeBackend) -> None:
+    batcher = make(max_inflight_batches=1)
+    a = submit(batcher, 1)
+    await fake.wait_for_batches(1)
+    b = submit(batcher, 2)
+    await asyncio.sleep(0)
+    await batcher.aclose(drain_timeout=0.05)
+    for task in (a, b):
+        with pytest.raises(BackendUnavailable, match="shut down"):
+            await task
+
+
+async def test_reports_batches_for_metrics(fake: FakeBackend) -> None:
+    fake.gate = None
+    reports: list[BatchReport] = []
+    batcher = DynamicBatcher(
+        fake.infer, max_batch_size=4, max_delay=0, max_queue_size=8, max_inflight_batches=1, on_batch=reports.append
+    )
+    batcher.start()
+    await batcher.submit([solid_image(1, 8), solid_image(2, 8), solid_image(3, 8)])
+    await batcher.aclose()
+    assert [r.size for r in reports] == [3]
+    assert reports[0].error is None
+    assert len(reports[0].queue_waits) == 3
