@@ -1,0 +1,210 @@
+"""The HTTP API on a real uvicorn server: real photos through the embedded model, and every error
+path through the fake backend."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+
+import httpx
+import pytest
+
+from service.backends.fake import FakeBackend
+from service.settings import Settings
+from tests.conftest import CAT_CLASSES, ESPRESSO, running_gateway, solid_image
+from tests.test_preprocess import crafted_png
+
+MakeSettings = Callable[..., Settings]
+
+
+def png_of_class(value: int) -> bytes:
+    """A PNG the fake backend classifies as class ``value`` (its first pixel's red channel)."""
+    from tests.conftest import png_bytes
+
+    return png_bytes(solid_image(value, 32))
+
+
+def error_of(response: httpx.Response) -> tuple[int, str]:
+    body = response.json()
+    assert set(body) == {"error", "detail"}
+    assert body["detail"]
+    return response.status_code, body["error"]
+
+
+async def test_real_photos_get_the_right_labels(
+    gateway_factory: MakeSettings, cat_jpeg: bytes, coffee_jpeg: bytes
+) -> None:
+    """Multipart with two photos, batched together: a cat and an espresso, with model name and version."""
+    async with running_gateway(gateway_factory()) as client:
+        response = await client.post(
+            "/classify",
+            params={"top_k": 3},
+            files=[("file", ("cat.jpg", cat_jpeg, "image/jpeg")), ("file", ("coffee.jpg", coffee_jpeg, "image/jpeg"))],
+        )
+        assert response.status_code == 200, response.text
+        body = response.json()
+        assert body["model"] == {"name": "efficientnet-lite0", "version": "1"}
+        cat, coffee = body["results"]
+        assert cat["filename"] == "cat.jpg"
+        assert len(cat["labels"]) == 3
+        assert cat["labels"][0]["index"] in CAT_CLASSES
+        assert "cat" in cat["labels"][0]["label"]
+        assert coffee["labels"][0] == {"index": ESPRESSO, "label": "espresso", "score": pytest.approx(0.94, abs=0.05)}
+        scores = [label["score"] for label in cat["labels"]]
+        assert scores == sorted(scores, reverse=True)
+
+        raw = await client.post("/classify", content=coffee_jpeg, headers={"content-type": "image/jpeg"})
+        assert raw.status_code == 200
+        assert raw.json()["results"][0]["labels"][0]["index"] == ESPRESSO
+        assert len(raw.json()["results"][0]["labels"]) == 5  # default top_k
+
+
+async def test_concurrent_requests_are_batched_and_answered_correctly(gateway_factory: MakeSettings) -> None:
+    fake = FakeBackend()
+    settings = gateway_factory(backend="fake", max_batch_size=8, max_delay=0.01)
+    async with running_gateway(settings, fake) as client:
+        responses = await asyncio.gather(
+            *(client.post("/classify", files={"file": ("x.png", png_of_class(v), "image/png")}) for v in range(40))
+        )
+    assert [r.json()["results"][0]["labels"][0]["index"] for r in responses] == list(range(40))
+    assert sum(fake.batches) == 40
+    assert max(fake.batches) > 1  # concurrency did produce batches
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "status", "code"),
+    [
+        ({"content": b"", "headers": {"content-type": "image/jpeg"}}, 400, "bad_image"),
+        ({"content": b"plain text", "headers": {"content-type": "image/jpeg"}}, 400, "bad_image"),
+        ({"content": b"plain text", "headers": {"content-type": "text/plain"}}, 415, "unsupported_media_type"),
+        ({"files": {"file": ("a.txt", b"hello", "text/plain")}}, 415, "unsupported_media_type"),
+        ({"files": {"photo": ("a.png", b"x", "image/png")}}, 400, "bad_request"),
+        ({"data": {"file": "not a file"}, "files": {"other": ("a", b"", "image/png")}}, 400, "bad_request"),
+        ({"content": crafted_png(50_000, 50_000), "headers": {"content-type": "image/png"}}, 413, "payload_too_large"),
+    ],
+    ids=["empty", "text-as-jpeg", "text-content-type", "text-part", "wrong-field", "text-field", "pixel-bomb"],
+)
+async def test_bad_input_gets_a_clear_error(
+    gateway_factory: MakeSettings, kwargs: dict[str, object], status: int, code: str
+) -> None:
+    async with running_gateway(gateway_factory(backend="fake"), FakeBackend()) as client:
+        response = await client.post("/classify", **kwargs)  # type: ignore[arg-type]
+        assert error_of(response) == (status, code)
+
+
+@pytest.mark.parametrize("top_k", ["0", "21", "five"])
+async def test_invalid_top_k_is_422(gateway_factory: MakeSettings, top_k: str) -> None:
+    async with running_gateway(gateway_factory(backend="fake"), FakeBackend()) as client:
+        response = await client.post("/classify", params={"top_k": top_k}, content=png_of_class(1),
+                                     headers={"content-type": "image/png"})
+        assert error_of(response) == (422, "invalid_parameters")
+        assert "top_k" in response.json()["detail"]
+
+
+async def test_body_over_the_limit_is_413_declared_or_streamed(gateway_factory: MakeSettings) -> None:
+    async with running_gateway(gateway_factory(backend="fake", max_body_bytes=4096), FakeBackend()) as client:
+        declared = await client.post("/classify", content=b"\0" * 5000, headers={"content-type": "image/png"})
+        assert error_of(declared) == (413, "payload_too_large")
+
+        async def chunks():  # type: ignore[no-untyped-def]
+            for _ in range(10):
+                yield b"\0" * 1000
+
+        streamed = await client.post("/classify", content=chunks(), headers={"content-type": "image/png"})
+        assert error_of(streamed) == (413, "payload_too_large")
+        ok = await client.post("/classify", content=png_of_class(3), headers={"content-type": "image/png"})
+        assert ok.status_code == 200
+
+
+async def test_too_many_images_is_refused(gateway_factory: MakeSettings) -> None:
+    async with running_gateway(gateway_factory(backend="fake", max_images_per_request=3), FakeBackend()) as client:
+        files = [("file", (f"{i}.png", png_of_class(i), "image/png")) for i in range(4)]
+        response = await client.post("/classify", files=files)
+        assert error_of(response) == (400, "bad_request")
+        assert "3" in response.json()["detail"]
+
+
+async def test_one_bad_image_fails_its_request_only(gateway_factory: MakeSettings) -> None:
+    """A request with one undecodable image is refused naming it; concurrent requests, which share
+    batches with it, all succeed, and nothing of the bad request reaches the backend."""
+    fake = FakeBackend()
+    async with running_gateway(gateway_factory(backend="fake", max_delay=0.02), fake) as client:
+        good = [client.post("/classify", files={"file": ("g.png", png_of_class(v), "image/png")}) for v in range(20)]
+        bad = client.post(
+            "/classify",
+            files=[("file", ("ok.png", png_of_class(99), "image/png")), ("file", ("broken.jpg", b"\xff\xd8\xffjunk", "image/jpeg"))],
+        )
+        *good_responses, bad_response = await asyncio.gather(*good, bad)
+    assert error_of(bad_response) == (400, "bad_image")
+    assert "image 2 of 2 (broken.jpg)" in bad_response.json()["detail"]
+    assert [r.status_code for r in good_responses] == [200] * 20
+    assert sum(fake.batches) == 20
+
+
+async def test_queue_full_is_429_with_retry_after(gateway_factory: MakeSettings) -> None:
+    fake = FakeBackend()
+    fake.gate = asyncio.Event()
+    settings = gateway_factory(backend="fake", max_queue_size=2, max_images_per_request=2, max_inflight_batches=1)
+    async with running_gateway(settings, fake) as client:
+        first = asyncio.create_task(client.post("/classify", content=png_of_class(1), headers={"content-type": "image/png"}))
+        await fake.wait_for_batches(1)
+        files = [("file", (f"{i}.png", png_of_class(i), "image/png")) for i in range(2)]
+        queued = asyncio.create_task(client.post("/classify", files=files))
+        while (await client.get("/metrics")).text.find("gateway_batcher_queue_depth 2.0") < 0:
+            await asyncio.sleep(0.01)
+        rejected = await client.post("/classify", content=png_of_class(3), headers={"content-type": "image/png"})
+        assert error_of(rejected) == (429, "queue_full")
+        assert rejected.headers["retry-after"] == "1"
+        fake.gate.set()
+        assert (await first).status_code == 200
+        assert (await queued).status_code == 200
+
+
+async def test_deadline_is_504(gateway_factory: MakeSettings) -> None:
+    fake = FakeBackend()
+    fake.gate = asyncio.Event()
+    async with running_gateway(gateway_factory(backend="fake", request_timeout=0.2), fake) as client:
+        response = await client.post("/classify", content=png_of_class(1), headers={"content-type": "image/png"})
+        assert error_of(response) == (504, "deadline_exceeded")
+        fake.gate.set()
+
+
+async def test_backend_failure_is_500_and_not_ready_is_503(gateway_factory: MakeSettings) -> None:
+    fake = FakeBackend()
+    async with running_gateway(gateway_factory(backend="fake"), fake) as client:
+        fake.fail_next = RuntimeError("device lost")
+        failed = await client.post("/classify", content=png_of_class(1), headers={"content-type": "image/png"})
+        assert error_of(failed) == (500, "backend_error")
+        assert "device lost" in failed.json()["detail"]
+
+        assert (await client.get("/readyz")).json() == {"ready": True, "checks": {"backend": "fake: ok", "batcher": "ok"}}
+        fake.is_ready = False
+        readyz = await client.get("/readyz")
+        assert readyz.status_code == 503
+        assert readyz.json()["checks"]["backend"] == "fake: fake backend marked not ready"
+        assert (await client.get("/healthz")).status_code == 200
+
+
+async def test_metrics_count_requests_batches_and_rejections(gateway_factory: MakeSettings) -> None:
+    async with running_gateway(gateway_factory(backend="fake"), FakeBackend()) as client:
+        for v in range(3):
+            await client.post("/classify", content=png_of_class(v), headers={"content-type": "image/png"})
+        await client.post("/classify", content=b"junk", headers={"content-type": "image/png"})
+        text = (await client.get("/metrics")).text
+    assert 'gateway_http_requests_total{method="POST",route="/classify",status="200"} 3.0' in text
+    assert 'gateway_http_requests_total{method="POST",route="/classify",status="400"} 1.0' in text
+    assert 'gateway_rejections_total{reason="bad_image"} 1.0' in text
+    assert "gateway_images_classified_total 3.0" in text
+    assert "gateway_batch_size_sum 3.0" in text
+    assert 'gateway_backend_duration_seconds_count{backend="fake"} 3.0' in text
+    assert "gateway_preprocess_duration_seconds_count 4.0" in text
+
+
+async def test_openapi_documents_both_body_forms_and_errors(gateway_factory: MakeSettings) -> None:
+    async with running_gateway(gateway_factory(backend="fake"), FakeBackend()) as client:
+        schema = (await client.get("/openapi.json")).json()
+        missing = await client.get("/nope")
+    post = schema["paths"]["/classify"]["post"]
+    assert {"multipart/form-data", "image/jpeg", "image/png"} <= set(post["requestBody"]["content"])
+    assert {"200", "400", "413", "415", "422", "429", "503", "504"} <= set(post["responses"])
+    assert error_of(missing) == (404, "not_found")

@@ -1,0 +1,97 @@
+"""The installed entry points, run as a user would run them."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from service.cli import build_parser
+from service.settings import Settings
+from tests.conftest import CAT_CLASSES
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_every_setting_is_a_documented_flag() -> None:
+    serve = build_parser()._subparsers._group_actions[0].choices["serve"]  # type: ignore[union-attr]
+    flags = {a.dest: a for a in serve._actions if a.dest in Settings.model_fields}
+    assert set(flags) == set(Settings.model_fields)
+    for name, field in Settings.model_fields.items():
+        assert field.description, f"setting {name} has no docstring"
+        assert f"GATEWAY_{name.upper()}" in (flags[name].help or "")
+
+
+def test_flags_override_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    from service.cli import _settings
+
+    monkeypatch.setenv("GATEWAY_MAX_BATCH_SIZE", "8")
+    monkeypatch.setenv("GATEWAY_MAX_DELAY", "0.02")
+    args = build_parser().parse_args(["serve", "--max-batch-size", "32"])
+    settings = _settings(args)
+    assert settings.max_batch_size == 32
+    assert settings.max_delay == 0.02
+
+
+def test_invalid_settings_are_refused_with_a_message(monkeypatch: pytest.MonkeyPatch) -> None:
+    with pytest.raises(ValueError, match="unknown model"):
+        Settings(model="vgg16")
+    with pytest.raises(ValueError, match="max_queue_size"):
+        Settings(max_queue_size=4, max_images_per_request=8)
+
+
+def test_models_build_then_list(tmp_path: Path) -> None:
+    env = {**os.environ, "GATEWAY_MODELS_DIR": str(tmp_path)}
+    built = subprocess.run(
+        [sys.executable, "-m", "service", "models", "build"], env=env, capture_output=True, text=True, check=True
+    )
+    assert Path(built.stdout.strip()) == tmp_path / "efficientnet-lite0" / "1" / "model.onnx"
+    listing = subprocess.run(
+        [sys.executable, "-m", "service", "models", "list"], env=env, capture_output=True, text=True, check=True
+    )
+    lines = {line.split()[0]: line for line in listing.stdout.splitlines()}
+    assert "not built" not in lines["efficientnet-lite0"]
+    assert "not built" in lines["resnet50"]
+
+
+@pytest.mark.slow
+def test_gateway_command_serves_a_cat_and_stops_on_sigterm(tmp_path: Path, models_dir: Path, cat_jpeg: bytes) -> None:
+    """`gateway` with no arguments serves the embedded model; SIGTERM stops it cleanly."""
+    port = _free_port()
+    env = {**os.environ, "GATEWAY_MODELS_DIR": str(models_dir), "GATEWAY_PORT": str(port)}
+    gateway = Path(sys.executable).with_name("gateway")
+    proc = subprocess.Popen([str(gateway)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert proc.poll() is None, proc.communicate()[0]
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "gateway did not become ready"
+            time.sleep(0.1)
+        response = httpx.post(
+            f"http://127.0.0.1:{port}/classify", files={"file": ("cat.jpg", cat_jpeg, "image/jpeg")}, timeout=30
+        )
+        assert response.status_code == 200
+        assert response.json()["results"][0]["labels"][0]["index"] in CAT_CLASSES
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        output = proc.communicate(timeout=30)[0]
+    # uvicorn re-raises the signal after a graceful shutdown, so the status may be -SIGTERM
+    assert proc.returncode in (0, -signal.SIGTERM), output
+    assert "gateway ready" in output
+    assert "Application shutdown complete" in output
