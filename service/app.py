@@ -53,7 +53,7 @@ async def build_backend(settings: Settings, profile: ModelProfile) -> Backend:
 
     path = await asyncio.to_thread(ensure_model, settings.models_dir, profile, settings.model_weights)
     return EmbeddedBackend(
-        path, intra_op_threads=settings.embedded_threads, max_concurrency=settings.max_inflight_batches
+        path, intra_op_threads=settings.embedded_threads_per_batch, max_concurrency=settings.max_inflight_batches
     )
 
 

@@ -36,7 +36,8 @@ class Settings(BaseSettings):
     models_dir: Path = Field(default_factory=_default_models_dir)
     """Directory where built ONNX models are cached."""
     embedded_threads: int = Field(0, ge=0)
-    """ONNX Runtime intra-op threads per batch for the embedded backend (0: one per core)."""
+    """ONNX Runtime intra-op threads per batch for the embedded backend (0: the cores shared out
+    among the in-flight batches, so that batches running together do not oversubscribe the CPU)."""
 
     max_batch_size: int = Field(16, ge=1, le=1024)
     """Most images the batcher puts in one backend call."""
@@ -58,6 +59,12 @@ class Settings(BaseSettings):
     """Most images in one /classify request."""
     preprocess_workers: int = Field(default_factory=lambda: os.cpu_count() or 1, ge=1)
     """Threads that decode and resize images (OpenCV releases the GIL); default one per core."""
+
+    @property
+    def embedded_threads_per_batch(self) -> int:
+        if self.embedded_threads:
+            return self.embedded_threads
+        return max(1, (os.cpu_count() or 1) // self.max_inflight_batches)
 
     @model_validator(mode="after")
     def _check(self) -> Settings:

@@ -95,8 +95,9 @@ async def test_bad_input_gets_a_clear_error(
 @pytest.mark.parametrize("top_k", ["0", "21", "five"])
 async def test_invalid_top_k_is_422(gateway_factory: MakeSettings, top_k: str) -> None:
     async with running_gateway(gateway_factory(backend="fake"), FakeBackend()) as client:
-        response = await client.post("/classify", params={"top_k": top_k}, content=png_of_class(1),
-                                     headers={"content-type": "image/png"})
+        response = await client.post(
+            "/classify", params={"top_k": top_k}, content=png_of_class(1), headers={"content-type": "image/png"}
+        )
         assert error_of(response) == (422, "invalid_parameters")
         assert "top_k" in response.json()["detail"]
 
@@ -132,7 +133,10 @@ async def test_one_bad_image_fails_its_request_only(gateway_factory: MakeSetting
         good = [client.post("/classify", files={"file": ("g.png", png_of_class(v), "image/png")}) for v in range(20)]
         bad = client.post(
             "/classify",
-            files=[("file", ("ok.png", png_of_class(99), "image/png")), ("file", ("broken.jpg", b"\xff\xd8\xffjunk", "image/jpeg"))],
+            files=[
+                ("file", ("ok.png", png_of_class(99), "image/png")),
+                ("file", ("broken.jpg", b"\xff\xd8\xffjunk", "image/jpeg")),
+            ],
         )
         *good_responses, bad_response = await asyncio.gather(*good, bad)
     assert error_of(bad_response) == (400, "bad_image")
@@ -146,12 +150,15 @@ async def test_queue_full_is_429_with_retry_after(gateway_factory: MakeSettings)
     fake.gate = asyncio.Event()
     settings = gateway_factory(backend="fake", max_queue_size=2, max_images_per_request=2, max_inflight_batches=1)
     async with running_gateway(settings, fake) as client:
-        first = asyncio.create_task(client.post("/classify", content=png_of_class(1), headers={"content-type": "image/png"}))
+        first = asyncio.create_task(
+            client.post("/classify", content=png_of_class(1), headers={"content-type": "image/png"})
+        )
         await fake.wait_for_batches(1)
         files = [("file", (f"{i}.png", png_of_class(i), "image/png")) for i in range(2)]
         queued = asyncio.create_task(client.post("/classify", files=files))
-        while (await client.get("/metrics")).text.find("gateway_batcher_queue_depth 2.0") < 0:
-            await asyncio.sleep(0.01)
+        async with asyncio.timeout(10):  # black-box: wait until the server itself reports 2 queued
+            while "gateway_batcher_queue_depth 2.0" not in (await client.get("/metrics")).text:  # noqa: ASYNC110
+                await asyncio.sleep(0.01)
         rejected = await client.post("/classify", content=png_of_class(3), headers={"content-type": "image/png"})
         assert error_of(rejected) == (429, "queue_full")
         assert rejected.headers["retry-after"] == "1"
@@ -177,7 +184,10 @@ async def test_backend_failure_is_500_and_not_ready_is_503(gateway_factory: Make
         assert error_of(failed) == (500, "backend_error")
         assert "device lost" in failed.json()["detail"]
 
-        assert (await client.get("/readyz")).json() == {"ready": True, "checks": {"backend": "fake: ok", "batcher": "ok"}}
+        assert (await client.get("/readyz")).json() == {
+            "ready": True,
+            "checks": {"backend": "fake: ok", "batcher": "ok"},
+        }
         fake.is_ready = False
         readyz = await client.get("/readyz")
         assert readyz.status_code == 503

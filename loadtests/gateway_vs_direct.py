@@ -1,0 +1,215 @@
+"""Throughput and latency of the gateway against calling the embedded backend directly.
+
+Same photos, same model, same batch size, in one run:
+
+* ``direct: model only``: pre-decoded tensors, batches of --batch-size straight into ONNX Runtime
+  (PAPER.md's "(1) without files");
+* ``direct: decode + model``: decode and resize each photo, then infer in batches, one thread
+  (PAPER.md's simple architecture, synchronous);
+* ``gateway cN``: a real gateway process, N HTTP clients each posting one JPEG at a time.
+
+    python -m loadtests.gateway_vs_direct --batch-size 16 --concurrency 1,4,16,64 --requests 400
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import numpy as np
+
+from loadtests.photos import sample_photos
+from service.backends.embedded import EmbeddedBackend
+from service.models.profiles import get_profile
+from service.models.store import ensure_model
+from service.preprocess import PreprocessConfig, prepare
+
+
+@dataclass
+class Row:
+    mode: str
+    images: int
+    seconds: float
+    latencies: list[float]
+    mean_batch: float | None = None
+    client_cpu: float | None = None
+    """CPU seconds the client process used for the row."""
+    server_cpu: float | None = None
+    """CPU seconds the gateway process used for the row."""
+
+    @property
+    def rate(self) -> float:
+        return self.images / self.seconds
+
+    def percentile(self, q: float) -> float:
+        ordered = sorted(self.latencies)
+        return ordered[min(len(ordered) - 1, int(q * len(ordered)))] * 1000
+
+
+async def direct_rows(model_path: Path, photos: list[bytes], batch: int, images: int, threads: int) -> list[Row]:
+    backend = EmbeddedBackend(model_path, intra_op_threads=threads, max_concurrency=1)
+    await backend.start()
+    config = PreprocessConfig()
+    tensors = [prepare(p, config) for p in photos]
+    await backend.infer(np.stack(tensors[:1] * batch))  # warm-up
+    rows = []
+    for mode, decode in (("direct: model only", False), ("direct: decode + model", True)):
+        latencies, done, start, cpu0 = [], 0, time.perf_counter(), time.process_time()
+        while done < images:
+            t0 = time.perf_counter()
+            idx = [(done + i) % len(photos) for i in range(batch)]
+            arrays = [prepare(photos[i], config) for i in idx] if decode else [tensors[i] for i in idx]
+            await backend.infer(np.stack(arrays))
+            latencies.append(time.perf_counter() - t0)
+            done += batch
+        cpu = time.process_time() - cpu0
+        rows.append(Row(mode, done, time.perf_counter() - start, latencies, float(batch), server_cpu=cpu))
+    await backend.aclose()
+    return rows
+
+
+def process_cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+
+
+def _batch_totals(metrics: str) -> tuple[float, float]:
+    def value(name: str) -> float:
+        match = re.search(rf"^{name} ([0-9.e+]+)$", metrics, re.M)
+        return float(match.group(1)) if match else 0.0
+
+    return value("gateway_batch_size_sum"), value("gateway_batch_size_count")
+
+
+async def gateway_row(url: str, pid: int, photos: list[bytes], concurrency: int, images: int) -> Row:
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    async with httpx.AsyncClient(base_url=url, timeout=60, limits=limits) as client:
+        await client.post("/classify", content=photos[0], headers={"content-type": "image/jpeg"})
+        before = _batch_totals((await client.get("/metrics")).text)
+        latencies: list[float] = []
+        counter = iter(range(images))
+        errors = 0
+
+        async def worker() -> None:
+            nonlocal errors
+            for i in counter:
+                t0 = time.perf_counter()
+                r = await client.post(
+                    "/classify", content=photos[i % len(photos)], headers={"content-type": "image/jpeg"}
+                )
+                latencies.append(time.perf_counter() - t0)
+                errors += r.status_code != 200
+
+        cpu0, server0, start = time.process_time(), process_cpu_seconds(pid), time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        seconds = time.perf_counter() - start
+        client_cpu, server_cpu = time.process_time() - cpu0, process_cpu_seconds(pid) - server0
+        after = _batch_totals((await client.get("/metrics")).text)
+    if errors:
+        print(f"warning: {errors} of {images} requests failed at concurrency {concurrency}", file=sys.stderr)
+    batches = after[1] - before[1]
+    mean_batch = (after[0] - before[0]) / batches if batches else None
+    return Row(f"gateway c{concurrency}", images - errors, seconds, latencies, mean_batch, client_cpu, server_cpu)
+
+
+def start_gateway(args: argparse.Namespace, models_dir: Path) -> tuple[subprocess.Popen[bytes], str]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "GATEWAY_MODELS_DIR": str(models_dir), "GATEWAY_LOG_LEVEL": "warning"}
+    cmd = [
+        sys.executable,
+        "-m",
+        "service",
+        "serve",
+        "--port",
+        str(port),
+        "--model",
+        args.model,
+        "--max-batch-size",
+        str(args.batch_size),
+        "--max-delay",
+        str(args.max_delay),
+        "--embedded-threads",
+        str(args.threads),
+        "--max-inflight-batches",
+        str(args.max_inflight_batches),
+        "--max-queue-size",
+        str(max(256, 4 * max(args.concurrency))),
+    ]
+    proc = subprocess.Popen(cmd, env=env)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"{url}/readyz", timeout=1).status_code == 200:
+                return proc, url
+        except httpx.TransportError:
+            time.sleep(0.2)
+    proc.kill()
+    raise SystemExit("gateway did not become ready")
+
+
+def print_table(rows: list[Row], baseline: Row) -> None:
+    def ms_per_image(cpu: float | None, r: Row) -> str:
+        return f"{1000 * cpu / r.images:.1f}" if cpu is not None else "-"
+
+    print(
+        "| mode | images | img/s | vs direct decode+model | p50 ms | p99 ms | mean batch "
+        "| server CPU ms/img | client CPU ms/img |"
+    )
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for r in rows:
+        batch = f"{r.mean_batch:.1f}" if r.mean_batch else "-"
+        print(
+            f"| {r.mode} | {r.images} | {r.rate:.1f} | {r.rate / baseline.rate:.2f} | "
+            f"{r.percentile(0.5):.1f} | {r.percentile(0.99):.1f} | {batch} | "
+            f"{ms_per_image(r.server_cpu, r)} | {ms_per_image(r.client_cpu, r)} |"
+        )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="efficientnet-lite0")
+    parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--max-delay", type=float, default=0.005)
+    parser.add_argument("--max-inflight-batches", type=int, default=2)
+    parser.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=[1, 4, 16, 64])
+    parser.add_argument("--requests", type=int, default=400, help="images per row")
+    parser.add_argument("--threads", type=int, default=0, help="ONNX Runtime intra-op threads (0: all cores)")
+    parser.add_argument("--photos", type=Path, default=None, help="folder of photos (default: scikit-image's)")
+    parser.add_argument("--models-dir", type=Path, default=None)
+    args = parser.parse_args()
+
+    photos = [data for _, data in sample_photos(args.photos)]
+    models_dir = args.models_dir or Path(tempfile.gettempdir()) / "gateway-bench-models"
+    model_path = ensure_model(models_dir, get_profile(args.model))
+    print(
+        f"model {args.model}, batch size {args.batch_size}, {len(photos)} photos, {os.cpu_count()} cores, "
+        f"{args.requests} images per row",
+        flush=True,
+    )
+    rows = asyncio.run(direct_rows(model_path, photos, args.batch_size, args.requests, args.threads))
+    proc, url = start_gateway(args, models_dir)
+    try:
+        for c in args.concurrency:
+            rows.append(asyncio.run(gateway_row(url, proc.pid, photos, c, args.requests)))
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=30)
+    print_table(rows, baseline=rows[1])
+
+
+if __name__ == "__main__":
+    main()
