@@ -182,7 +182,8 @@ def print_table(rows: list[Row], baseline: Row, repeats: int) -> None:
 
     print(f"median of {repeats} interleaved runs per row")
     print(
-        "| mode | img/s | vs direct decode+model | p50 ms | p99 ms | mean batch | server CPU ms/img | client CPU ms/img |"
+        "| mode | img/s | vs direct decode+model | p50 ms | p99 ms | mean batch "
+        "| server CPU ms/img | client CPU ms/img |"
     )
     print("|---|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
