@@ -3,6 +3,8 @@ from __future__ import annotations
 import asyncio
 import io
 import socket
+import struct
+import zlib
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -60,6 +62,16 @@ def png_bytes(array: np.ndarray) -> bytes:
     buffer = io.BytesIO()
     Image.fromarray(array).save(buffer, "PNG")
     return buffer.getvalue()
+
+
+def crafted_png(width: int, height: int) -> bytes:
+    """A well-formed PNG whose header claims width x height, with one tiny IDAT."""
+
+    def chunk(kind: bytes, payload: bytes) -> bytes:
+        return struct.pack(">I", len(payload)) + kind + payload + struct.pack(">I", zlib.crc32(kind + payload))
+
+    ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(b"\0" * 64)) + chunk(b"IEND", b"")
 
 
 def _bound_socket() -> socket.socket:

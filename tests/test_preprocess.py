@@ -1,8 +1,6 @@
 from __future__ import annotations
 
 import io
-import struct
-import zlib
 
 import cv2
 import numpy as np
@@ -15,6 +13,7 @@ from skimage import data as skdata
 from service.errors import BadImage, GatewayError, PayloadTooLarge
 from service.imageinfo import probe
 from service.preprocess import PreprocessConfig, centre_crop_resize, prepare, reduction_for
+from tests.conftest import crafted_png
 
 CONFIG = PreprocessConfig()
 
@@ -23,16 +22,6 @@ def pil_bytes(image: Image.Image, fmt: str, **kwargs: object) -> bytes:
     buffer = io.BytesIO()
     image.save(buffer, fmt, **kwargs)
     return buffer.getvalue()
-
-
-def crafted_png(width: int, height: int) -> bytes:
-    """A well-formed PNG whose header claims width x height, with one tiny IDAT."""
-
-    def chunk(kind: bytes, payload: bytes) -> bytes:
-        return struct.pack(">I", len(payload)) + kind + payload + struct.pack(">I", zlib.crc32(kind + payload))
-
-    ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
-    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(b"\0" * 64)) + chunk(b"IEND", b"")
 
 
 @pytest.mark.parametrize("fmt", ["JPEG", "PNG", "GIF", "WEBP", "BMP", "TIFF"])
