@@ -49,6 +49,20 @@ async def build_backend(settings: Settings, profile: ModelProfile) -> Backend:
         from service.backends.fake import FakeBackend
 
         return FakeBackend(classes=len(profile.labels))
+    if settings.backend == "triton":
+        from service.backends.triton import TritonBackend
+
+        return TritonBackend(
+            url=settings.triton_url,
+            model=settings.triton_model or profile.name,
+            version=settings.triton_model_version,
+            protocol=settings.triton_protocol,
+            image_size=profile.image_size,
+            classes=len(profile.labels),
+            max_batch_size=settings.max_batch_size,
+            shared_memory=settings.triton_shared_memory,
+            shared_memory_regions=settings.max_inflight_batches,
+        )
     from service.backends.embedded import EmbeddedBackend
 
     path = await asyncio.to_thread(ensure_model, settings.models_dir, profile, settings.model_weights)

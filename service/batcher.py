@@ -21,6 +21,7 @@ import logging
 from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import numpy as np
 
@@ -28,7 +29,9 @@ from service.errors import BackendError, BackendUnavailable, DeadlineExceeded, G
 
 logger = logging.getLogger(__name__)
 
-InferFn = Callable[[np.ndarray], Awaitable[np.ndarray]]
+
+class InferFn(Protocol):
+    def __call__(self, batch: np.ndarray, *, timeout: float | None = None) -> Awaitable[np.ndarray]: ...
 
 
 @dataclass(eq=False)
@@ -183,7 +186,9 @@ class DynamicBatcher:
         started = loop.time()
         error: GatewayError | None = None
         try:
-            scores = await self._infer(np.stack([item.image for item in batch]))
+            deadlines = [item.deadline for item in batch]
+            timeout = None if None in deadlines else max(d for d in deadlines if d is not None) - started
+            scores = await self._infer(np.stack([item.image for item in batch]), timeout=timeout)
             if len(scores) != len(batch):
                 raise BackendError(f"backend returned {len(scores)} results for a batch of {len(batch)} images")
             for item, row in zip(batch, scores, strict=True):

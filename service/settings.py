@@ -25,9 +25,10 @@ class Settings(BaseSettings):
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     """Log level of the gateway's loggers and of uvicorn."""
 
-    backend: Literal["embedded", "fake"] = "embedded"
-    """Where batches run: ``embedded`` (ONNX Runtime in this process, on CPU) or ``fake`` (a
-    deterministic stand-in with no model, for testing the gateway itself)."""
+    backend: Literal["embedded", "triton", "fake"] = "embedded"
+    """Where batches run: ``embedded`` (ONNX Runtime in this process, on CPU), ``triton`` (NVIDIA
+    Triton Inference Server, see the ``triton_*`` settings) or ``fake`` (a deterministic stand-in
+    with no model, for testing the gateway itself)."""
     model: str = "efficientnet-lite0"
     """Model profile to serve: ``efficientnet-lite0`` (real ImageNet weights) or ``resnet50``."""
     model_weights: Path | None = None
@@ -38,6 +39,19 @@ class Settings(BaseSettings):
     embedded_threads: int = Field(0, ge=0)
     """ONNX Runtime intra-op threads per batch for the embedded backend (0: the cores shared out
     among the in-flight batches, so that batches running together do not oversubscribe the CPU)."""
+
+    triton_url: str = "127.0.0.1:8001"
+    """Triton's address, host:port: its gRPC port (8001) or, with ``triton_protocol=http``, its
+    HTTP port (8000)."""
+    triton_protocol: Literal["grpc", "http"] = "grpc"
+    """How the gateway talks to Triton: asynchronous gRPC (the default) or asynchronous HTTP."""
+    triton_model: str | None = None
+    """Model name in Triton's repository (default: the ``model`` setting)."""
+    triton_model_version: str = ""
+    """Model version to ask Triton for ("" lets Triton pick by its version policy)."""
+    triton_shared_memory: bool = False
+    """Pass tensors through system shared memory instead of the socket; only when the gateway and
+    Triton share a host (and, in containers, an IPC namespace)."""
 
     max_batch_size: int = Field(16, ge=1, le=1024)
     """Most images the batcher puts in one backend call."""

@@ -14,10 +14,12 @@ class Backend(Protocol):
     async def start(self) -> None:
         """Open connections or load the model; called once by the app's lifespan."""
 
-    async def infer(self, batch: np.ndarray) -> np.ndarray:
+    async def infer(self, batch: np.ndarray, *, timeout: float | None = None) -> np.ndarray:
         """``uint8 [N, H, W, 3]`` RGB images to ``float32 [N, classes]`` probabilities.
 
-        Raise ``service.errors.GatewayError`` subclasses for failures the client should see."""
+        ``timeout`` is the seconds left before the last request of the batch passes its deadline; a
+        backend that can abandon a call should give up then. Raise ``service.errors.GatewayError``
+        subclasses for failures the client should see."""
         ...
 
     async def ready(self) -> str | None:

@@ -50,7 +50,7 @@ class EmbeddedBackend:
         (scores,) = self._session.run([OUTPUT_NAME], {INPUT_NAME: batch})
         return np.asarray(scores)
 
-    async def infer(self, batch: np.ndarray) -> np.ndarray:
+    async def infer(self, batch: np.ndarray, *, timeout: float | None = None) -> np.ndarray:
         if self._session is None:
             raise BackendUnavailable(self._load_error or "embedded model is not loaded")
         loop = asyncio.get_running_loop()

@@ -35,7 +35,7 @@ class FakeBackend:
     async def start(self) -> None:
         self.started = True
 
-    async def infer(self, batch: np.ndarray) -> np.ndarray:
+    async def infer(self, batch: np.ndarray, *, timeout: float | None = None) -> np.ndarray:
         failure, self.fail_next = self.fail_next, None  # the batch entering now takes the failure
         async with self.entered:
             self.batches.append(int(batch.shape[0]))

@@ -1,0 +1,206 @@
+"""The Triton backend: batches go to NVIDIA Triton Inference Server over asynchronous gRPC (the
+default) or HTTP, as uint8 NHWC tensors, optionally through system shared memory.
+
+One long-lived client per process, opened in the lifespan. Triton's failures are mapped here, at the
+adapter edge, to the gateway's errors: unreachable or not ready -> 503, "exceeds maximum queue size"
+-> 429, deadline -> 504, anything else (a wrong shape or type included) -> 500 with a log line.
+Connections are re-established by the clients themselves, so the gateway recovers when Triton comes
+back without a restart.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any, Literal
+
+import aiohttp
+import numpy as np
+from tritonclient.utils import InferenceServerException
+
+from service.backends.triton_shm import SharedMemoryPool
+from service.errors import BackendError, BackendUnavailable, DeadlineExceeded, GatewayError, QueueFull
+from service.models.graph import INPUT_NAME, OUTPUT_NAME
+
+logger = logging.getLogger(__name__)
+
+_UNAVAILABLE = {"StatusCode.UNAVAILABLE", "StatusCode.NOT_FOUND", "StatusCode.CANCELLED", "503", "404"}
+
+
+class _RegionsLost(Exception):
+    """Triton does not know our shared-memory regions (it restarted)."""
+
+
+class TritonBackend:
+    name = "triton"
+
+    def __init__(
+        self,
+        *,
+        url: str,
+        model: str,
+        version: str = "",
+        protocol: Literal["grpc", "http"] = "grpc",
+        image_size: int = 224,
+        classes: int = 1000,
+        max_batch_size: int = 16,
+        shared_memory: bool = False,
+        shared_memory_regions: int = 2,
+    ) -> None:
+        self.url = url
+        self.model = model
+        self.version = version
+        self.protocol = protocol
+        self.image_size = image_size
+        self.classes = classes
+        self.max_batch_size = max_batch_size
+        self._use_shm = shared_memory
+        self._shm_regions = shared_memory_regions
+        self._client: Any = None
+        self._mod: Any = None
+        self._shm: SharedMemoryPool | None = None
+        self._checked_metadata = False
+
+    async def start(self) -> None:
+        if self.protocol == "grpc":
+            import tritonclient.grpc.aio as mod
+        else:
+            import tritonclient.http.aio as mod
+        self._mod = mod
+        self._client = mod.InferenceServerClient(self.url)
+        if self._use_shm:
+            side = self.image_size
+            self._shm = SharedMemoryPool(
+                self._shm_regions, self.max_batch_size * side * side * 3, self.max_batch_size * self.classes * 4
+            )
+        logger.info(
+            "triton backend: model %s at %s over %s%s",
+            self.model,
+            self.url,
+            self.protocol,
+            " with shared memory" if self._use_shm else "",
+        )
+
+    # -- inference -------------------------------------------------------------------------------
+
+    def _tensors(self, batch: np.ndarray) -> tuple[Any, Any]:
+        inp = self._mod.InferInput(INPUT_NAME, list(batch.shape), "UINT8")
+        if self.protocol == "grpc":
+            inp.set_data_from_numpy(batch)
+            return inp, self._mod.InferRequestedOutput(OUTPUT_NAME)
+        inp.set_data_from_numpy(batch, binary_data=True)
+        return inp, self._mod.InferRequestedOutput(OUTPUT_NAME, binary_data=True)
+
+    async def _call(self, inputs: list[Any], outputs: list[Any], timeout: float | None) -> Any:
+        kwargs: dict[str, Any] = {"model_version": self.version, "outputs": outputs}
+        if self.protocol == "grpc" and timeout is not None:
+            kwargs["client_timeout"] = timeout
+        return await self._client.infer(self.model, inputs, **kwargs)
+
+    async def _infer_socket(self, batch: np.ndarray, timeout: float | None) -> np.ndarray:
+        inp, out = self._tensors(batch)
+        result = await self._call([inp], [out], timeout)
+        return np.asarray(result.as_numpy(OUTPUT_NAME))
+
+    async def _infer_shm(self, batch: np.ndarray, timeout: float | None) -> np.ndarray:
+        assert self._shm is not None
+        pair = await self._shm.acquire(self._client)
+        try:
+            self._shm.write(pair.input, batch)
+            inp = self._mod.InferInput(INPUT_NAME, list(batch.shape), "UINT8")
+            inp.set_shared_memory(pair.input.name, batch.nbytes)
+            out = self._mod.InferRequestedOutput(OUTPUT_NAME)
+            out_bytes = batch.shape[0] * self.classes * 4
+            out.set_shared_memory(pair.output.name, out_bytes)
+            await self._call([inp], [out], timeout)
+            scores = self._shm.read(pair.output, (batch.shape[0], self.classes))
+        except BaseException as exc:
+            await self._shm.discard(pair, self._client)
+            if isinstance(exc, InferenceServerException) and "shared memory region" in str(exc).lower():
+                self._shm.forget_registrations()
+                raise _RegionsLost from exc
+            raise
+        self._shm.release(pair)
+        return scores
+
+    async def infer(self, batch: np.ndarray, *, timeout: float | None = None) -> np.ndarray:
+        if self._client is None:
+            raise BackendUnavailable("triton backend is not started")
+        if timeout is not None and timeout <= 0:
+            raise DeadlineExceeded("the deadline passed before the batch reached Triton")
+        try:
+            async with asyncio.timeout(timeout):
+                if self._shm is None:
+                    return await self._infer_socket(batch, timeout)
+                try:
+                    return await self._infer_shm(batch, timeout)
+                except _RegionsLost:
+                    logger.warning("triton: shared-memory regions were lost (Triton restarted?); registering again")
+                    return await self._infer_shm(batch, timeout)
+        except TimeoutError:
+            raise DeadlineExceeded(f"Triton did not answer within the request deadline ({timeout:.3f} s)") from None
+        except InferenceServerException as exc:
+            raise self._map(exc) from exc
+        except _RegionsLost as exc:
+            raise self._map(exc.__cause__) from exc
+        except (aiohttp.ClientError, OSError) as exc:
+            raise BackendUnavailable(f"Triton at {self.url} is unreachable: {exc}") from exc
+
+    def _map(self, exc: InferenceServerException) -> GatewayError:
+        status = str(exc.status() or "")
+        message = exc.message() or str(exc)
+        if "exceeds maximum queue size" in message.lower():
+            return QueueFull(f"Triton's queue for {self.model} is full; retry later")
+        if status == "StatusCode.DEADLINE_EXCEEDED":
+            return DeadlineExceeded("Triton did not answer within the request deadline")
+        if status in _UNAVAILABLE or "not ready" in message.lower() or "unknown model" in message.lower():
+            self._checked_metadata = False
+            return BackendUnavailable(f"Triton at {self.url} cannot serve {self.model}: {message}")
+        logger.error("triton rejected a batch for %s (%s): %s", self.model, status or "no status", message)
+        return BackendError(f"Triton failed on the batch: {message}")
+
+    # -- readiness -------------------------------------------------------------------------------
+
+    async def _metadata_problem(self) -> str | None:
+        """Check once per connection that the model takes what the gateway sends."""
+        if self._checked_metadata:
+            return None
+        if self.protocol == "grpc":
+            meta = await self._client.get_model_metadata(self.model, self.version, as_json=True)
+        else:
+            meta = await self._client.get_model_metadata(self.model, self.version)
+        side = self.image_size
+        inputs = {i["name"]: (i["datatype"], [int(d) for d in i["shape"]]) for i in meta.get("inputs", [])}
+        outputs = {o["name"]: (o["datatype"], [int(d) for d in o["shape"]]) for o in meta.get("outputs", [])}
+        want_in = ("UINT8", [-1, side, side, 3])
+        want_out = ("FP32", [-1, self.classes])
+        if inputs.get(INPUT_NAME) != want_in or outputs.get(OUTPUT_NAME) != want_out:
+            problem = (
+                f"model {self.model} on Triton takes {inputs} and gives {outputs}; the gateway sends "
+                f"{INPUT_NAME} {want_in} and reads {OUTPUT_NAME} {want_out}"
+            )
+            logger.error("triton: %s", problem)
+            return problem
+        self._checked_metadata = True
+        return None
+
+    async def ready(self) -> str | None:
+        if self._client is None:
+            return "triton backend is not started"
+        try:
+            async with asyncio.timeout(2.0):
+                if not await self._client.is_server_ready():
+                    return f"Triton at {self.url} is not ready"
+                if not await self._client.is_model_ready(self.model, self.version):
+                    return f"model {self.model} is not ready on Triton at {self.url}"
+                return await self._metadata_problem()
+        except (TimeoutError, InferenceServerException, aiohttp.ClientError, OSError) as exc:
+            self._checked_metadata = False
+            return f"Triton at {self.url} is unreachable ({type(exc).__name__})"
+
+    async def aclose(self) -> None:
+        if self._shm is not None:
+            await self._shm.aclose(self._client)
+        if self._client is not None:
+            await self._client.close()
+            self._client = None
