@@ -11,6 +11,7 @@ import json
 import logging
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 from pydantic import ValidationError
 
@@ -67,6 +68,33 @@ def _models_build(args: argparse.Namespace) -> int:
     return 0
 
 
+def _models_triton_repo(args: argparse.Namespace) -> int:
+    from service.models.profiles import PROFILES, get_profile
+    from service.models.store import ensure_model
+    from service.triton.repository import TritonOptions, write_model
+
+    logging.basicConfig(level="INFO", format="%(levelname)s %(name)s: %(message)s")
+    settings = _settings(args)
+    options = TritonOptions(
+        variant=args.variant,
+        max_batch_size=args.triton_max_batch_size,
+        preferred_batch_sizes=tuple(int(n) for n in args.triton_preferred.split(",")),
+        max_queue_delay_us=args.triton_queue_delay_us,
+        max_queue_size=args.triton_max_queue_size,
+        instances=args.triton_instances,
+        kind={"gpu": "KIND_GPU", "cpu": "KIND_CPU", None: None}[args.triton_kind],
+        intra_op_threads=args.triton_intra_op_threads,
+    )
+    for name in list(PROFILES) if args.all else [settings.model]:
+        profile = get_profile(name)
+        onnx = None
+        if not args.config_only:
+            weights = settings.model_weights if name == settings.model else None
+            onnx = ensure_model(settings.models_dir, profile, weights)
+        print(write_model(args.out, profile, options, onnx))
+    return 0
+
+
 def _models_list(args: argparse.Namespace) -> int:
     from service.models.profiles import PROFILES
     from service.models.store import model_path
@@ -93,6 +121,25 @@ def build_parser() -> argparse.ArgumentParser:
     build.add_argument("--all", action="store_true", help="build every known model")
     build.add_argument("--force", action="store_true", help="rebuild even when the cached file is current")
     build.set_defaults(func=_models_build)
+    repo = model_commands.add_parser("triton-repo", help="write a Triton model repository for the model (or --all)")
+    _add_setting_flags(repo)
+    repo.add_argument("--out", type=Path, required=True, help="repository folder to write into")
+    repo.add_argument(
+        "--variant",
+        choices=["tensorrt", "onnxruntime", "python"],
+        default="python",
+        help="tensorrt (GPU; plan built by build_plan.sh), onnxruntime, or python (CPU hosts)",
+    )
+    repo.add_argument("--all", action="store_true", help="every known model")
+    repo.add_argument("--config-only", action="store_true", help="write configuration files, not the ONNX file")
+    repo.add_argument("--triton-max-batch-size", type=int, default=64)
+    repo.add_argument("--triton-preferred", default="8,16,32", help="preferred batch sizes, comma-separated")
+    repo.add_argument("--triton-queue-delay-us", type=int, default=2000)
+    repo.add_argument("--triton-max-queue-size", type=int, default=256)
+    repo.add_argument("--triton-instances", type=int, default=1, help="model instances (per GPU)")
+    repo.add_argument("--triton-kind", choices=["gpu", "cpu"], default=None)
+    repo.add_argument("--triton-intra-op-threads", type=int, default=0, help="python variant: ORT threads")
+    repo.set_defaults(func=_models_triton_repo)
     listing = model_commands.add_parser("list", help="list the known models and their cache state")
     _add_setting_flags(listing)
     listing.set_defaults(func=_models_list)
