@@ -16,46 +16,19 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import re
 import signal
-import socket
-import subprocess
-import sys
 import tempfile
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
-import aiohttp
-import httpx
 import numpy as np
 
+from loadtests.http_load import Row, http_load, median_row, start_gateway
 from loadtests.photos import sample_photos
 from service.backends.embedded import EmbeddedBackend
 from service.models.profiles import get_profile
 from service.models.store import ensure_model
 from service.preprocess import PreprocessConfig, prepare
-
-
-@dataclass
-class Row:
-    mode: str
-    images: int
-    seconds: float
-    latencies: list[float]
-    mean_batch: float | None = None
-    client_cpu: float | None = None
-    """CPU seconds the client process used for the row."""
-    server_cpu: float | None = None
-    """CPU seconds the gateway process used for the row."""
-
-    @property
-    def rate(self) -> float:
-        return self.images / self.seconds
-
-    def percentile(self, q: float) -> float:
-        ordered = sorted(self.latencies)
-        return ordered[min(len(ordered) - 1, int(q * len(ordered)))] * 1000
 
 
 async def direct_rows(model_path: Path, photos: list[bytes], batch: int, images: int, threads: int) -> list[Row]:
@@ -78,102 +51,6 @@ async def direct_rows(model_path: Path, photos: list[bytes], batch: int, images:
         rows.append(Row(mode, done, time.perf_counter() - start, latencies, float(batch), server_cpu=cpu))
     await backend.aclose()
     return rows
-
-
-def process_cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
-
-
-def _batch_totals(metrics: str) -> tuple[float, float]:
-    def value(name: str) -> float:
-        match = re.search(rf"^{name} ([0-9.e+]+)$", metrics, re.M)
-        return float(match.group(1)) if match else 0.0
-
-    return value("gateway_batch_size_sum"), value("gateway_batch_size_count")
-
-
-async def gateway_row(url: str, pid: int, photos: list[bytes], concurrency: int, images: int) -> Row:
-    """``concurrency`` clients, each posting one JPEG at a time, ``images`` requests in all.
-
-    The client is aiohttp: on this kind of machine httpx's async client costs 10-20x more CPU per
-    request, and client and gateway share the cores."""
-    connector = aiohttp.TCPConnector(limit=concurrency)
-    headers = {"content-type": "image/jpeg"}
-    async with aiohttp.ClientSession(url, connector=connector, timeout=aiohttp.ClientTimeout(total=120)) as client:
-        async with client.post("/classify", data=photos[0], headers=headers) as warm:
-            await warm.read()
-        async with client.get("/metrics") as r:
-            before = _batch_totals(await r.text())
-        latencies: list[float] = []
-        counter = iter(range(images))
-        errors = 0
-
-        async def worker() -> None:
-            nonlocal errors
-            for i in counter:
-                t0 = time.perf_counter()
-                async with client.post("/classify", data=photos[i % len(photos)], headers=headers) as r:
-                    await r.read()
-                    errors += r.status != 200
-                latencies.append(time.perf_counter() - t0)
-
-        cpu0, server0, start = time.process_time(), process_cpu_seconds(pid), time.perf_counter()
-        await asyncio.gather(*(worker() for _ in range(concurrency)))
-        seconds = time.perf_counter() - start
-        client_cpu, server_cpu = time.process_time() - cpu0, process_cpu_seconds(pid) - server0
-        async with client.get("/metrics") as r:
-            after = _batch_totals(await r.text())
-    if errors:
-        print(f"warning: {errors} of {images} requests failed at concurrency {concurrency}", file=sys.stderr)
-    batches = after[1] - before[1]
-    mean_batch = (after[0] - before[0]) / batches if batches else None
-    return Row(f"gateway c{concurrency}", images - errors, seconds, latencies, mean_batch, client_cpu, server_cpu)
-
-
-def start_gateway(args: argparse.Namespace, models_dir: Path) -> tuple[subprocess.Popen[bytes], str]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {**os.environ, "GATEWAY_MODELS_DIR": str(models_dir), "GATEWAY_LOG_LEVEL": "warning"}
-    cmd = [
-        sys.executable,
-        "-m",
-        "service",
-        "serve",
-        "--port",
-        str(port),
-        "--model",
-        args.model,
-        "--max-batch-size",
-        str(args.batch_size),
-        "--max-delay",
-        str(args.max_delay),
-        "--embedded-threads",
-        str(args.threads),
-        "--max-inflight-batches",
-        str(args.max_inflight_batches),
-        "--max-queue-size",
-        str(max(256, 4 * max(args.concurrency))),
-    ]
-    proc = subprocess.Popen(cmd, env=env)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"{url}/readyz", timeout=1).status_code == 200:
-                return proc, url
-        except httpx.TransportError:
-            time.sleep(0.2)
-    proc.kill()
-    raise SystemExit("gateway did not become ready")
-
-
-def median_row(runs: list[Row]) -> Row:
-    """One row from repeated runs of one mode: the run with the median throughput, whose latency,
-    batch and CPU figures are reported with it (medians of each column would mix runs)."""
-    ordered = sorted(runs, key=lambda r: r.rate)
-    return ordered[len(ordered) // 2]
 
 
 def print_table(rows: list[Row], baseline: Row, repeats: int) -> None:
@@ -218,12 +95,26 @@ def main() -> None:
         flush=True,
     )
     runs: dict[str, list[Row]] = {}
-    proc, url = start_gateway(args, models_dir)
+    gateway_args = [
+        "--model",
+        args.model,
+        "--max-batch-size",
+        str(args.batch_size),
+        "--max-delay",
+        str(args.max_delay),
+        "--embedded-threads",
+        str(args.threads),
+        "--max-inflight-batches",
+        str(args.max_inflight_batches),
+        "--max-queue-size",
+        str(max(256, 4 * max(args.concurrency))),
+    ]
+    proc, url = start_gateway(gateway_args, models_dir)
     try:
         for _ in range(args.repeat):
             batch = asyncio.run(direct_rows(model_path, photos, args.batch_size, args.requests, args.threads))
             for c in args.concurrency:
-                batch.append(asyncio.run(gateway_row(url, proc.pid, photos, c, args.requests)))
+                batch.append(asyncio.run(http_load(url, proc.pid, photos, c, args.requests, f"gateway c{c}")))
             for row in batch:
                 runs.setdefault(row.mode, []).append(row)
     finally:

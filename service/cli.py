@@ -135,7 +135,12 @@ def build_parser() -> argparse.ArgumentParser:
     repo.add_argument("--triton-max-batch-size", type=int, default=64)
     repo.add_argument("--triton-preferred", default="8,16,32", help="preferred batch sizes, comma-separated")
     repo.add_argument("--triton-queue-delay-us", type=int, default=2000)
-    repo.add_argument("--triton-max-queue-size", type=int, default=256)
+    repo.add_argument(
+        "--triton-max-queue-size",
+        type=int,
+        default=0,
+        help="Triton's per-model queue bound (0: none; see the README on Triton 2.51's queue policy)",
+    )
     repo.add_argument("--triton-instances", type=int, default=1, help="model instances (per GPU)")
     repo.add_argument("--triton-kind", choices=["gpu", "cpu"], default=None)
     repo.add_argument("--triton-intra-op-threads", type=int, default=0, help="python variant: ORT threads")

@@ -30,7 +30,8 @@ class Settings(BaseSettings):
     Triton Inference Server, see the ``triton_*`` settings) or ``fake`` (a deterministic stand-in
     with no model, for testing the gateway itself)."""
     model: str = "efficientnet-lite0"
-    """Model profile to serve: ``efficientnet-lite0`` (real ImageNet weights) or ``resnet50``."""
+    """Model profile to serve: ``efficientnet-lite0`` (real ImageNet weights), ``resnet50``, or
+    ``trivial`` (no real answers; almost no compute, for measuring the gateway itself)."""
     model_weights: Path | None = None
     """Weights file for the model (a PyTorch state_dict); default: the packaged weights for
     EfficientNet-Lite0, random He-initialised weights for ResNet-50."""

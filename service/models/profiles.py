@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 
-from service.models import efficientnet_lite, resnet
+from service.models import efficientnet_lite, resnet, trivial
 from service.models.torch_reader import read_state_dict
 
 
@@ -54,11 +54,18 @@ def _build_resnet50(weights: Path | None) -> onnx.ModelProto:
     return resnet.build(state)
 
 
+def _build_trivial(weights: Path | None) -> onnx.ModelProto:
+    if weights is not None:
+        raise ValueError("the trivial model has no weights file")
+    return trivial.build()
+
+
 PROFILES: dict[str, ModelProfile] = {
     p.name: p
     for p in (
         ModelProfile("efficientnet-lite0", "1", 224, 0.875, 1, _build_efficientnet_lite0),
         ModelProfile("resnet50", "1", 224, 0.875, 1, _build_resnet50),
+        ModelProfile("trivial", "1", 224, 0.875, 1, _build_trivial),
     )
 }
 

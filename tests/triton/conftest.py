@@ -78,7 +78,7 @@ def triton_install() -> TritonInstall:
 def triton_repository(tmp_path_factory: pytest.TempPathFactory, models_dir: Path) -> Path:
     repository = tmp_path_factory.mktemp("triton-repo")
     profile = get_profile("efficientnet-lite0")
-    options = TritonOptions(variant="python", max_batch_size=32, intra_op_threads=1, max_queue_size=64)
+    options = TritonOptions(variant="python", max_batch_size=32, intra_op_threads=1)
     write_model(repository, profile, options, model_path(models_dir, profile))
     _test_model(repository, "slow", side=224, max_batch=1, queue=1, body=f"time.sleep({SLOW_SECONDS})")
     _test_model(repository, "wrong-shape", side=100, max_batch=8, queue=8, body="pass")

@@ -24,7 +24,13 @@ def parse(path: Path) -> mc.ModelConfig:
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_every_variant_takes_uint8_nhwc_and_gives_scores(tmp_path: Path, variant: str) -> None:
     profile = get_profile("resnet50")
-    options = TritonOptions(variant=variant, max_batch_size=48, preferred_batch_sizes=(8, 16, 64), instances=3)  # type: ignore[arg-type]
+    options = TritonOptions(
+        variant=variant,  # type: ignore[arg-type]
+        max_batch_size=48,
+        preferred_batch_sizes=(8, 16, 64),
+        instances=3,
+        max_queue_size=256,
+    )
     model_dir = write_model(tmp_path, profile, options, onnx_path=None)
     config = parse(model_dir / "config.pbtxt")
     assert config.name == "resnet50"
@@ -46,6 +52,14 @@ def test_every_variant_takes_uint8_nhwc_and_gives_scores(tmp_path: Path, variant
     assert group.count == 3
     expected_kind = mc.ModelInstanceGroup.KIND_CPU if variant == "python" else mc.ModelInstanceGroup.KIND_GPU
     assert group.kind == expected_kind
+
+
+def test_queue_policy_is_left_out_unless_asked_for(tmp_path: Path) -> None:
+    """Triton 2.51 stalls requests ~500 ms at low load when any queue policy is set (see README)."""
+    model_dir = write_model(tmp_path, get_profile("trivial"), TritonOptions(variant="python"), onnx_path=None)
+    config = parse(model_dir / "config.pbtxt")
+    assert config.dynamic_batching.max_queue_delay_microseconds == 2000
+    assert not config.dynamic_batching.HasField("default_queue_policy")
 
 
 def test_tensorrt_variant_is_a_plan_built_by_trtexec(tmp_path: Path) -> None:
