@@ -99,7 +99,8 @@ class SharedMemoryPool:
         for region in (pair.input, pair.output):
             if client is not None and pair.registered:
                 try:
-                    await client.unregister_system_shared_memory(region.name)
+                    async with asyncio.timeout(2.0):  # a hung Triton must not hold up the batch's cleanup
+                        await client.unregister_system_shared_memory(region.name)
                 except Exception as exc:  # Triton may be down; its registrations die with it
                     logger.debug("triton: could not unregister %s: %s", region.name, exc)
             shm.destroy_shared_memory_region(region.handle)
