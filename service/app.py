@@ -3,14 +3,11 @@ and closes them in order."""
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import AsyncIterator
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
-import cv2
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
@@ -20,14 +17,12 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from service import __version__
 from service.api import router
 from service.backends.base import Backend
-from service.batcher import DynamicBatcher
 from service.classifier import Classifier
 from service.errors import GatewayError, error_response
 from service.metrics import Metrics
 from service.middleware import BodyLimitMiddleware, MetricsMiddleware
-from service.models.profiles import ModelProfile, get_profile
-from service.models.store import ensure_model
-from service.preprocess import PreprocessConfig
+from service.models.profiles import get_profile
+from service.pipeline import open_pipeline
 from service.settings import Settings
 
 logger = logging.getLogger(__name__)
@@ -42,33 +37,6 @@ class Gateway:
     classifier: Classifier
     metrics: Metrics
     closing: bool = False
-
-
-async def build_backend(settings: Settings, profile: ModelProfile) -> Backend:
-    if settings.backend == "fake":
-        from service.backends.fake import FakeBackend
-
-        return FakeBackend(classes=len(profile.labels))
-    if settings.backend == "triton":
-        from service.backends.triton import TritonBackend
-
-        return TritonBackend(
-            url=settings.triton_url,
-            model=settings.triton_model or profile.name,
-            version=settings.triton_model_version,
-            protocol=settings.triton_protocol,
-            image_size=profile.image_size,
-            classes=len(profile.labels),
-            max_batch_size=settings.max_batch_size,
-            shared_memory=settings.triton_shared_memory,
-            shared_memory_regions=settings.max_inflight_batches,
-        )
-    from service.backends.embedded import EmbeddedBackend
-
-    path = await asyncio.to_thread(ensure_model, settings.models_dir, profile, settings.model_weights)
-    return EmbeddedBackend(
-        path, intra_op_threads=settings.embedded_threads_per_batch, max_concurrency=settings.max_inflight_batches
-    )
 
 
 def _validation_detail(exc: RequestValidationError) -> str:
@@ -92,31 +60,14 @@ def create_app(
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        cv2.setNumThreads(1)  # parallelism comes from the preprocessing pool, one image per thread
-        chosen = backend if backend is not None else await build_backend(settings, profile)
-        await chosen.start()
-        batcher = DynamicBatcher(
-            chosen.infer,
-            max_batch_size=settings.max_batch_size,
-            max_delay=settings.max_delay,
-            max_queue_size=settings.max_queue_size,
-            max_inflight_batches=settings.max_inflight_batches,
-            on_batch=metrics.observe_batch,
-        )
-        metrics.bind_batcher(batcher, chosen.name)
-        pool = ThreadPoolExecutor(max_workers=settings.preprocess_workers, thread_name_prefix="preprocess")
-        config = PreprocessConfig(profile.image_size, profile.crop_fraction, settings.max_image_pixels)
-        gateway = Gateway(settings, chosen, Classifier(profile, batcher, pool, metrics, config), metrics)
-        app.state.gateway = gateway
-        batcher.start()
-        logger.info("gateway ready: model %s v%s on the %s backend", profile.name, profile.version, chosen.name)
-        try:
-            yield
-        finally:
-            gateway.closing = True
-            await batcher.aclose(drain_timeout=settings.request_timeout)
-            await chosen.aclose()
-            pool.shutdown(wait=True, cancel_futures=True)
+        async with open_pipeline(settings, metrics, backend) as (classifier, chosen):
+            gateway = Gateway(settings, chosen, classifier, metrics)
+            app.state.gateway = gateway
+            logger.info("gateway ready: model %s v%s on the %s backend", profile.name, profile.version, chosen.name)
+            try:
+                yield
+            finally:
+                gateway.closing = True
 
     app = FastAPI(
         title="Inference gateway",

@@ -29,6 +29,8 @@ class Settings(BaseSettings):
     """Where batches run: ``embedded`` (ONNX Runtime in this process, on CPU), ``triton`` (NVIDIA
     Triton Inference Server, see the ``triton_*`` settings) or ``fake`` (a deterministic stand-in
     with no model, for testing the gateway itself)."""
+    fake_delay: float = Field(0.0, ge=0.0)
+    """Seconds the ``fake`` backend takes per batch (to simulate a slow model in tests and drills)."""
     model: str = "efficientnet-lite0"
     """Model profile to serve: ``efficientnet-lite0`` (real ImageNet weights), ``resnet50``, or
     ``trivial`` (no real answers; almost no compute, for measuring the gateway itself)."""

@@ -1,0 +1,83 @@
+"""The classification pipeline both entry points share: backend, batcher, thread pool, classifier.
+
+The HTTP app's lifespan and the queue worker each open one with ``open_pipeline`` and close it in
+the right order (stop intake, drain the batcher, close the backend, stop the pool).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import asynccontextmanager
+
+import cv2
+
+from service.backends.base import Backend
+from service.batcher import DynamicBatcher
+from service.classifier import Classifier
+from service.metrics import Metrics
+from service.models.profiles import ModelProfile, get_profile
+from service.models.store import ensure_model
+from service.preprocess import PreprocessConfig
+from service.settings import Settings
+
+logger = logging.getLogger(__name__)
+
+
+async def build_backend(settings: Settings, profile: ModelProfile) -> Backend:
+    if settings.backend == "fake":
+        from service.backends.fake import FakeBackend
+
+        return FakeBackend(classes=len(profile.labels), delay=settings.fake_delay)
+    if settings.backend == "triton":
+        from service.backends.triton import TritonBackend
+
+        return TritonBackend(
+            url=settings.triton_url,
+            model=settings.triton_model or profile.name,
+            version=settings.triton_model_version,
+            protocol=settings.triton_protocol,
+            image_size=profile.image_size,
+            classes=len(profile.labels),
+            max_batch_size=settings.max_batch_size,
+            shared_memory=settings.triton_shared_memory,
+            shared_memory_regions=settings.max_inflight_batches,
+        )
+    from service.backends.embedded import EmbeddedBackend
+
+    path = await asyncio.to_thread(ensure_model, settings.models_dir, profile, settings.model_weights)
+    return EmbeddedBackend(
+        path, intra_op_threads=settings.embedded_threads_per_batch, max_concurrency=settings.max_inflight_batches
+    )
+
+
+@asynccontextmanager
+async def open_pipeline(
+    settings: Settings, metrics: Metrics, backend: Backend | None = None
+) -> AsyncIterator[tuple[Classifier, Backend]]:
+    """Start backend, batcher and preprocessing pool; on exit drain and close them in order."""
+    profile = get_profile(settings.model)
+    cv2.setNumThreads(1)  # parallelism comes from the preprocessing pool, one image per thread
+    chosen = backend if backend is not None else await build_backend(settings, profile)
+    await chosen.start()
+    batcher = DynamicBatcher(
+        chosen.infer,
+        max_batch_size=settings.max_batch_size,
+        max_delay=settings.max_delay,
+        max_queue_size=settings.max_queue_size,
+        max_inflight_batches=settings.max_inflight_batches,
+        on_batch=metrics.observe_batch,
+    )
+    metrics.bind_batcher(batcher, chosen.name)
+    pool = ThreadPoolExecutor(max_workers=settings.preprocess_workers, thread_name_prefix="preprocess")
+    config = PreprocessConfig(profile.image_size, profile.crop_fraction, settings.max_image_pixels)
+    batcher.start()
+    logger.info("pipeline ready: model %s v%s on the %s backend", profile.name, profile.version, chosen.name)
+    try:
+        yield Classifier(profile, batcher, pool, metrics, config), chosen
+    finally:
+        await batcher.aclose(drain_timeout=settings.request_timeout)
+        await chosen.aclose()
+        pool.shutdown(wait=True, cancel_futures=True)
