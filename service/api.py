@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import JSONResponse, PlainTextResponse
@@ -12,9 +12,22 @@ from starlette.datastructures import UploadFile
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from service.classifier import Classifier, ImageInput
-from service.errors import BadImage, BadRequest, UnsupportedMediaType
+from service.errors import BackendUnavailable, BadImage, BadRequest, GatewayError, NotFound, UnsupportedMediaType
+from service.imageinfo import probe
+from service.jobs.client import OfflineImage, PendingJob
 from service.metrics import Metrics
-from service.schemas import ClassifyResponse, ErrorBody, ImageResult, Label, ModelInfo, Readiness
+from service.preprocess import check_limits
+from service.schemas import (
+    AcceptedJob,
+    ClassifyResponse,
+    ErrorBody,
+    ImageResult,
+    JobsAccepted,
+    JobStatus,
+    Label,
+    ModelInfo,
+    Readiness,
+)
 
 router = APIRouter()
 
@@ -39,6 +52,7 @@ _ERRORS: dict[int | str, dict[str, Any]] = {
         400: "Empty, truncated or undecodable image, or a malformed multipart body.",
         413: "Body, image count or an image's pixel count over its limit.",
         415: "Content type that is not an image or multipart/form-data.",
+        404: "Unknown job (GET /jobs/{job_id}).",
         422: "Invalid query parameters.",
         429: "The batch queue is full; retry after Retry-After seconds.",
         500: "The backend failed on the batch.",
@@ -72,8 +86,9 @@ async def _read_images(request: Request, max_images: int) -> list[ImageInput]:
             for i, part in enumerate(form.getlist("file")):
                 if not isinstance(part, UploadFile):
                     raise BadRequest(f"'file' part {i + 1} is a text field, not a file upload")
-                _check_image_type(_media_type(part.content_type), f"'file' part {i + 1}")
-                images.append(ImageInput(await part.read(), part.filename))
+                part_type = _media_type(part.content_type)
+                _check_image_type(part_type, f"'file' part {i + 1}")
+                images.append(ImageInput(await part.read(), part.filename, part_type or None))
         finally:
             await form.close()
         if not images:
@@ -83,7 +98,7 @@ async def _read_images(request: Request, max_images: int) -> list[ImageInput]:
         body = await request.body()
         if not body:
             raise BadImage("empty image")
-        return [ImageInput(body)]
+        return [ImageInput(body, None, media)]
     raise UnsupportedMediaType(
         f"content type {media or 'missing'!r} is not accepted; send multipart/form-data with 'file' parts, "
         f"or an image body ({', '.join(IMAGE_TYPES)})"
@@ -93,23 +108,30 @@ async def _read_images(request: Request, max_images: int) -> list[ImageInput]:
 @router.post(
     "/classify",
     response_model=ClassifyResponse,
-    responses=_ERRORS,
+    responses={**_ERRORS, 202: {"model": JobsAccepted, "description": "mode=offline: one job per image."}},
     openapi_extra={"requestBody": _CLASSIFY_BODY},
     summary="Classify one or more images",
     description=(
         "Send images as multipart/form-data `file` parts (several are batched together) or as a raw "
         "image body. If any image of a request is bad, the whole request is refused with that image's "
-        "error (naming it) and none of its images is inferred; other requests are never affected."
+        "error (naming it) and none of its images is inferred; other requests are never affected. "
+        "With `mode=offline` each image is validated from its header, queued in RabbitMQ, and the answer "
+        "is 202 with a job id per image (see GET /jobs/{job_id})."
     ),
 )
 async def classify(
     request: Request,
     top_k: Annotated[int, Query(ge=1, le=20, description="How many classes to return per image.")] = 5,
-) -> ClassifyResponse:
+    mode: Annotated[
+        Literal["online", "offline"], Query(description="online: answer now; offline: queue and answer 202.")
+    ] = "online",
+) -> Any:
     gateway = request.app.state.gateway
     classifier: Classifier = gateway.classifier
     deadline = asyncio.get_running_loop().time() + gateway.settings.request_timeout
     images = await _read_images(request, gateway.settings.max_images_per_request)
+    if mode == "offline":
+        return await _classify_offline(request, images, top_k)
     results = await classifier.classify(images, k=top_k, deadline=deadline)
     gateway.metrics.images.inc(len(results))
     return ClassifyResponse(
@@ -118,6 +140,59 @@ async def classify(
             ImageResult(filename=r.filename, labels=[Label(index=i, label=lab, score=s) for i, lab, s in r.labels])
             for r in results
         ],
+    )
+
+
+async def _classify_offline(request: Request, images: list[ImageInput], top_k: int) -> JSONResponse:
+    """Validate every image cheaply (type, header, dimensions), then publish each as a job."""
+    gateway = request.app.state.gateway
+    if gateway.jobs is None:
+        raise BackendUnavailable("offline mode is not configured on this gateway (GATEWAY_BROKER_URL)")
+    config = gateway.classifier.config
+    for i, image in enumerate(images):
+        try:
+            check_limits(probe(image.data), config)
+        except GatewayError as exc:
+            if len(images) > 1:
+                name = f" ({image.filename})" if image.filename else ""
+                exc.detail = f"image {i + 1} of {len(images)}{name}: {exc.detail}"
+            raise
+    offline = [OfflineImage(i.data, i.content_type or "application/octet-stream", i.filename) for i in images]
+    job_ids = await gateway.jobs.submit(offline, top_k)
+    body = JobsAccepted(
+        jobs=[
+            AcceptedJob(job_id=job_id, filename=image.filename, status_url=f"/jobs/{job_id}")
+            for job_id, image in zip(job_ids, images, strict=True)
+        ]
+    )
+    return JSONResponse(body.model_dump(), status_code=202)
+
+
+@router.get(
+    "/jobs/{job_id}",
+    response_model=JobStatus,
+    responses={404: {"model": ErrorBody, "description": "Unknown job."}},
+    summary="State of an offline job: pending, done (with labels) or failed (with the reason)",
+)
+async def job_status(request: Request, job_id: str) -> JobStatus:
+    gateway = request.app.state.gateway
+    state = gateway.jobs.store.get(job_id) if gateway.jobs is not None else None
+    if state is None:
+        raise NotFound(
+            f"unknown job {job_id!r}: never accepted, forgotten (the cache keeps the last "
+            f"{gateway.settings.jobs_cache_size}), or accepted by another replica and not finished yet"
+        )
+    if isinstance(state, PendingJob):
+        return JobStatus(job_id=job_id, status="pending", filename=state.filename)
+    error = ErrorBody(error=state.error.error, detail=state.error.detail) if state.error else None
+    return JobStatus(
+        job_id=job_id,
+        status=state.status,
+        filename=state.filename,
+        labels=state.labels,
+        error=error,
+        model=state.model,
+        timings=state.timings,
     )
 
 
@@ -137,6 +212,8 @@ async def readyz(request: Request) -> JSONResponse:
     problem = await gateway.backend.ready()
     checks = {"backend": f"{gateway.backend.name}: {problem or 'ok'}"}
     checks["batcher"] = "shutting down" if gateway.closing else "ok"
+    if gateway.jobs is not None:  # informational: online requests do not need the broker
+        checks["broker"] = gateway.jobs.status()
     ready = problem is None and not gateway.closing
     body = Readiness(ready=ready, checks=checks)
     return JSONResponse(body.model_dump(), status_code=200 if ready else 503)

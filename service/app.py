@@ -19,6 +19,7 @@ from service.api import router
 from service.backends.base import Backend
 from service.classifier import Classifier
 from service.errors import GatewayError, error_response
+from service.jobs.client import JobsClient
 from service.metrics import Metrics
 from service.middleware import BodyLimitMiddleware, MetricsMiddleware
 from service.models.profiles import get_profile
@@ -36,6 +37,7 @@ class Gateway:
     backend: Backend
     classifier: Classifier
     metrics: Metrics
+    jobs: JobsClient | None = None
     closing: bool = False
 
 
@@ -61,13 +63,18 @@ def create_app(
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         async with open_pipeline(settings, metrics, backend) as (classifier, chosen):
-            gateway = Gateway(settings, chosen, classifier, metrics)
+            jobs = JobsClient(settings, metrics) if settings.broker_url else None
+            if jobs is not None:
+                jobs.start()  # in the background: online mode must not wait for the broker
+            gateway = Gateway(settings, chosen, classifier, metrics, jobs)
             app.state.gateway = gateway
             logger.info("gateway ready: model %s v%s on the %s backend", profile.name, profile.version, chosen.name)
             try:
                 yield
             finally:
                 gateway.closing = True
+                if jobs is not None:
+                    await jobs.aclose()
 
     app = FastAPI(
         title="Inference gateway",

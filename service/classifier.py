@@ -23,6 +23,7 @@ from service.preprocess import PreprocessConfig, prepare
 class ImageInput:
     data: bytes
     filename: str | None = None
+    content_type: str | None = None
 
 
 @dataclass(frozen=True)

@@ -108,12 +108,58 @@ def _models_list(args: argparse.Namespace) -> int:
     return 0
 
 
+def _worker(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from service.jobs.worker import run_worker
+
+    settings = _settings(args)
+    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    asyncio.run(run_worker(settings))
+    return 0
+
+
+def _ingest(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from service.jobs.ingest import run_ingest
+
+    settings = _settings(args)
+    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return asyncio.run(
+        run_ingest(
+            settings,
+            args.paths,
+            args.out,
+            top_k=args.top_k,
+            max_outstanding=args.max_outstanding,
+            resend_after=args.resend_after,
+        )
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="gateway", description="Async inference gateway.")
     commands = parser.add_subparsers(dest="command")
     serve = commands.add_parser("serve", help="run the HTTP gateway (the default command)")
     _add_setting_flags(serve)
     serve.set_defaults(func=_serve)
+    worker = commands.add_parser("worker", help="consume queued images from RabbitMQ and publish results")
+    _add_setting_flags(worker)
+    worker.set_defaults(func=_worker)
+    ingest = commands.add_parser("ingest", help="classify a folder of photos through RabbitMQ into JSON lines")
+    _add_setting_flags(ingest)
+    ingest.add_argument("paths", nargs="+", type=Path, help="image files or folders (searched recursively)")
+    ingest.add_argument("--out", type=Path, required=True, help="results file (JSON lines); re-runs resume it")
+    ingest.add_argument("--top-k", type=int, default=5, choices=range(1, 21), metavar="1-20")
+    ingest.add_argument("--max-outstanding", type=int, default=256, help="publishes awaiting a broker confirm")
+    ingest.add_argument(
+        "--resend-after",
+        type=float,
+        default=120.0,
+        help="seconds without any new result before unfinished images are published again",
+    )
+    ingest.set_defaults(func=_ingest)
     models = commands.add_parser("models", help="build or list the cached ONNX models")
     model_commands = models.add_subparsers(dest="models_command", required=True)
     build = model_commands.add_parser("build", help="build the configured model's ONNX file (or --all)")

@@ -31,6 +31,11 @@ class BadRequest(GatewayError):
     error = "bad_request"
 
 
+class NotFound(GatewayError):
+    status_code = 404
+    error = "not_found"
+
+
 class PayloadTooLarge(GatewayError):
     """The request body, or an image's pixel count, is over its limit."""
 

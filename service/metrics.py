@@ -75,6 +75,20 @@ class Metrics:
             registry=r,
         )
 
+        self.queue_messages = Counter(
+            "gateway_queue_messages_total",
+            "Offline-mode messages by event: published, consumed, acked, requeued, retried, dead_lettered, "
+            "results_published.",
+            ["event"],
+            registry=r,
+        )
+        self.queue_depth_messages = Gauge(
+            "gateway_queue_depth_messages",
+            "Messages ready in a broker queue, sampled by the worker.",
+            ["queue"],
+            registry=r,
+        )
+
     def bind_batcher(self, batcher: DynamicBatcher, backend: str) -> None:
         """Read the batcher's gauges at scrape time and return a per-batch callback."""
         self.queue_depth.set_function(lambda: batcher.queue_depth)

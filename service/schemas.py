@@ -34,3 +34,23 @@ class ErrorBody(BaseModel):
 class Readiness(BaseModel):
     ready: bool
     checks: dict[str, str] = Field(description="Each dependency and 'ok' or why it is not ready.")
+
+
+class AcceptedJob(BaseModel):
+    job_id: str
+    filename: str | None
+    status_url: str = Field(description="Where to ask for the result: GET /jobs/{job_id}.")
+
+
+class JobsAccepted(BaseModel):
+    jobs: list[AcceptedJob] = Field(description="One job per image, in the order sent.")
+
+
+class JobStatus(BaseModel):
+    job_id: str
+    status: str = Field(description="pending, done or failed.")
+    filename: str | None = None
+    labels: list[Label] = Field(default_factory=list)
+    error: ErrorBody | None = None
+    model: ModelInfo | None = None
+    timings: dict[str, float] = Field(default_factory=dict)

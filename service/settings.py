@@ -56,6 +56,23 @@ class Settings(BaseSettings):
     """Pass tensors through system shared memory instead of the socket; only when the gateway and
     Triton share a host (and, in containers, an IPC namespace)."""
 
+    broker_url: str | None = None
+    """RabbitMQ URL (e.g. ``amqp://user:pass@rabbitmq:5672/``) for offline mode; without it,
+    ``mode=offline`` requests get 503 and ``gateway worker`` / ``gateway ingest`` refuse to start."""
+    queue_prefix: str = "gateway"
+    """Prefix of every exchange and queue name, so several deployments can share a broker."""
+    publish_timeout: float = Field(5.0, gt=0.0)
+    """Seconds to wait for the broker to confirm a publish before answering 503."""
+    worker_prefetch: int = Field(0, ge=0)
+    """Unacknowledged messages a worker holds (0: max_batch_size x max_inflight_batches x 2, enough
+    to keep batches full while results are being published)."""
+    max_retries: int = Field(3, ge=0)
+    """Times a message is retried after a backend failure before it is dead-lettered."""
+    jobs_cache_size: int = Field(100_000, ge=1)
+    """Job states the API keeps in memory for ``GET /jobs/{id}`` (oldest forgotten first)."""
+    worker_metrics_port: int = Field(9101, ge=0, le=65535)
+    """Port of the worker's Prometheus endpoint (0: none)."""
+
     max_batch_size: int = Field(16, ge=1, le=1024)
     """Most images the batcher puts in one backend call."""
     max_delay: float = Field(0.005, ge=0.0, le=10.0)
@@ -76,6 +93,10 @@ class Settings(BaseSettings):
     """Most images in one /classify request."""
     preprocess_workers: int = Field(default_factory=lambda: os.cpu_count() or 1, ge=1)
     """Threads that decode and resize images (OpenCV releases the GIL); default one per core."""
+
+    @property
+    def prefetch(self) -> int:
+        return self.worker_prefetch or self.max_batch_size * self.max_inflight_batches * 2
 
     @property
     def embedded_threads_per_batch(self) -> int:

@@ -1,0 +1,203 @@
+"""``gateway ingest PATH... --out results.jsonl``: classify a folder of photos through RabbitMQ.
+
+* Publishes every image (each file's absolute path in the ``filename`` header) with at most
+  ``max_outstanding`` publishes awaiting their broker confirm, retrying while the broker is away.
+* Results come back on a durable queue named after the output file, so results that arrive while
+  this command is down (or while the broker restarts) wait for it; each is written as one JSON line
+  and flushed before its message is acknowledged.
+* Re-running with the same ``--out`` skips the images already in the file: an interrupted run is
+  finished without redoing work. Duplicates (a result delivered twice, an image published twice)
+  are written once.
+* Images still without a result after ``resend_after`` seconds without progress are published again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import logging
+import sys
+import time
+from pathlib import Path
+
+from aio_pika.abc import AbstractIncomingMessage
+from pydantic import ValidationError
+
+from service.errors import BackendUnavailable, GatewayError
+from service.imageinfo import probe
+from service.jobs.broker import Broker
+from service.jobs.messages import JobResult, new_job_id, request_message
+from service.jobs.topology import REQUEST_KEY, Names
+from service.settings import Settings
+
+logger = logging.getLogger(__name__)
+
+IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png", ".gif", ".webp", ".bmp", ".tif", ".tiff"}
+CONTENT_TYPES = {
+    "jpeg": "image/jpeg",
+    "png": "image/png",
+    "gif": "image/gif",
+    "webp": "image/webp",
+    "bmp": "image/bmp",
+    "tiff": "image/tiff",
+}
+
+
+def collect(paths: list[Path]) -> list[Path]:
+    """Image files named directly, or found under folders (recursively), absolute and sorted."""
+    found: set[Path] = set()
+    for path in paths:
+        if path.is_dir():
+            found.update(p.resolve() for p in path.rglob("*") if p.is_file() and p.suffix.lower() in IMAGE_SUFFIXES)
+        elif path.is_file():
+            found.add(path.resolve())
+        else:
+            raise SystemExit(f"gateway ingest: no such file or folder: {path}")
+    return sorted(found)
+
+
+def finished_paths(out: Path) -> set[str]:
+    done: set[str] = set()
+    if out.exists():
+        for line in out.read_text().splitlines():
+            try:
+                done.add(json.loads(line)["path"])
+            except (ValueError, KeyError, TypeError):
+                continue  # a line cut short by an interruption: that image is redone
+    return done
+
+
+def run_id(out: Path) -> str:
+    """Names this output file's results queue: the same file always finds the same queue."""
+    return hashlib.sha256(str(out.resolve()).encode()).hexdigest()[:16]
+
+
+def content_type(data: bytes) -> str:
+    try:
+        return CONTENT_TYPES[probe(data).format]
+    except GatewayError:
+        return "application/octet-stream"  # the worker will say what is wrong with it
+
+
+class Progress:
+    def __init__(self, total: int, already: int) -> None:
+        self.total, self.already, self.done, self.failed = total, already, 0, 0
+        self.started = time.monotonic()
+        self.last_print = 0.0
+        self.tty = sys.stderr.isatty()
+
+    def update(self, *, force: bool = False) -> None:
+        now = time.monotonic()
+        if not force and now - self.last_print < (0.2 if self.tty else 5.0):
+            return
+        self.last_print = now
+        finished = self.already + self.done
+        rate = self.done / max(now - self.started, 1e-9)
+        width = 30
+        filled = int(width * finished / max(self.total, 1))
+        line = (
+            f"[{'#' * filled}{'.' * (width - filled)}] {finished}/{self.total} images, "
+            f"{self.failed} failed, {rate:.1f} img/s"
+        )
+        print(("\r" + line) if self.tty else line, end="" if self.tty else "\n", file=sys.stderr, flush=True)
+
+
+async def run_ingest(
+    settings: Settings,
+    paths: list[Path],
+    out: Path,
+    *,
+    top_k: int = 5,
+    max_outstanding: int = 256,
+    resend_after: float = 120.0,
+) -> int:
+    if not settings.broker_url:
+        raise SystemExit("gateway ingest: GATEWAY_BROKER_URL is not set")
+    files = collect(paths)
+    done_before = finished_paths(out)
+    remaining = {str(p) for p in files} - done_before
+    progress = Progress(len(files), len(files) - len(remaining))
+    if not remaining:
+        print(f"nothing to do: all {len(files)} images already have results in {out}", file=sys.stderr)
+        return 0
+    run = run_id(out)
+    names = Names(settings.queue_prefix)
+    broker = Broker(settings.broker_url, names, publish_timeout=settings.publish_timeout, prefetch=max_outstanding)
+    await broker.connect()
+    assert broker.channel is not None
+    assert broker.topology is not None
+    queue = await broker.channel.declare_queue(names.ingest_queue(run), durable=True)
+    await queue.bind(broker.topology.results_exchange, f"ingest.{run}")
+    all_done = asyncio.Event()
+    last_progress = time.monotonic()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with out.open("a") as sink:
+
+        async def on_result(message: AbstractIncomingMessage) -> None:
+            nonlocal last_progress
+            try:
+                result = JobResult.model_validate_json(message.body)
+            except ValidationError:
+                await message.ack()
+                return
+            path = result.filename
+            if path in remaining:
+                remaining.discard(path)
+                line = result.model_dump(mode="json")
+                sink.write(json.dumps({"path": path, **line}) + "\n")
+                sink.flush()
+                progress.done += 1
+                progress.failed += result.status == "failed"
+                last_progress = time.monotonic()
+                progress.update()
+            await message.ack()  # after the line is written: a crash in between means a redelivery
+            if not remaining:
+                all_done.set()
+
+        consumer_tag = await queue.consume(on_result)
+        sem = asyncio.Semaphore(max_outstanding)
+
+        async def publish(path: str) -> None:
+            async with sem:
+                data = await asyncio.to_thread(Path(path).read_bytes)
+                message = request_message(
+                    data,
+                    job_id=new_job_id(),
+                    content_type=content_type(data),
+                    filename=path,
+                    top_k=top_k,
+                    reply_to=f"ingest.{run}",
+                )
+                delay = 0.2
+                while path in remaining:
+                    try:
+                        await broker.publish("requests", message, REQUEST_KEY)
+                        return
+                    except BackendUnavailable as exc:  # the broker is away: wait for the reconnect
+                        logger.info("ingest: publish failed (%s); retrying", exc.detail)
+                        await asyncio.sleep(delay)
+                        delay = min(delay * 2, 5.0)
+
+        print(f"ingesting {len(remaining)} images ({progress.already} already done) -> {out}", file=sys.stderr)
+        await asyncio.gather(*(publish(p) for p in sorted(remaining)))
+        while not all_done.is_set():
+            try:
+                async with asyncio.timeout(1.0):
+                    await all_done.wait()
+            except TimeoutError:
+                progress.update()
+                if time.monotonic() - last_progress > resend_after:
+                    logger.warning(
+                        "ingest: no result for %.0f s; publishing %d images again", resend_after, len(remaining)
+                    )
+                    last_progress = time.monotonic()
+                    await asyncio.gather(*(publish(p) for p in sorted(remaining)))
+    progress.update(force=True)
+    if progress.tty:
+        print(file=sys.stderr)
+    await queue.cancel(consumer_tag)
+    await queue.delete(if_unused=False, if_empty=False)
+    await broker.aclose()
+    print(f"{progress.done} results written ({progress.failed} failed) to {out}", file=sys.stderr)
+    return 0

@@ -1,0 +1,69 @@
+"""What travels through the broker.
+
+A request is the encoded image itself as the body (validated cheaply before publishing, decoded by
+the worker), with ``message_id`` = job id, ``content_type`` the image type, ``reply_to`` the results
+routing key, and headers ``filename``, ``top_k`` and ``x-retries``. A result is JSON.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, Literal
+
+import aio_pika
+from pydantic import BaseModel, Field
+
+from service.schemas import Label, ModelInfo
+
+RETRIES_HEADER = "x-retries"
+ERROR_HEADER = "x-gateway-error"
+DETAIL_HEADER = "x-gateway-detail"
+DEFAULT_REPLY_TO = "jobs"
+
+
+class JobError(BaseModel):
+    error: str
+    detail: str
+
+
+class JobResult(BaseModel):
+    job_id: str
+    status: Literal["done", "failed"]
+    filename: str | None = None
+    labels: list[Label] = Field(default_factory=list)
+    error: JobError | None = None
+    model: ModelInfo | None = None
+    timings: dict[str, float] = Field(default_factory=dict)
+    """Seconds: ``queued`` (publish to worker), ``processing`` (worker: decode, batch, infer)."""
+    worker: str | None = None
+
+
+def new_job_id() -> str:
+    return uuid.uuid4().hex
+
+
+def request_message(
+    data: bytes, *, job_id: str, content_type: str, filename: str | None, top_k: int, reply_to: str, retries: int = 0
+) -> aio_pika.Message:
+    headers: dict[str, Any] = {"top_k": top_k, RETRIES_HEADER: retries}
+    if filename is not None:
+        headers["filename"] = filename
+    return aio_pika.Message(
+        data,
+        message_id=job_id,
+        content_type=content_type,
+        reply_to=reply_to,
+        headers=headers,
+        delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
+        timestamp=time.time(),
+    )
+
+
+def result_message(result: JobResult) -> aio_pika.Message:
+    return aio_pika.Message(
+        result.model_dump_json().encode(),
+        message_id=result.job_id,
+        content_type="application/json",
+        delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
+    )
