@@ -1,0 +1,127 @@
+"""Offline (RabbitMQ) throughput against online (HTTP) throughput, same backend and batch settings.
+
+* online: a gateway process, --concurrency HTTP clients each posting one JPEG at a time;
+* offline: one ``gateway worker`` process and the ingest client (run in this process, so its
+  start-up is not counted) over the same images, timed from the first publish to the last result
+  written: publish with confirm, queue, decode, batch, infer, result publish with confirm, ack, and
+  the result back to the ingest client.
+
+Rows alternate and repeat; the median run of each is shown.
+
+    python -m loadtests.offline_vs_online --images 480 --repeat 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+from loadtests.http_load import Row, http_load, median_row, start_gateway
+from loadtests.photos import sample_photos
+
+BROKER = os.environ.get("GATEWAY_BROKER_URL", "amqp://guest:guest@127.0.0.1:5672/")
+
+
+def write_images(folder: Path, photos: list[bytes], count: int) -> list[bytes]:
+    """``count`` distinct files (each photo re-encoded with a trailing comment byte pattern)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    out = []
+    for i in range(count):
+        data = photos[i % len(photos)] + b"\xff\xfe" + i.to_bytes(4, "big")  # bytes after EOI are ignored
+        (folder / f"img-{i:05d}.jpg").write_bytes(data)
+        out.append(data)
+    return out
+
+
+def offline_row(args: argparse.Namespace, folder: Path, models_dir: Path, images: int) -> Row:
+    prefix = f"bench-{uuid.uuid4().hex[:8]}"
+    env = {
+        **os.environ,
+        "GATEWAY_BROKER_URL": BROKER,
+        "GATEWAY_QUEUE_PREFIX": prefix,
+        "GATEWAY_MODELS_DIR": str(models_dir),
+        "GATEWAY_WORKER_METRICS_PORT": "0",
+        "GATEWAY_LOG_LEVEL": "warning",
+        "GATEWAY_MODEL": args.model,
+        "GATEWAY_MAX_BATCH_SIZE": str(args.batch_size),
+    }
+    worker = subprocess.Popen([sys.executable, "-m", "service", "worker"], env=env, stdout=subprocess.PIPE, text=True)
+    assert worker.stdout is not None
+    while "worker ready" not in worker.stdout.readline():
+        if worker.poll() is not None:
+            raise SystemExit("worker did not start")
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "out.jsonl"
+        start = time.perf_counter()
+        subprocess.run(
+            [sys.executable, "-m", "service", "ingest", str(folder), "--out", str(out)],
+            env=env,
+            check=True,
+            capture_output=True,
+        )
+        seconds = time.perf_counter() - start
+        lines = len(out.read_text().splitlines())
+    worker.send_signal(signal.SIGTERM)
+    worker.wait(timeout=60)
+    subprocess.run(["rabbitmqctl", "delete_queue", f"{prefix}.requests"], capture_output=True)
+    subprocess.run(["rabbitmqctl", "delete_queue", f"{prefix}.results"], capture_output=True)
+    subprocess.run(["rabbitmqctl", "delete_queue", f"{prefix}.dead"], capture_output=True)
+    assert lines == images, f"{lines} results for {images} images"
+    return Row("offline: ingest -> RabbitMQ -> worker", images, seconds, [seconds])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="efficientnet-lite0")
+    parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--concurrency", type=int, default=32)
+    parser.add_argument("--images", type=int, default=480)
+    parser.add_argument("--repeat", type=int, default=3)
+    args = parser.parse_args()
+    models_dir = Path(tempfile.gettempdir()) / "gateway-bench-models"
+    photos = [data for _, data in sample_photos()]
+    runs: dict[str, list[Row]] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(tmp) / "images"
+        images = write_images(folder, photos, args.images)
+        proc, url = start_gateway(
+            ["--model", args.model, "--max-batch-size", str(args.batch_size), "--max-queue-size", "1024"], models_dir
+        )
+        try:
+            for _ in range(args.repeat):
+                online = asyncio.run(
+                    http_load(
+                        url, proc.pid, images, args.concurrency, args.images, f"online: {args.concurrency} HTTP clients"
+                    )
+                )
+                runs.setdefault(online.mode, []).append(online)
+                proc.send_signal(signal.SIGSTOP)  # keep the idle gateway off the CPU while offline runs
+                try:
+                    offline = offline_row(args, folder, models_dir, args.images)
+                finally:
+                    proc.send_signal(signal.SIGCONT)
+                runs.setdefault(offline.mode, []).append(offline)
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(timeout=60)
+    rows = [median_row(r) for r in runs.values()]
+    print(
+        f"model {args.model}, batch size {args.batch_size}, {args.images} images, {os.cpu_count()} cores, "
+        f"median of {args.repeat} alternated runs"
+    )
+    print("| mode | img/s | ratio to online |")
+    print("|---|---:|---:|")
+    for r in rows:
+        print(f"| {r.mode} | {r.rate:.1f} | {r.rate / rows[0].rate:.2f} |")
+
+
+if __name__ == "__main__":
+    main()
