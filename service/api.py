@@ -5,14 +5,22 @@ from __future__ import annotations
 import asyncio
 from typing import Annotated, Any, Literal
 
-from fastapi import APIRouter, Query, Request
+from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import JSONResponse, PlainTextResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.datastructures import UploadFile
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from service.classifier import Classifier, ImageInput
-from service.errors import BackendUnavailable, BadImage, BadRequest, GatewayError, NotFound, UnsupportedMediaType
+from service.errors import (
+    BackendUnavailable,
+    BadImage,
+    BadRequest,
+    GatewayError,
+    InvalidParameters,
+    NotFound,
+    UnsupportedMediaType,
+)
 from service.imageinfo import probe
 from service.jobs.client import OfflineImage, PendingJob
 from service.metrics import Metrics
@@ -29,7 +37,21 @@ from service.schemas import (
     Readiness,
 )
 
-router = APIRouter()
+
+async def reject_unknown_query(request: Request) -> None:
+    """A misspelt parameter (``topk=3``) is an error, not silently the default."""
+    route = request.scope.get("route")
+    dependant = getattr(route, "dependant", None)
+    if dependant is None:
+        return
+    known = {param.alias for param in dependant.query_params}
+    unknown = sorted(set(request.query_params) - known)
+    if unknown:
+        expected = ", ".join(sorted(known)) or "none"
+        raise InvalidParameters(f"unknown query parameter(s) {unknown}; this route takes: {expected}")
+
+
+router = APIRouter(dependencies=[Depends(reject_unknown_query)])
 
 IMAGE_TYPES = ("image/jpeg", "image/png", "image/gif", "image/webp", "image/bmp", "image/tiff")
 _BINARY = {"type": "string", "format": "binary"}

@@ -36,6 +36,11 @@ class NotFound(GatewayError):
     error = "not_found"
 
 
+class InvalidParameters(GatewayError):
+    status_code = 422
+    error = "invalid_parameters"
+
+
 class PayloadTooLarge(GatewayError):
     """The request body, or an image's pixel count, is over its limit."""
 
