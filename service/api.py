@@ -19,6 +19,7 @@ from service.errors import (
     GatewayError,
     InvalidParameters,
     NotFound,
+    QueueFull,
     UnsupportedMediaType,
 )
 from service.imageinfo import probe
@@ -149,6 +150,17 @@ async def classify(
     ] = "online",
 ) -> Any:
     gateway = request.app.state.gateway
+    limit = gateway.settings.max_concurrent_requests
+    if gateway.active_requests >= limit:  # refuse before reading the body: memory stays bounded
+        raise QueueFull(f"{limit} requests are already being handled; retry later")
+    gateway.active_requests += 1
+    try:
+        return await _classify(request, gateway, top_k, mode)
+    finally:
+        gateway.active_requests -= 1
+
+
+async def _classify(request: Request, gateway: Any, top_k: int, mode: str) -> Any:
     classifier: Classifier = gateway.classifier
     deadline = asyncio.get_running_loop().time() + gateway.settings.request_timeout
     images = await _read_images(request, gateway.settings.max_images_per_request)

@@ -39,6 +39,8 @@ class Gateway:
     metrics: Metrics
     jobs: JobsClient | None = None
     closing: bool = False
+    active_requests: int = 0
+    """/classify requests being handled now (admission control)."""
 
 
 def _validation_detail(exc: RequestValidationError) -> str:

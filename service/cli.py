@@ -50,6 +50,7 @@ def _serve(args: argparse.Namespace) -> int:
         port=settings.port,
         log_level=settings.log_level,
         timeout_graceful_shutdown=int(settings.request_timeout) + 5,
+        limit_concurrency=settings.max_connections,
     )
     return 0
 

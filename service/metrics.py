@@ -23,8 +23,8 @@ class Metrics:
         )
         self.http_duration = Histogram(
             "gateway_http_request_duration_seconds",
-            "Whole HTTP request latency, by route.",
-            ["route"],
+            "Whole HTTP request latency, by route and status class (2xx, 4xx, 5xx).",
+            ["route", "status_class"],
             buckets=LATENCY_BUCKETS,
             registry=r,
         )

@@ -72,4 +72,4 @@ class MetricsMiddleware:
         finally:
             route = getattr(scope.get("route"), "path", None) or "unmatched"
             self.metrics.http_requests.labels(route, scope["method"], str(status)).inc()
-            self.metrics.http_duration.labels(route).observe(time.perf_counter() - start)
+            self.metrics.http_duration.labels(route, f"{status // 100}xx").observe(time.perf_counter() - start)

@@ -85,8 +85,17 @@ class Settings(BaseSettings):
 
     request_timeout: float = Field(10.0, gt=0.0)
     """Seconds a /classify request may take end to end before it gets 504."""
-    max_body_bytes: int = Field(32 * 1024 * 1024, ge=1024)
+    max_body_bytes: int = Field(16 * 1024 * 1024, ge=1024)
     """Largest request body accepted; larger bodies get 413."""
+    max_connections: int = Field(1000, ge=1)
+    """Open HTTP connections and tasks uvicorn allows before answering 503 (its limit_concurrency).
+    Each connection holds up to ~0.3 MiB of unread body in the server's buffers, so this bounds
+    that memory too."""
+    max_concurrent_requests: int = Field(64, ge=1)
+    """/classify requests handled at once (reading, decoding, waiting for their batch); beyond it
+    the answer is 429 at once, before the body is read. With the body cap this bounds memory:
+    baseline + max_concurrent_requests x max_body_bytes + preprocess_workers x max_image_pixels x 3
+    + max_queue_size x 150 KB + open connections x ~0.3 MiB."""
     max_image_pixels: int = Field(50_000_000, ge=1)
     """Largest width x height accepted, checked from the header before decoding; larger get 413."""
     max_images_per_request: int = Field(64, ge=1)

@@ -207,6 +207,9 @@ async def test_metrics_count_requests_batches_and_rejections(gateway_factory: Ma
     assert "gateway_batch_size_sum 3.0" in text
     assert 'gateway_backend_duration_seconds_count{backend="fake"} 3.0' in text
     assert "gateway_preprocess_duration_seconds_count 4.0" in text
+    duration = "gateway_http_request_duration_seconds_count"
+    assert f'{duration}{{route="/classify",status_class="2xx"}} 3.0' in text
+    assert f'{duration}{{route="/classify",status_class="4xx"}} 1.0' in text
 
 
 async def test_openapi_documents_both_body_forms_and_errors(gateway_factory: MakeSettings) -> None:
