@@ -15,6 +15,7 @@ from contextlib import asynccontextmanager
 import cv2
 
 from service.backends.base import Backend
+from service.backends.circuit import CircuitBreaker
 from service.batcher import DynamicBatcher
 from service.classifier import Classifier
 from service.metrics import Metrics
@@ -61,6 +62,8 @@ async def open_pipeline(
     profile = get_profile(settings.model)
     cv2.setNumThreads(1)  # parallelism comes from the preprocessing pool, one image per thread
     chosen = backend if backend is not None else await build_backend(settings, profile)
+    if settings.breaker_threshold:
+        chosen = CircuitBreaker(chosen, threshold=settings.breaker_threshold, cooldown=settings.breaker_cooldown)
     await chosen.start()
     batcher = DynamicBatcher(
         chosen.infer,

@@ -31,6 +31,10 @@ class Settings(BaseSettings):
     with no model, for testing the gateway itself)."""
     fake_delay: float = Field(0.0, ge=0.0)
     """Seconds the ``fake`` backend takes per batch (to simulate a slow model in tests and drills)."""
+    breaker_threshold: int = Field(5, ge=0)
+    """Consecutive failed batches that open the backend's circuit breaker (0: no breaker)."""
+    breaker_cooldown: float = Field(5.0, gt=0.0)
+    """Seconds an open circuit refuses work (503) before letting one trial batch through."""
     model: str = "efficientnet-lite0"
     """Model profile to serve: ``efficientnet-lite0`` (real ImageNet weights), ``resnet50``, or
     ``trivial`` (no real answers; almost no compute, for measuring the gateway itself)."""
