@@ -21,7 +21,7 @@ from service.classifier import Classifier
 from service.errors import GatewayError, error_response
 from service.jobs.client import JobsClient
 from service.metrics import Metrics
-from service.middleware import BodyLimitMiddleware, MetricsMiddleware
+from service.middleware import OPEN_PATHS, ApiKeyMiddleware, BodyLimitMiddleware, MetricsMiddleware
 from service.models.profiles import get_profile
 from service.pipeline import open_pipeline
 from service.settings import Settings
@@ -104,5 +104,7 @@ def create_app(
         )
 
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
+    open_paths = OPEN_PATHS | ({"/metrics"} if settings.metrics_public else set())
+    app.add_middleware(ApiKeyMiddleware, keys=settings.load_api_keys(), open_paths=open_paths)
     app.add_middleware(MetricsMiddleware, metrics=metrics)
     return app

@@ -31,6 +31,13 @@ class BadRequest(GatewayError):
     error = "bad_request"
 
 
+class Unauthorized(GatewayError):
+    """Missing or wrong API key (which of the two is deliberately not said)."""
+
+    status_code = 401
+    error = "unauthorized"
+
+
 class NotFound(GatewayError):
     status_code = 404
     error = "not_found"

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import hmac
 import time
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from service.errors import PayloadTooLarge, error_response
+from service.errors import PayloadTooLarge, Unauthorized, error_response
 from service.metrics import Metrics
 
 
@@ -73,3 +74,47 @@ class MetricsMiddleware:
             route = getattr(scope.get("route"), "path", None) or "unmatched"
             self.metrics.http_requests.labels(route, scope["method"], str(status)).inc()
             self.metrics.http_duration.labels(route, f"{status // 100}xx").observe(time.perf_counter() - start)
+
+
+OPEN_PATHS = frozenset({"/healthz", "/readyz"})
+AUTHENTICATED = "gateway.authenticated"
+"""Scope key telling routes whether the caller presented a valid key (or none is needed)."""
+
+
+class ApiKeyMiddleware:
+    """Optional API keys: ``Authorization: Bearer <key>`` or ``X-API-Key: <key>``.
+
+    Keys are compared in constant time against every configured key (no early exit), and a missing
+    key and a wrong one get the same answer, so nothing tells a caller which part failed."""
+
+    def __init__(self, app: ASGIApp, keys: list[bytes], open_paths: frozenset[str]) -> None:
+        self.app = app
+        self.keys = keys
+        self.open_paths = open_paths
+
+    def _valid(self, presented: bytes) -> bool:
+        matched = False
+        for key in self.keys:
+            matched |= hmac.compare_digest(presented, key)
+        return matched
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or not self.keys:
+            scope[AUTHENTICATED] = True
+            await self.app(scope, receive, send)
+            return
+        presented = b""
+        for name, value in scope["headers"]:
+            if name == b"authorization" and value[:7].lower() == b"bearer ":
+                presented = value[7:].strip()
+            elif name == b"x-api-key":
+                presented = value.strip()
+        scope[AUTHENTICATED] = bool(presented) and self._valid(presented)
+        if scope[AUTHENTICATED] or scope["path"] in self.open_paths:
+            await self.app(scope, receive, send)
+            return
+        error = Unauthorized(
+            "a valid API key is required: send 'Authorization: Bearer <key>' or 'X-API-Key: <key>'",
+            headers={"WWW-Authenticate": "Bearer"},
+        )
+        await error_response(error)(scope, receive, send)

@@ -6,7 +6,7 @@ import os
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -24,6 +24,15 @@ class Settings(BaseSettings):
     """TCP port of the HTTP server (0 picks a free one)."""
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     """Log level of the gateway's loggers and of uvicorn."""
+
+    api_keys: SecretStr | None = None
+    """Comma-separated API keys; when set (or ``api_keys_file`` is), every route but /healthz and
+    /readyz needs one, as ``Authorization: Bearer <key>`` or ``X-API-Key: <key>``."""
+    api_keys_file: Path | None = None
+    """File with one API key per line (e.g. a mounted Kubernetes Secret); adds to ``api_keys``."""
+    metrics_public: bool = False
+    """Serve /metrics without an API key even when keys are configured (e.g. when only Prometheus
+    can reach the port)."""
 
     backend: Literal["embedded", "triton", "fake"] = "embedded"
     """Where batches run: ``embedded`` (ONNX Runtime in this process, on CPU), ``triton`` (NVIDIA
@@ -106,6 +115,15 @@ class Settings(BaseSettings):
     """Most images in one /classify request."""
     preprocess_workers: int = Field(default_factory=lambda: os.cpu_count() or 1, ge=1)
     """Threads that decode and resize images (OpenCV releases the GIL); default one per core."""
+
+    def load_api_keys(self) -> list[bytes]:
+        """Every configured key (empty: no authentication)."""
+        keys = []
+        if self.api_keys is not None:
+            keys += [k.strip() for k in self.api_keys.get_secret_value().split(",")]
+        if self.api_keys_file is not None:
+            keys += [line.strip() for line in self.api_keys_file.read_text().splitlines()]
+        return [k.encode() for k in keys if k and not k.startswith("#")]
 
     @property
     def prefetch(self) -> int:
