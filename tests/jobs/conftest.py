@@ -136,3 +136,19 @@ async def aio_channel() -> AsyncIterator[aio_pika.abc.AbstractChannel]:
     connection = await aio_pika.connect(BROKER_URL)
     async with connection:
         yield await connection.channel()
+
+
+def worker_pids(prefix: str) -> list[int]:
+    """PIDs of ``gateway worker`` processes started for this test (its queue prefix in their
+    environment). The argument must be exactly ``worker``: test paths may contain the word."""
+    marker = f"GATEWAY_QUEUE_PREFIX={prefix}".encode()
+    pids = []
+    for pid in sorted(int(p) for p in os.listdir("/proc") if p.isdigit()):
+        try:
+            args = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            environ = Path(f"/proc/{pid}/environ").read_bytes()
+        except OSError:
+            continue
+        if b"worker" in args and b"service" in args and marker in environ:
+            pids.append(pid)
+    return pids

@@ -32,6 +32,7 @@ from tests.jobs.conftest import (
     photo_variants,
     queue_depth,
     wait_for_line,
+    worker_pids,
 )
 
 MakeSettings = Callable[..., Settings]
@@ -182,12 +183,17 @@ def test_ingest_500_photos_gives_500_distinct_correct_results(tmp_path: Path, pr
 
 
 def _ingest_with_disruption(
-    tmp_path: Path, prefix: str, models_dir: Path, disrupt: Callable[[], None], workers: int
+    tmp_path: Path,
+    prefix: str,
+    models_dir: Path,
+    disrupt: Callable[[], None],
+    workers: int,
+    env: dict[str, str] | None = None,
 ) -> dict[Path, int]:
     """Ingest 300 images through slow fake-backend workers; call ``disrupt`` when about a third of
     the results are in; return the images' expected classes."""
     classes = class_pngs(tmp_path / "images", 300)
-    env = _env(prefix, models_dir, GATEWAY_BACKEND="fake", GATEWAY_FAKE_DELAY="0.05", GATEWAY_MAX_BATCH_SIZE="4")
+    env = env or _env(prefix, models_dir, GATEWAY_BACKEND="fake", GATEWAY_FAKE_DELAY="0.05", GATEWAY_MAX_BATCH_SIZE="4")
     procs = []
     for i in range(workers):
         log = tmp_path / f"worker-{i}.log"
@@ -241,17 +247,10 @@ def test_worker_killed_mid_ingest_loses_nothing(tmp_path: Path, prefix: str, mod
     killed: list[int] = []
 
     def kill_first_worker() -> None:
-        marker = f"GATEWAY_QUEUE_PREFIX={prefix}".encode()
-        for pid in (int(p) for p in os.listdir("/proc") if p.isdigit()):
-            try:
-                cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
-                environ = Path(f"/proc/{pid}/environ").read_bytes()
-            except OSError:
-                continue
-            if b"worker" in cmdline and marker in environ:
-                os.kill(pid, signal.SIGKILL)
-                killed.append(pid)
-                return
+        pids = worker_pids(prefix)
+        assert len(pids) == 2
+        os.kill(pids[0], signal.SIGKILL)
+        killed.append(pids[0])
 
     _ingest_with_disruption(tmp_path, prefix, models_dir, kill_first_worker, workers=2)
     assert killed
@@ -268,6 +267,34 @@ def test_broker_restart_mid_ingest_loses_nothing(tmp_path: Path, prefix: str, mo
         subprocess.run(["rabbitmqctl", "start_app"], check=True, capture_output=True, timeout=120)
 
     _ingest_with_disruption(tmp_path, prefix, models_dir, restart_broker, workers=1)
+
+
+@pytest.mark.slow
+def test_worker_sigterm_mid_ingest_finishes_its_messages_and_loses_none(
+    tmp_path: Path, prefix: str, models_dir: Path
+) -> None:
+    """SIGTERM: the worker stops consuming, finishes and acks what it holds, and exits cleanly; a
+    new worker takes over the rest."""
+    env = _env(prefix, models_dir, GATEWAY_BACKEND="fake", GATEWAY_FAKE_DELAY="0.05", GATEWAY_MAX_BATCH_SIZE="4")
+    replacement: list[subprocess.Popen[bytes]] = []
+
+    def stop_and_replace() -> None:
+        (pid,) = worker_pids(prefix)
+        os.kill(pid, signal.SIGTERM)
+        wait_for_line(tmp_path / "worker-0.log", "worker: stopped", timeout=60)
+        log = tmp_path / "worker-new.log"
+        replacement.append(gateway_process(["worker"], env, log))
+        wait_for_line(log, "worker ready")
+
+    try:
+        _ingest_with_disruption(tmp_path, prefix, models_dir, stop_and_replace, workers=1, env=env)
+    finally:
+        for proc in replacement:
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(timeout=60)
+    assert (
+        "finishing" in (tmp_path / "worker-0.log").read_text() or "stopping" in (tmp_path / "worker-0.log").read_text()
+    )
 
 
 async def _publish(names: Names, *messages: aio_pika.Message) -> None:
