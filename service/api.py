@@ -13,7 +13,6 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from service.classifier import Classifier, ImageInput
 from service.errors import (
-    BackendUnavailable,
     BadImage,
     BadRequest,
     GatewayError,
@@ -181,8 +180,8 @@ async def _classify(request: Request, gateway: Any, top_k: int, mode: str) -> An
 async def _classify_offline(request: Request, images: list[ImageInput], top_k: int) -> JSONResponse:
     """Validate every image cheaply (type, header, dimensions), then publish each as a job."""
     gateway = request.app.state.gateway
-    if gateway.jobs is None:
-        raise BackendUnavailable("offline mode is not configured on this gateway (GATEWAY_BROKER_URL)")
+    if gateway.jobs is None:  # a property of this deployment, not a passing fault: retrying cannot help
+        raise BadRequest("mode=offline is not available: this gateway has no message broker (GATEWAY_BROKER_URL)")
     config = gateway.classifier.config
     for i, image in enumerate(images):
         try:

@@ -117,14 +117,14 @@ async def test_api_answers_503_fast_when_the_broker_is_unreachable(gateway_facto
         assert readyz["checks"]["broker"].startswith("not connected")
 
 
-async def test_offline_without_a_broker_configured_is_503(gateway_factory: MakeSettings) -> None:
+async def test_offline_without_a_broker_configured_is_400(gateway_factory: MakeSettings) -> None:
     async with running_gateway(gateway_factory(backend="fake"), FakeBackend()) as client:
         png = png_bytes(solid_image(3, 16))
         response = await client.post(
             "/classify", params={"mode": "offline"}, content=png, headers={"content-type": "image/png"}
         )
-        assert response.status_code == 503
-        assert "not configured" in response.json()["detail"]
+        assert response.status_code == 400
+        assert "not available" in response.json()["detail"]
 
 
 def _env(prefix: str, models_dir: Path, **extra: str) -> dict[str, str]:
