@@ -1,0 +1,143 @@
+"""The deployment files: the compose stack (Debian's docker-compose validates it) and every
+Kubernetes overlay (kubectl kustomize renders it, kubernetes-validate checks it offline)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import secrets
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import kubernetes_validate
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+COMPOSE_ENV = {"RABBITMQ_USER": "gateway", "RABBITMQ_PASSWORD": "s3cret-pw", "GRAFANA_ADMIN_PASSWORD": "pw"}
+CRD_REQUIRED = {  # no schemas ship for these: check what the cluster would reject
+    "ScaledObject": ["scaleTargetRef", "triggers"],
+    "TriggerAuthentication": ["secretTargetRef"],
+    "ServiceMonitor": ["selector", "endpoints"],
+    "PodMonitor": ["selector", "podMetricsEndpoints"],
+}
+
+
+def compose(*files: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    args = ["docker-compose", *(a for f in files for a in ("-f", f)), "config"]
+    return subprocess.run(args, cwd=ROOT, env={**os.environ, **(env or COMPOSE_ENV)}, capture_output=True, text=True)
+
+
+@pytest.mark.parametrize(
+    "files", [("docker-compose.yml",), ("docker-compose.yml", "docker-compose.gpu.yml")], ids=["cpu", "gpu"]
+)
+def test_compose_stack_is_valid_and_starts_in_order(files: tuple[str, ...]) -> None:
+    result = compose(*files)
+    assert result.returncode == 0, result.stderr
+    config = yaml.safe_load(result.stdout)
+    services = config["services"]
+    assert {"models", "triton", "rabbitmq", "gateway", "worker", "prometheus", "grafana"} <= set(services)
+    for name in ("gateway", "worker"):
+        assert services[name]["depends_on"] == {
+            "triton": {"condition": "service_healthy"},
+            "rabbitmq": {"condition": "service_healthy"},
+        }
+        assert services[name]["environment"]["GATEWAY_BROKER_URL"] == "amqp://gateway:s3cret-pw@rabbitmq:5672/"
+    assert services["triton"]["depends_on"] == {"models": {"condition": "service_completed_successfully"}}
+    for name, service in services.items():
+        if name != "models":
+            assert "healthcheck" in service, name
+    devices = services["triton"].get("deploy", {}).get("resources", {}).get("reservations", {}).get("devices", [])
+    gpu = "docker-compose.gpu.yml" in files
+    assert [d["driver"] for d in devices] == (["nvidia"] if gpu else [])
+    assert ("--triton-kind gpu" in services["models"]["command"]) is gpu
+
+
+def test_compose_refuses_to_start_without_credentials() -> None:
+    result = compose(
+        "docker-compose.yml", env={"GRAFANA_ADMIN_PASSWORD": "pw", "RABBITMQ_USER": "", "PATH": os.environ["PATH"]}
+    )
+    assert result.returncode != 0
+    assert "RABBITMQ" in result.stderr
+    for path in ("docker-compose.yml", "docker-compose.gpu.yml", ".env.example"):
+        assert "guest" not in (ROOT / path).read_text()
+
+
+def render(overlay: str, tmp_path: Path) -> list[dict[str, Any]]:
+    """kubectl kustomize on a copy of k8s/ with generated credentials (never committed)."""
+    tree = tmp_path / "k8s"
+    shutil.copytree(ROOT / "k8s", tree)
+    example = (tree / "base" / "credentials.env.example").read_text()
+    password = secrets.token_urlsafe(24)
+    (tree / "base" / "credentials.env").write_text(example.replace("change-me-to-a-long-random-string", password))
+    result = subprocess.run(["kubectl", "kustomize", str(tree / "overlays" / overlay)], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    return [doc for doc in yaml.safe_load_all(result.stdout) if doc]
+
+
+def by_kind(docs: list[dict[str, Any]], kind: str, name: str) -> dict[str, Any]:
+    return next(d for d in docs if d["kind"] == kind and d["metadata"]["name"] == name)
+
+
+def container(deployment: dict[str, Any], name: str) -> dict[str, Any]:
+    return next(c for c in deployment["spec"]["template"]["spec"]["containers"] if c["name"] == name)
+
+
+@pytest.mark.parametrize("overlay", ["cpu", "gpu"])
+def test_kubernetes_overlay_renders_and_validates(overlay: str, tmp_path: Path) -> None:
+    docs = render(overlay, tmp_path)
+    for doc in docs:
+        kind = doc["kind"]
+        if kind in CRD_REQUIRED:
+            assert all(key in doc["spec"] for key in CRD_REQUIRED[kind]), doc
+            continue
+        kubernetes_validate.validate(doc, "1.30.0", strict=True)  # raises on any schema violation
+        if kind != "Namespace":
+            assert doc["metadata"]["namespace"] == "inference-gateway", doc["metadata"]
+
+    gateway = by_kind(docs, "Deployment", "gateway")
+    web = container(gateway, "gateway")
+    assert web["readinessProbe"]["httpGet"]["path"] == "/readyz"
+    assert web["livenessProbe"]["httpGet"]["path"] == "/healthz"
+    assert web["lifecycle"]["preStop"]["sleep"]["seconds"] > 0
+    assert web["resources"]["requests"]
+    assert web["resources"]["limits"]
+    assert by_kind(docs, "HorizontalPodAutoscaler", "gateway")["spec"]["scaleTargetRef"]["name"] == "gateway"
+    assert by_kind(docs, "PodDisruptionBudget", "gateway")["spec"]["minAvailable"] == 1
+    trigger = by_kind(docs, "ScaledObject", "worker")["spec"]["triggers"][0]
+    assert (trigger["type"], trigger["metadata"]["queueName"]) == ("rabbitmq", "gateway.requests")
+
+    triton = container(by_kind(docs, "Deployment", "triton"), "triton")
+    assert triton["readinessProbe"]["httpGet"]["path"] == "/v2/health/ready"
+    gpus = triton["resources"].get("limits", {}).get("nvidia.com/gpu")
+    assert gpus == (1 if overlay == "gpu" else None)
+
+    policies = {d["metadata"]["name"]: d for d in docs if d["kind"] == "NetworkPolicy"}
+    for name, target in (
+        ("triton-from-gateway-and-workers", "triton"),
+        ("rabbitmq-from-gateway-and-workers", "rabbitmq"),
+    ):
+        policy = policies[name]
+        assert policy["spec"]["podSelector"]["matchLabels"] == {"app.kubernetes.io/name": target}
+        allowed = policy["spec"]["ingress"][0]["from"][0]["podSelector"]["matchExpressions"][0]["values"]
+        assert sorted(allowed) == ["gateway", "worker"]
+
+    secret = next(d for d in docs if d["kind"] == "Secret")
+    assert secret["metadata"]["name"].startswith("rabbitmq-credentials-")  # generated, hash-suffixed
+    rendered = json.dumps(docs)
+    assert "guest" not in rendered
+    assert not re.search(r"change-me", rendered)
+
+
+def test_dockerfile_is_multi_stage_non_root_with_a_healthcheck() -> None:
+    dockerfile = (ROOT / "Dockerfile").read_text()
+    assert len(re.findall(r"^FROM ", dockerfile, re.M)) == 2
+    assert re.search(r"^USER 10001$", dockerfile, re.M)
+    assert "HEALTHCHECK" in dockerfile
+    assert re.search(r'^ENTRYPOINT \["gateway"\]$', dockerfile, re.M)  # exec form: SIGTERM reaches uvicorn
+    assert "gateway models build" in dockerfile  # the embedded model is built at image build time
+    ignored = (ROOT / ".dockerignore").read_text().split()
+    assert {".venv", ".venv-triton", ".git", "tests"} <= set(ignored)
