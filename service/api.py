@@ -167,7 +167,7 @@ async def _classify(request: Request, gateway: Any, top_k: int, mode: str) -> An
     if mode == "offline":
         return await _classify_offline(request, images, top_k)
     results = await classifier.classify(images, k=top_k, deadline=deadline)
-    gateway.metrics.images.inc(len(results))
+    gateway.metrics.images.labels("online").inc(len(results))
     return ClassifyResponse(
         model=ModelInfo(name=classifier.profile.name, version=classifier.profile.version),
         results=[
@@ -246,11 +246,16 @@ async def readyz(request: Request) -> JSONResponse:
     problem = await gateway.backend.ready()
     checks = {"backend": f"{gateway.backend.name}: {problem or 'ok'}"}
     checks["batcher"] = "shutting down" if gateway.closing else "ok"
+    gpus = gateway.metrics.gpus_visible
+    checks["gpu"] = f"ok: {gpus} visible" if gpus else "none visible: no GPU metrics from this process"
+    gateway.metrics.backend_ready.labels(gateway.backend.name).set(0 if problem else 1)
     if gateway.jobs is not None:  # informational: online requests do not need the broker
         checks["broker"] = gateway.jobs.status()
     ready = problem is None and not gateway.closing
     if not request.scope.get(AUTHENTICATED, True):  # details name internal endpoints: keys holders only
-        checks = {name: "ok" if value.endswith("ok") else "not ready" for name, value in checks.items()}
+        checks = {
+            name: "ok" if value.endswith("ok") else "not ready" for name, value in checks.items() if name != "gpu"
+        }
     body = Readiness(ready=ready, checks=checks)
     return JSONResponse(body.model_dump(), status_code=200 if ready else 503)
 

@@ -80,8 +80,11 @@ class Classifier:
         except TimeoutError:
             raise DeadlineExceeded("the request deadline passed while decoding its images") from None
         rows = await self.batcher.submit(arrays, deadline=deadline)
+        started = time.perf_counter()
         labels = self.profile.labels
-        return [
+        out = [
             Classification(image.filename, [(i, labels[i], score) for i, score in top_k(row, k)])
             for image, row in zip(images, rows, strict=True)
         ]
+        self.metrics.postprocess_duration.observe(time.perf_counter() - started)
+        return out

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
 
 from service.batcher import BatchReport, DynamicBatcher
 
@@ -14,6 +14,8 @@ BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 class Metrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry if registry is not None else CollectorRegistry()
+        self.gpus_visible = 0
+        """GPUs NVML sees in this process (0: no GPU series are exported)."""
         r = self.registry
         self.http_requests = Counter(
             "gateway_http_requests_total",
@@ -30,7 +32,20 @@ class Metrics:
         )
         self.images = Counter(
             "gateway_images_classified_total",
-            "Images classified and answered.",
+            "Images classified, by mode: online (HTTP) or offline (queue worker).",
+            ["mode"],
+            registry=r,
+        )
+        self.postprocess_duration = Histogram(
+            "gateway_postprocess_duration_seconds",
+            "Top-k selection and response building per request.",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.backend_ready = Gauge(
+            "gateway_backend_ready",
+            "1 when the backend (Triton, or the embedded model) is ready to serve, else 0.",
+            ["backend"],
             registry=r,
         )
         self.preprocess_duration = Histogram(
@@ -88,6 +103,26 @@ class Metrics:
             ["queue"],
             registry=r,
         )
+
+        ProcessCollector(registry=r)  # process_cpu_seconds_total, process_resident_memory_bytes...
+        for mode in ("online", "offline"):
+            self.images.labels(mode)
+        for event in ("published", "consumed", "acked", "requeued", "retried", "dead_lettered", "results_published"):
+            self.queue_messages.labels(event)
+        for reason in (
+            "bad_image",
+            "bad_request",
+            "payload_too_large",
+            "unsupported_media_type",
+            "invalid_parameters",
+            "queue_full",
+            "deadline_exceeded",
+            "backend_unavailable",
+            "backend_error",
+            "unauthorized",
+            "not_found",
+        ):
+            self.rejections.labels(reason)
 
     def bind_batcher(self, batcher: DynamicBatcher, backend: str) -> None:
         """Read the batcher's gauges at scrape time and return a per-batch callback."""

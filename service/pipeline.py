@@ -18,6 +18,7 @@ from service.backends.base import Backend
 from service.backends.circuit import CircuitBreaker
 from service.batcher import DynamicBatcher
 from service.classifier import Classifier
+from service.gpu import start_gpu_sampler
 from service.metrics import Metrics
 from service.models.profiles import ModelProfile, get_profile
 from service.models.store import ensure_model
@@ -77,10 +78,27 @@ async def open_pipeline(
     pool = ThreadPoolExecutor(max_workers=settings.preprocess_workers, thread_name_prefix="preprocess")
     config = PreprocessConfig(profile.image_size, profile.crop_fraction, settings.max_image_pixels)
     batcher.start()
+    gpu = start_gpu_sampler(metrics.registry)
+    metrics.gpus_visible = gpu.count if gpu is not None else 0
+    watcher = asyncio.create_task(_watch_readiness(chosen, metrics), name="readiness")
     logger.info("pipeline ready: model %s v%s on the %s backend", profile.name, profile.version, chosen.name)
     try:
         yield Classifier(profile, batcher, pool, metrics, config), chosen
     finally:
+        watcher.cancel()
+        if gpu is not None:
+            gpu.stop()
         await batcher.aclose(drain_timeout=settings.request_timeout)
         await chosen.aclose()
         pool.shutdown(wait=True, cancel_futures=True)
+
+
+async def _watch_readiness(backend: Backend, metrics: Metrics, interval: float = 5.0) -> None:
+    """Keep ``gateway_backend_ready`` current for alerting, whether or not anyone polls /readyz."""
+    while True:
+        try:
+            metrics.backend_ready.labels(backend.name).set(0 if await backend.ready() else 1)
+        except Exception as exc:
+            logger.warning("readiness check failed: %s", exc)
+            metrics.backend_ready.labels(backend.name).set(0)
+        await asyncio.sleep(interval)

@@ -166,6 +166,7 @@ class Worker:
                 raise BadRequest(f"top_k must be 1-20, not {top_k}")
             (classified,) = await self.classifier.classify([ImageInput(message.body, filename)], k=top_k, deadline=None)
             base.labels = [Label(index=i, label=lab, score=s) for i, lab, s in classified.labels]
+            self.metrics.images.labels("offline").inc()
             base.timings["processing"] = time.perf_counter() - started
             await self._publish_result(base, reply_to)
             await message.ack()
