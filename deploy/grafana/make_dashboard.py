@@ -1,0 +1,270 @@
+"""Writes deploy/grafana/dashboards/gateway.json: the dashboard an operator tunes the gateway by.
+
+    python deploy/grafana/make_dashboard.py          (a test checks the committed file is current)
+
+Every query names series that the gateway, its workers, Triton or RabbitMQ export; a test checks
+them against real exports (GPU series against Triton's documented names, as no GPU is in CI).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+DATASOURCE = {"type": "prometheus", "uid": "prometheus"}
+CLASSIFY = 'route="/classify"'
+
+
+def quantiles(metric: str, selector: str = "", by: str = "") -> list[tuple[str, str]]:
+    group = f"le{', ' + by if by else ''}"
+    return [
+        (
+            f"p{int(q * 100)}{' {{' + by + '}}' if by else ''}",
+            f"histogram_quantile({q}, sum by ({group}) (rate({metric}_bucket{{{selector}}}[5m])))",
+        )
+        for q in (0.5, 0.95, 0.99)
+    ]
+
+
+ROWS: list[tuple[str, list[dict[str, Any]]]] = [
+    (
+        "Throughput",
+        [
+            {
+                "title": "Images/s by mode",
+                "unit": "short",
+                "targets": [("{{mode}}", "sum by (mode) (rate(gateway_images_classified_total[1m]))")],
+            },
+            {
+                "title": "/classify answers/s by status",
+                "unit": "reqps",
+                "targets": [("{{status}}", f"sum by (status) (rate(gateway_http_requests_total{{{CLASSIFY}}}[1m]))")],
+            },
+            {
+                "title": "Triton inferences/s",
+                "unit": "short",
+                "targets": [("{{model}}", "sum by (model) (rate(nv_inference_count[1m]))")],
+            },
+        ],
+    ),
+    (
+        "Latency",
+        [
+            {
+                "title": "/classify latency (2xx)",
+                "unit": "s",
+                "targets": quantiles("gateway_http_request_duration_seconds", f'{CLASSIFY},status_class="2xx"'),
+            },
+            {
+                "title": "Stage latency, p95",
+                "unit": "s",
+                "targets": [
+                    (stage, f"histogram_quantile(0.95, sum by (le) (rate({metric}_bucket[5m])))")
+                    for stage, metric in (
+                        ("decode + resize", "gateway_preprocess_duration_seconds"),
+                        ("batcher queue", "gateway_queue_wait_seconds"),
+                        ("backend call", "gateway_backend_duration_seconds"),
+                        ("postprocess", "gateway_postprocess_duration_seconds"),
+                    )
+                ],
+            },
+            {
+                "title": "Triton time per request: queue vs compute",
+                "unit": "s",
+                "targets": [
+                    (
+                        f"{part} {{{{model}}}}",
+                        f"sum by (model) (rate(nv_inference_{part}_duration_us[1m])) / 1e6 "
+                        "/ sum by (model) (rate(nv_inference_request_success[1m]))",
+                    )
+                    for part in ("queue", "compute_input", "compute_infer", "compute_output")
+                ],
+            },
+        ],
+    ),
+    (
+        "Batching",
+        [
+            {
+                "title": "Batch size distribution (gateway)",
+                "type": "heatmap",
+                "targets": [("{{le}}", "sum by (le) (increase(gateway_batch_size_bucket[1m]))")],
+            },
+            {
+                "title": "Mean batch size",
+                "unit": "short",
+                "targets": [
+                    ("gateway", "sum(rate(gateway_batch_size_sum[5m])) / sum(rate(gateway_batch_size_count[5m]))"),
+                    (
+                        "triton {{model}}",
+                        "sum by (model) (rate(nv_inference_count[5m])) "
+                        "/ sum by (model) (rate(nv_inference_exec_count[5m]))",
+                    ),
+                ],
+            },
+            {
+                "title": "Batcher queue and in-flight batches",
+                "unit": "short",
+                "targets": [
+                    ("queued images {{instance}}", "gateway_batcher_queue_depth"),
+                    ("in-flight batches {{instance}}", "gateway_batcher_inflight_batches"),
+                    ("Triton pending {{model}}", "sum by (model) (nv_inference_pending_request_count)"),
+                ],
+            },
+        ],
+    ),
+    (
+        "Offline (RabbitMQ)",
+        [
+            {
+                "title": "Backlog",
+                "unit": "short",
+                "targets": [
+                    ("{{queue}}", "max by (queue) (gateway_queue_depth_messages)"),
+                    ("ready in RabbitMQ", "sum(rabbitmq_queue_messages_ready)"),
+                ],
+            },
+            {
+                "title": "Queue events/s",
+                "unit": "short",
+                "targets": [("{{event}}", "sum by (event) (rate(gateway_queue_messages_total[1m]))")],
+            },
+            {
+                "title": "RabbitMQ rates",
+                "unit": "short",
+                "targets": [
+                    ("received", "sum(rate(rabbitmq_global_messages_received_total[1m]))"),
+                    ("delivered", "sum(rate(rabbitmq_global_messages_delivered_total[1m]))"),
+                    ("acknowledged", "sum(rate(rabbitmq_global_messages_acknowledged_total[1m]))"),
+                    ("redelivered", "sum(rate(rabbitmq_global_messages_redelivered_total[1m]))"),
+                ],
+            },
+        ],
+    ),
+    (
+        "GPU and processes",
+        [
+            {
+                "title": "GPU utilisation",
+                "unit": "percentunit",
+                "targets": [
+                    ("triton {{gpu_uuid}}", "nv_gpu_utilization"),
+                    ("gateway-visible {{gpu}}", "gateway_gpu_utilization_ratio"),
+                ],
+            },
+            {
+                "title": "GPU memory used",
+                "unit": "bytes",
+                "targets": [
+                    ("used {{gpu_uuid}}", "nv_gpu_memory_used_bytes"),
+                    ("total {{gpu_uuid}}", "nv_gpu_memory_total_bytes"),
+                ],
+            },
+            {
+                "title": "CPU per process",
+                "unit": "percentunit",
+                "targets": [
+                    ("{{job}} {{instance}}", "rate(process_cpu_seconds_total[1m])"),
+                    ("triton host", "nv_cpu_utilization"),
+                ],
+            },
+            {
+                "title": "Resident memory per process",
+                "unit": "bytes",
+                "targets": [
+                    ("{{job}} {{instance}}", "process_resident_memory_bytes"),
+                    ("triton host used", "nv_cpu_memory_used_bytes"),
+                ],
+            },
+        ],
+    ),
+    (
+        "Errors and health",
+        [
+            {
+                "title": "Rejections by reason",
+                "unit": "reqps",
+                "targets": [("{{reason}}", "sum by (reason) (rate(gateway_rejections_total[1m]))")],
+            },
+            {
+                "title": "Backend errors",
+                "unit": "short",
+                "targets": [
+                    ("gateway {{error}}", "sum by (error) (rate(gateway_backend_errors_total[1m]))"),
+                    ("triton {{reason}}", "sum by (reason) (rate(nv_inference_request_failure[1m]))"),
+                ],
+            },
+            {
+                "title": "Backend ready",
+                "type": "stat",
+                "targets": [("{{backend}} {{instance}}", "gateway_backend_ready")],
+            },
+        ],
+    ),
+]
+
+
+def build() -> dict[str, Any]:
+    panels: list[dict[str, Any]] = []
+    y, next_id = 0, 1
+    for row_title, row_panels in ROWS:
+        panels.append(
+            {
+                "type": "row",
+                "title": row_title,
+                "id": next_id,
+                "collapsed": False,
+                "gridPos": {"h": 1, "w": 24, "x": 0, "y": y},
+                "panels": [],
+            }
+        )
+        next_id, y = next_id + 1, y + 1
+        width = 24 // len(row_panels)
+        for i, spec in enumerate(row_panels):
+            panel: dict[str, Any] = {
+                "id": next_id,
+                "type": spec.get("type", "timeseries"),
+                "title": spec["title"],
+                "datasource": DATASOURCE,
+                "gridPos": {"h": 8, "w": width, "x": i * width, "y": y},
+                "fieldConfig": {"defaults": {"unit": spec.get("unit", "short")}, "overrides": []},
+                "targets": [
+                    {
+                        "refId": chr(ord("A") + j),
+                        "datasource": DATASOURCE,
+                        "expr": expr,
+                        "legendFormat": legend,
+                        **({"format": "heatmap"} if spec.get("type") == "heatmap" else {}),
+                    }
+                    for j, (legend, expr) in enumerate(spec["targets"])
+                ],
+            }
+            panels.append(panel)
+            next_id += 1
+        y += 8
+    return {
+        "uid": "inference-gateway",
+        "title": "Inference gateway",
+        "tags": ["inference", "triton", "gateway"],
+        "timezone": "browser",
+        "schemaVersion": 39,
+        "version": 1,
+        "editable": True,
+        "refresh": "10s",
+        "time": {"from": "now-30m", "to": "now"},
+        "templating": {"list": []},
+        "annotations": {"list": []},
+        "panels": panels,
+    }
+
+
+def main() -> None:
+    out = Path(sys.argv[1]) if len(sys.argv) > 1 else Path(__file__).with_name("dashboards") / "gateway.json"
+    out.write_text(json.dumps(build(), indent=2) + "\n")
+    print(out)
+
+
+if __name__ == "__main__":
+    main()
