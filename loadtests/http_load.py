@@ -101,10 +101,12 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def start_gateway(args: list[str], models_dir: Path, timeout: float = 180) -> tuple[subprocess.Popen[bytes], str]:
+def start_gateway(
+    args: list[str], models_dir: Path, timeout: float = 180, env: dict[str, str] | None = None
+) -> tuple[subprocess.Popen[bytes], str]:
     """A gateway process (``gateway serve ARGS``) on a free port, returned once /readyz is 200."""
     port = free_port()
-    env = {**os.environ, "GATEWAY_MODELS_DIR": str(models_dir), "GATEWAY_LOG_LEVEL": "warning"}
+    env = {**os.environ, "GATEWAY_MODELS_DIR": str(models_dir), "GATEWAY_LOG_LEVEL": "warning", **(env or {})}
     proc = subprocess.Popen([sys.executable, "-m", "service", "serve", "--port", str(port), *args], env=env)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + timeout

@@ -7,7 +7,7 @@ from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import JSONResponse, PlainTextResponse
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.datastructures import UploadFile
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -262,6 +262,6 @@ async def readyz(request: Request) -> JSONResponse:
 
 @router.get("/metrics", response_class=PlainTextResponse, summary="Prometheus metrics")
 async def metrics(request: Request) -> PlainTextResponse:
-    registry = request.app.state.gateway.metrics
-    assert isinstance(registry, Metrics)
-    return PlainTextResponse(generate_latest(registry.registry), media_type=CONTENT_TYPE_LATEST)
+    metrics = request.app.state.gateway.metrics
+    assert isinstance(metrics, Metrics)
+    return PlainTextResponse(metrics.exposition(), media_type=CONTENT_TYPE_LATEST)

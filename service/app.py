@@ -108,3 +108,8 @@ def create_app(
     app.add_middleware(ApiKeyMiddleware, keys=settings.load_api_keys(), open_paths=open_paths)
     app.add_middleware(MetricsMiddleware, metrics=metrics)
     return app
+
+
+def app_from_environment() -> FastAPI:
+    """uvicorn factory for several worker processes: each reads its settings from GATEWAY_*."""
+    return create_app(Settings(**{}))  # every value from GATEWAY_* variables

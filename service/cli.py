@@ -9,9 +9,11 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from pydantic import ValidationError
 
@@ -37,21 +39,41 @@ def _settings(args: argparse.Namespace) -> Settings:
         sys.exit(f"gateway: invalid settings:\n{exc}")
 
 
+def _prepare_multiprocess(args: argparse.Namespace) -> None:
+    """Before uvicorn spawns its workers: hand them the CLI's settings through the environment, and
+    give prometheus_client an empty directory for its per-process files (read at import time)."""
+    import shutil
+    import tempfile
+
+    for name in Settings.model_fields:
+        value = getattr(args, name, None)
+        if value is not None:
+            os.environ[f"GATEWAY_{name.upper()}"] = str(value)
+    directory = os.environ.get("PROMETHEUS_MULTIPROC_DIR") or tempfile.mkdtemp(prefix="gateway-metrics-")
+    shutil.rmtree(directory, ignore_errors=True)  # stale files from a previous run would be summed in
+    os.makedirs(directory)
+    os.environ["PROMETHEUS_MULTIPROC_DIR"] = directory
+
+
 def _serve(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from service.app import create_app
-
     settings = _settings(args)
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    uvicorn.run(
-        create_app(settings),
-        host=settings.host,
-        port=settings.port,
-        log_level=settings.log_level,
-        timeout_graceful_shutdown=int(settings.request_timeout) + 5,
-        limit_concurrency=settings.max_connections,
-    )
+    common: dict[str, Any] = {
+        "host": settings.host,
+        "port": settings.port,
+        "log_level": settings.log_level,
+        "timeout_graceful_shutdown": int(settings.request_timeout) + 5,
+        "limit_concurrency": settings.max_connections,
+    }
+    if settings.workers > 1:
+        _prepare_multiprocess(args)
+        uvicorn.run("service.app:app_from_environment", factory=True, workers=settings.workers, **common)
+    else:
+        from service.app import create_app
+
+        uvicorn.run(create_app(settings), **common)
     return 0
 
 

@@ -37,13 +37,25 @@ class GpuSampler:
         self.interval = interval
         self.count = int(nvml.nvmlDeviceGetCount())
         self.utilization = Gauge(
-            "gateway_gpu_utilization_ratio", "GPU busy share (0-1), by GPU.", ["gpu"], registry=registry
+            "gateway_gpu_utilization_ratio",
+            "GPU busy share (0-1), by GPU.",
+            ["gpu"],
+            registry=registry,
+            multiprocess_mode="max",
         )
         self.memory_used = Gauge(
-            "gateway_gpu_memory_used_bytes", "GPU memory in use, by GPU.", ["gpu"], registry=registry
+            "gateway_gpu_memory_used_bytes",
+            "GPU memory in use, by GPU.",
+            ["gpu"],
+            registry=registry,
+            multiprocess_mode="max",
         )
         self.memory_total = Gauge(
-            "gateway_gpu_memory_total_bytes", "GPU memory size, by GPU.", ["gpu"], registry=registry
+            "gateway_gpu_memory_total_bytes",
+            "GPU memory size, by GPU.",
+            ["gpu"],
+            registry=registry,
+            multiprocess_mode="max",
         )
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="gpu-sampler", daemon=True)

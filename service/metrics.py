@@ -2,13 +2,28 @@
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
+import os
+
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    ProcessCollector,
+    generate_latest,
+    multiprocess,
+)
 
 from service.batcher import BatchReport, DynamicBatcher
 
 # 1 ms to 10 s, roughly x2.5 per step
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+
+
+def multiprocess_dir() -> str | None:
+    """Set (before prometheus_client is imported) when uvicorn runs several worker processes."""
+    return os.environ.get("PROMETHEUS_MULTIPROC_DIR") or None
 
 
 class Metrics:
@@ -47,6 +62,7 @@ class Metrics:
             "1 when the backend (Triton, or the embedded model) is ready to serve, else 0.",
             ["backend"],
             registry=r,
+            multiprocess_mode="livemin",  # with several workers: ready only if every live one is
         )
         self.preprocess_duration = Histogram(
             "gateway_preprocess_duration_seconds",
@@ -79,9 +95,14 @@ class Metrics:
             buckets=BATCH_BUCKETS,
             registry=r,
         )
-        self.queue_depth = Gauge("gateway_batcher_queue_depth", "Images waiting in the batcher.", registry=r)
+        self.queue_depth = Gauge(
+            "gateway_batcher_queue_depth", "Images waiting in the batcher.", registry=r, multiprocess_mode="livesum"
+        )
         self.inflight_batches = Gauge(
-            "gateway_batcher_inflight_batches", "Batches currently in the backend.", registry=r
+            "gateway_batcher_inflight_batches",
+            "Batches currently in the backend.",
+            registry=r,
+            multiprocess_mode="livesum",
         )
         self.rejections = Counter(
             "gateway_rejections_total",
@@ -102,9 +123,12 @@ class Metrics:
             "Messages ready in a broker queue, sampled by the worker.",
             ["queue"],
             registry=r,
+            multiprocess_mode="max",
         )
 
-        ProcessCollector(registry=r)  # process_cpu_seconds_total, process_resident_memory_bytes...
+        self.multiprocess = multiprocess_dir() is not None
+        if not self.multiprocess:  # in multiprocess mode, exposition() adds the answering process's
+            ProcessCollector(registry=r)  # process_cpu_seconds_total, process_resident_memory_bytes...
         for mode in ("online", "offline"):
             self.images.labels(mode)
         for event in ("published", "consumed", "acked", "requeued", "retried", "dead_lettered", "results_published"):
@@ -125,11 +149,29 @@ class Metrics:
             self.rejections.labels(reason)
 
     def bind_batcher(self, batcher: DynamicBatcher, backend: str) -> None:
-        """Read the batcher's gauges at scrape time and return a per-batch callback."""
-        self.queue_depth.set_function(lambda: batcher.queue_depth)
-        self.inflight_batches.set_function(lambda: batcher.inflight_batches)
+        """Remember the batcher whose gauges ``sample`` copies (set_function gauges do not work in
+        multiprocess mode, so they are sampled instead)."""
+        self._batcher = batcher
         self.backend_duration.labels(backend)
         self._backend = backend
+        self.sample()
+
+    def sample(self) -> None:
+        batcher = getattr(self, "_batcher", None)
+        if batcher is not None:
+            self.queue_depth.set(batcher.queue_depth)
+            self.inflight_batches.set(batcher.inflight_batches)
+
+    def exposition(self) -> bytes:
+        """The Prometheus text for /metrics: this registry, or with several uvicorn workers the
+        sum over every worker's files (counters and histograms added, gauges per their mode)."""
+        self.sample()
+        if not self.multiprocess:
+            return generate_latest(self.registry)
+        registry = CollectorRegistry()
+        multiprocess.MultiProcessCollector(registry)  # type: ignore[no-untyped-call]
+        ProcessCollector(registry=registry)  # the answering worker's own process
+        return generate_latest(registry)
 
     def observe_batch(self, report: BatchReport) -> None:
         self.batch_size.observe(report.size)

@@ -93,12 +93,17 @@ async def open_pipeline(
         pool.shutdown(wait=True, cancel_futures=True)
 
 
-async def _watch_readiness(backend: Backend, metrics: Metrics, interval: float = 5.0) -> None:
-    """Keep ``gateway_backend_ready`` current for alerting, whether or not anyone polls /readyz."""
+async def _watch_readiness(backend: Backend, metrics: Metrics, every: int = 5) -> None:
+    """Keep the gauges current whether or not anyone scrapes: the batcher's every second,
+    ``gateway_backend_ready`` every ``every`` seconds (for alerting without /readyz polls)."""
+    tick = 0
     while True:
-        try:
-            metrics.backend_ready.labels(backend.name).set(0 if await backend.ready() else 1)
-        except Exception as exc:
-            logger.warning("readiness check failed: %s", exc)
-            metrics.backend_ready.labels(backend.name).set(0)
-        await asyncio.sleep(interval)
+        metrics.sample()
+        if tick % every == 0:
+            try:
+                metrics.backend_ready.labels(backend.name).set(0 if await backend.ready() else 1)
+            except Exception as exc:
+                logger.warning("readiness check failed: %s", exc)
+                metrics.backend_ready.labels(backend.name).set(0)
+        tick += 1
+        await asyncio.sleep(1.0)

@@ -22,6 +22,9 @@ class Settings(BaseSettings):
     """Address the HTTP server binds to."""
     port: int = Field(8000, ge=0, le=65535)
     """TCP port of the HTTP server (0 picks a free one)."""
+    workers: int = Field(1, ge=1, le=64)
+    """uvicorn worker processes. Each has its own batcher; with more than one, metrics are kept in
+    Prometheus multiprocess mode and /metrics sums them over all workers."""
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     """Log level of the gateway's loggers and of uvicorn."""
 
