@@ -387,3 +387,37 @@ async def test_backend_failures_retry_then_dead_letter(gateway_factory: MakeSett
     (dead,) = await drain(names.dead)
     assert dead.headers[ERROR_HEADER] == "backend_error"
     assert dead.headers["x-retries"] == 2
+
+
+async def test_worker_exports_its_metrics_on_its_own_port(gateway_factory: MakeSettings, prefix: str) -> None:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    names = Names(prefix)
+    settings = offline_settings(gateway_factory, prefix, backend="fake")
+    settings = settings.model_copy(update={"worker_metrics_port": port})
+    messages = [
+        request_message(
+            png_bytes(solid_image(v, 8)),
+            job_id=f"m-{v}",
+            content_type="image/png",
+            filename=None,
+            top_k=1,
+            reply_to="jobs",
+        )
+        for v in range(5)
+    ]
+    await _publish(names, *messages)
+    stop = asyncio.Event()
+    worker = asyncio.create_task(run_worker(settings, stop, backend=FakeBackend()))
+    await _collect_results(names, 5)
+    async with httpx.AsyncClient() as client:
+        text = (await client.get(f"http://127.0.0.1:{port}/metrics")).text
+    stop.set()
+    await worker
+    assert 'gateway_images_classified_total{mode="offline"} 5.0' in text
+    assert 'gateway_queue_messages_total{event="acked"} 5.0' in text
+    assert 'gateway_queue_messages_total{event="results_published"} 5.0' in text
+    assert "gateway_batch_size_count" in text
