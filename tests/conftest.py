@@ -74,6 +74,42 @@ def crafted_png(width: int, height: int) -> bytes:
     return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(b"\0" * 64)) + chunk(b"IEND", b"")
 
 
+def free_port() -> int:
+    """A loopback TCP port nobody listens on right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@asynccontextmanager
+async def running_prometheus(config: Path, data: Path) -> AsyncIterator[httpx.AsyncClient]:
+    """A real Prometheus (Debian's package) with ``config``; yields a client for its HTTP API once
+    it is ready."""
+    port = free_port()
+    process = await asyncio.create_subprocess_exec(
+        "prometheus",
+        f"--config.file={config}",
+        f"--storage.tsdb.path={data}",
+        f"--web.listen-address=127.0.0.1:{port}",
+        stdout=asyncio.subprocess.DEVNULL,
+        stderr=asyncio.subprocess.DEVNULL,
+    )
+    try:
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=5) as client:
+            async with asyncio.timeout(30):
+                while True:
+                    try:
+                        if (await client.get("/-/ready")).status_code == 200:
+                            break
+                    except httpx.TransportError:
+                        pass
+                    await asyncio.sleep(0.1)
+            yield client
+    finally:
+        process.terminate()
+        await process.wait()
+
+
 def _bound_socket() -> socket.socket:
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -15,13 +14,7 @@ import pytest
 
 from service.cli import build_parser
 from service.settings import Settings
-from tests.conftest import CAT_CLASSES
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+from tests.conftest import CAT_CLASSES, free_port
 
 
 def test_every_setting_is_a_documented_flag() -> None:
@@ -68,7 +61,7 @@ def test_models_build_then_list(tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_gateway_command_serves_a_cat_and_stops_on_sigterm(tmp_path: Path, models_dir: Path, cat_jpeg: bytes) -> None:
     """`gateway` with no arguments serves the embedded model; SIGTERM stops it cleanly."""
-    port = _free_port()
+    port = free_port()
     env = {**os.environ, "GATEWAY_MODELS_DIR": str(models_dir), "GATEWAY_PORT": str(port)}
     gateway = Path(sys.executable).with_name("gateway")
     proc = subprocess.Popen([str(gateway)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import shutil
-import socket
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -16,15 +15,9 @@ import yaml
 
 from service.backends.fake import FakeBackend
 from service.settings import Settings
-from tests.conftest import png_bytes, running_gateway, solid_image
+from tests.conftest import png_bytes, running_gateway, running_prometheus, solid_image
 
 PROMETHEUS_DIR = Path(__file__).resolve().parents[1] / "deploy" / "prometheus"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def shipped_config_for(gateway_port: int, tmp_path: Path) -> Path:
@@ -52,48 +45,32 @@ async def query(client: httpx.AsyncClient, expr: str) -> list[dict[str, Any]]:
 async def test_prometheus_scrapes_the_gateway(gateway_factory: Callable[..., Settings], tmp_path: Path) -> None:
     async with running_gateway(gateway_factory(backend="fake"), FakeBackend()) as gateway:
         port = int(str(gateway.base_url).rsplit(":", 1)[1].rstrip("/"))
-        web = _free_port()
-        prometheus = await asyncio.create_subprocess_exec(
-            "prometheus",
-            f"--config.file={shipped_config_for(port, tmp_path)}",
-            f"--storage.tsdb.path={tmp_path / 'data'}",
-            f"--web.listen-address=127.0.0.1:{web}",
-            stdout=asyncio.subprocess.DEVNULL,
-            stderr=asyncio.subprocess.DEVNULL,
-        )
-        try:
-            for value in range(7):
-                r = await gateway.post(
-                    "/classify", content=png_bytes(solid_image(value, 16)), headers={"content-type": "image/png"}
-                )
-                assert r.status_code == 200
-            bad = await gateway.post("/classify", content=b"junk", headers={"content-type": "image/png"})
-            assert bad.status_code == 400
-            async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{web}", timeout=5) as prom:
-                async with asyncio.timeout(60):  # until a scrape has seen all the requests
-                    while True:
-                        try:
-                            got = await query(prom, 'gateway_images_classified_total{job="gateway",mode="online"}')
-                        except httpx.TransportError:
-                            got = []
-                        if got and float(got[0]["value"][1]) == 7:
-                            break
-                        await asyncio.sleep(0.25)
-                assert float((await query(prom, 'up{job="gateway"}'))[0]["value"][1]) == 1
-                count = await query(
-                    prom, 'gateway_http_request_duration_seconds_count{route="/classify",status_class="2xx"}'
-                )
-                assert float(count[0]["value"][1]) == 7
-                rejected = await query(prom, 'gateway_rejections_total{reason="bad_image"}')
-                assert float(rejected[0]["value"][1]) == 1
-                p99 = await query(
-                    prom,
-                    "histogram_quantile(0.99, sum by (le) (gateway_http_request_duration_seconds_bucket"
-                    '{route="/classify",status_class="2xx"}))',
-                )
-                assert 0 < float(p99[0]["value"][1]) <= 10
-                batches = await query(prom, "gateway_batch_size_sum")
-                assert float(batches[0]["value"][1]) == 7
-        finally:
-            prometheus.terminate()
-            await prometheus.wait()
+        for value in range(7):
+            r = await gateway.post(
+                "/classify", content=png_bytes(solid_image(value, 16)), headers={"content-type": "image/png"}
+            )
+            assert r.status_code == 200
+        bad = await gateway.post("/classify", content=b"junk", headers={"content-type": "image/png"})
+        assert bad.status_code == 400
+        async with running_prometheus(shipped_config_for(port, tmp_path), tmp_path / "data") as prom:
+            async with asyncio.timeout(60):  # until a scrape has seen all the requests
+                while True:
+                    got = await query(prom, 'gateway_images_classified_total{job="gateway",mode="online"}')
+                    if got and float(got[0]["value"][1]) == 7:
+                        break
+                    await asyncio.sleep(0.25)
+            assert float((await query(prom, 'up{job="gateway"}'))[0]["value"][1]) == 1
+            count = await query(
+                prom, 'gateway_http_request_duration_seconds_count{route="/classify",status_class="2xx"}'
+            )
+            assert float(count[0]["value"][1]) == 7
+            rejected = await query(prom, 'gateway_rejections_total{reason="bad_image"}')
+            assert float(rejected[0]["value"][1]) == 1
+            p99 = await query(
+                prom,
+                "histogram_quantile(0.99, sum by (le) (gateway_http_request_duration_seconds_bucket"
+                '{route="/classify",status_class="2xx"}))',
+            )
+            assert 0 < float(p99[0]["value"][1]) <= 10
+            batches = await query(prom, "gateway_batch_size_sum")
+            assert float(batches[0]["value"][1]) == 7

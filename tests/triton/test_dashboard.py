@@ -4,7 +4,6 @@ plugin); every expression parses in a real Prometheus."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import re
 import subprocess
@@ -21,7 +20,7 @@ from service.backends.fake import FakeBackend
 from service.gpu import GpuSampler
 from service.settings import Settings
 from service.triton.server import LocalTriton
-from tests.conftest import png_bytes, running_gateway, solid_image
+from tests.conftest import png_bytes, running_gateway, running_prometheus, solid_image
 
 ROOT = Path(__file__).resolve().parents[2]
 DASHBOARD = ROOT / "deploy" / "grafana" / "dashboards" / "gateway.json"
@@ -137,35 +136,10 @@ async def test_every_query_names_real_series(
 async def test_every_query_parses_in_prometheus(tmp_path: Path) -> None:
     config = tmp_path / "prometheus.yml"
     config.write_text("global: {scrape_interval: 1m}\nscrape_configs: []\n")
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    prometheus = await asyncio.create_subprocess_exec(
-        "prometheus",
-        f"--config.file={config}",
-        f"--storage.tsdb.path={tmp_path / 'data'}",
-        f"--web.listen-address=127.0.0.1:{port}",
-        stdout=asyncio.subprocess.DEVNULL,
-        stderr=asyncio.subprocess.DEVNULL,
-    )
-    try:
-        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=5) as client:
-            async with asyncio.timeout(30):
-                while True:
-                    try:
-                        if (await client.get("/-/ready")).status_code == 200:
-                            break
-                    except httpx.TransportError:
-                        pass
-                    await asyncio.sleep(0.1)
-            for expr in dashboard_queries():
-                body = (await client.get("/api/v1/query", params={"query": expr})).json()
-                assert body["status"] == "success", (expr, body.get("error"))
-    finally:
-        prometheus.terminate()
-        await prometheus.wait()
+    async with running_prometheus(config, tmp_path / "data") as client:
+        for expr in dashboard_queries():
+            body = (await client.get("/api/v1/query", params={"query": expr})).json()
+            assert body["status"] == "success", (expr, body.get("error"))
 
 
 def test_rabbitmq_prometheus_plugin_answers() -> None:
