@@ -15,17 +15,14 @@ from service.classifier import Classifier, ImageInput
 from service.errors import (
     BadImage,
     BadRequest,
-    GatewayError,
     InvalidParameters,
     NotFound,
     QueueFull,
     UnsupportedMediaType,
 )
-from service.imageinfo import probe
 from service.jobs.client import OfflineImage, PendingJob
 from service.metrics import Metrics
 from service.middleware import AUTHENTICATED
-from service.preprocess import check_limits
 from service.schemas import (
     AcceptedJob,
     ClassifyResponse,
@@ -182,15 +179,7 @@ async def _classify_offline(request: Request, images: list[ImageInput], top_k: i
     gateway = request.app.state.gateway
     if gateway.jobs is None:  # a property of this deployment, not a passing fault: retrying cannot help
         raise BadRequest("mode=offline is not available: this gateway has no message broker (GATEWAY_BROKER_URL)")
-    config = gateway.classifier.config
-    for i, image in enumerate(images):
-        try:
-            check_limits(probe(image.data), config)
-        except GatewayError as exc:
-            if len(images) > 1:
-                name = f" ({image.filename})" if image.filename else ""
-                exc.detail = f"image {i + 1} of {len(images)}{name}: {exc.detail}"
-            raise
+    gateway.classifier.validate(images)
     offline = [OfflineImage(i.data, i.content_type or "application/octet-stream", i.filename) for i in images]
     job_ids = await gateway.jobs.submit(offline, top_k)
     body = JobsAccepted(

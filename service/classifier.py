@@ -14,9 +14,10 @@ import numpy as np
 
 from service.batcher import DynamicBatcher
 from service.errors import DeadlineExceeded, GatewayError
+from service.imageinfo import probe
 from service.metrics import Metrics
 from service.models.profiles import ModelProfile, top_k
-from service.preprocess import PreprocessConfig, prepare
+from service.preprocess import PreprocessConfig, check_limits, prepare
 
 
 @dataclass(frozen=True)
@@ -24,6 +25,14 @@ class ImageInput:
     data: bytes
     filename: str | None = None
     content_type: str | None = None
+
+
+def _naming_the_image(exc: BaseException, index: int, images: list[ImageInput]) -> BaseException:
+    """In a request of several images, say which one failed (a lone image needs no name)."""
+    if isinstance(exc, GatewayError) and len(images) > 1:
+        name = f" ({images[index].filename})" if images[index].filename else ""
+        exc.detail = f"image {index + 1} of {len(images)}{name}: {exc.detail}"
+    return exc
 
 
 @dataclass(frozen=True)
@@ -64,14 +73,19 @@ class Classifier:
             return_exceptions=True,
         )
         arrays: list[np.ndarray] = []
-        for i, (image, outcome) in enumerate(zip(images, outcomes, strict=True)):
+        for i, outcome in enumerate(outcomes):
             if isinstance(outcome, BaseException):
-                if isinstance(outcome, GatewayError) and len(images) > 1:
-                    name = f" ({image.filename})" if image.filename else ""
-                    outcome.detail = f"image {i + 1} of {len(images)}{name}: {outcome.detail}"
-                raise outcome
+                raise _naming_the_image(outcome, i, images)
             arrays.append(outcome)
         return arrays
+
+    def validate(self, images: list[ImageInput]) -> None:
+        """The cheap checks only (format, header, pixel count), for work queued to be decoded later."""
+        for i, image in enumerate(images):
+            try:
+                check_limits(probe(image.data), self.config)
+            except GatewayError as exc:
+                raise _naming_the_image(exc, i, images) from None
 
     async def classify(self, images: list[ImageInput], *, k: int, deadline: float | None) -> list[Classification]:
         try:
