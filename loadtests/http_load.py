@@ -15,6 +15,8 @@ from pathlib import Path
 import aiohttp
 import httpx
 
+from loadtests.resources import cpu_seconds
+
 
 @dataclass
 class Row:
@@ -42,11 +44,6 @@ def median_row(runs: list[Row]) -> Row:
     batch and CPU figures are reported with it (medians of each column would mix runs)."""
     ordered = sorted(runs, key=lambda r: r.rate)
     return ordered[len(ordered) // 2]
-
-
-def process_cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
 
 
 def _batch_totals(metrics: str) -> tuple[float, float]:
@@ -82,10 +79,10 @@ async def http_load(url: str, pid: int, photos: list[bytes], concurrency: int, i
                     errors += r.status != 200
                 latencies.append(time.perf_counter() - t0)
 
-        cpu0, server0, start = time.process_time(), process_cpu_seconds(pid), time.perf_counter()
+        cpu0, server0, start = time.process_time(), cpu_seconds(pid), time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(concurrency)))
         seconds = time.perf_counter() - start
-        client_cpu, server_cpu = time.process_time() - cpu0, process_cpu_seconds(pid) - server0
+        client_cpu, server_cpu = time.process_time() - cpu0, cpu_seconds(pid) - server0
         async with client.get("/metrics") as r:
             after = _batch_totals(await r.text())
     if errors:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import random
 import signal
 import statistics
@@ -25,16 +24,12 @@ import cv2
 import numpy as np
 
 from loadtests.http_load import start_gateway
+from loadtests.resources import rss_bytes
 
-PAGE = os.sysconf("SC_PAGE_SIZE")
 DECODED_PER_PIXEL = 3
 PER_CONNECTION = 512 * 1024
 """Allowance per open connection: measured ~0.29 MiB (uvicorn keeps up to 64 KB of an unread body,
 the event loop reads 256 KB at a time), plus allocator slack."""
-
-
-def rss_bytes(pid: int) -> int:
-    return int(Path(f"/proc/{pid}/statm").read_text().split()[1]) * PAGE
 
 
 @dataclass

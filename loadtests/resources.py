@@ -15,12 +15,14 @@ TICKS = os.sysconf("SC_CLK_TCK")
 PAGE = os.sysconf("SC_PAGE_SIZE")
 
 
-def _cpu_seconds(pid: int) -> float:
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds a process has used."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / TICKS
 
 
-def _rss(pid: int) -> int:
+def rss_bytes(pid: int) -> int:
+    """A process's resident memory."""
     return int(Path(f"/proc/{pid}/statm").read_text().split()[1]) * PAGE
 
 
@@ -59,12 +61,12 @@ class ResourceSampler:
             return None
 
     def _run(self) -> None:
-        last = {name: (time.monotonic(), _cpu_seconds(pid)) for name, pid in self.processes.items()}
+        last = {name: (time.monotonic(), cpu_seconds(pid)) for name, pid in self.processes.items()}
         while not self._stop.wait(self.interval):
             for name, pid in self.processes.items():
                 try:
-                    now, cpu = time.monotonic(), _cpu_seconds(pid)
-                    rss = _rss(pid)
+                    now, cpu = time.monotonic(), cpu_seconds(pid)
+                    rss = rss_bytes(pid)
                 except OSError:  # the process ended
                     continue
                 then, cpu_then = last[name]

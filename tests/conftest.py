@@ -16,6 +16,7 @@ import pytest
 import uvicorn
 from skimage import data as skdata
 
+from loadtests.http_load import free_port
 from service.app import create_app
 from service.backends.base import Backend
 from service.models.profiles import get_profile
@@ -72,13 +73,6 @@ def crafted_png(width: int, height: int) -> bytes:
 
     ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
     return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(b"\0" * 64)) + chunk(b"IEND", b"")
-
-
-def free_port() -> int:
-    """A loopback TCP port nobody listens on right now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @asynccontextmanager

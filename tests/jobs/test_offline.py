@@ -23,7 +23,7 @@ from service.jobs.messages import DETAIL_HEADER, ERROR_HEADER, JobResult, reques
 from service.jobs.topology import REQUEST_KEY, Names, declare
 from service.jobs.worker import run_worker
 from service.settings import Settings
-from tests.conftest import CAT_CLASSES, ESPRESSO, png_bytes, running_gateway, solid_image
+from tests.conftest import CAT_CLASSES, ESPRESSO, free_port, png_bytes, running_gateway, solid_image
 from tests.jobs.conftest import (
     BROKER_URL,
     class_pngs,
@@ -390,11 +390,7 @@ async def test_backend_failures_retry_then_dead_letter(gateway_factory: MakeSett
 
 
 async def test_worker_exports_its_metrics_on_its_own_port(gateway_factory: MakeSettings, prefix: str) -> None:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     names = Names(prefix)
     settings = offline_settings(gateway_factory, prefix, backend="fake")
     settings = settings.model_copy(update={"worker_metrics_port": port})
