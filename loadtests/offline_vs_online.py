@@ -17,17 +17,13 @@ import argparse
 import asyncio
 import os
 import signal
-import subprocess
-import sys
 import tempfile
-import time
-import uuid
 from pathlib import Path
 
+from loadtests.clients import offline
+from loadtests.deployment import worker
 from loadtests.http_load import Row, http_load, median_row, start_gateway
 from loadtests.photos import sample_photos
-
-BROKER = os.environ.get("GATEWAY_BROKER_URL", "amqp://guest:guest@127.0.0.1:5672/")
 
 
 def write_images(folder: Path, photos: list[bytes], count: int) -> list[bytes]:
@@ -42,40 +38,15 @@ def write_images(folder: Path, photos: list[bytes], count: int) -> list[bytes]:
 
 
 def offline_row(args: argparse.Namespace, folder: Path, models_dir: Path, images: int) -> Row:
-    prefix = f"bench-{uuid.uuid4().hex[:8]}"
     env = {
-        **os.environ,
-        "GATEWAY_BROKER_URL": BROKER,
-        "GATEWAY_QUEUE_PREFIX": prefix,
         "GATEWAY_MODELS_DIR": str(models_dir),
-        "GATEWAY_WORKER_METRICS_PORT": "0",
-        "GATEWAY_LOG_LEVEL": "warning",
         "GATEWAY_MODEL": args.model,
         "GATEWAY_MAX_BATCH_SIZE": str(args.batch_size),
     }
-    worker = subprocess.Popen([sys.executable, "-m", "service", "worker"], env=env, stdout=subprocess.PIPE, text=True)
-    assert worker.stdout is not None
-    while "worker ready" not in worker.stdout.readline():
-        if worker.poll() is not None:
-            raise SystemExit("worker did not start")
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "out.jsonl"
-        start = time.perf_counter()
-        subprocess.run(
-            [sys.executable, "-m", "service", "ingest", str(folder), "--out", str(out)],
-            env=env,
-            check=True,
-            capture_output=True,
-        )
-        seconds = time.perf_counter() - start
-        lines = len(out.read_text().splitlines())
-    worker.send_signal(signal.SIGTERM)
-    worker.wait(timeout=60)
-    subprocess.run(["rabbitmqctl", "delete_queue", f"{prefix}.requests"], capture_output=True)
-    subprocess.run(["rabbitmqctl", "delete_queue", f"{prefix}.results"], capture_output=True)
-    subprocess.run(["rabbitmqctl", "delete_queue", f"{prefix}.dead"], capture_output=True)
-    assert lines == images, f"{lines} results for {images} images"
-    return Row("offline: ingest -> RabbitMQ -> worker", images, seconds, [seconds])
+    with worker(env) as (_, settings), tempfile.TemporaryDirectory() as tmp:
+        measurement = asyncio.run(offline(settings, sorted(folder.iterdir()), Path(tmp)))
+    assert measurement.images == images, f"{measurement.images} results for {images} images"
+    return Row("offline: ingest -> RabbitMQ -> worker", images, measurement.seconds, [measurement.seconds])
 
 
 def main() -> None:

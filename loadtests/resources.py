@@ -8,6 +8,7 @@ import os
 import statistics
 import threading
 import time
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -26,6 +27,26 @@ def rss_bytes(pid: int) -> int:
     return int(Path(f"/proc/{pid}/statm").read_text().split()[1]) * PAGE
 
 
+def children(pids: set[int]) -> set[int]:
+    """``pids`` and all their descendants."""
+    parents: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        parents.setdefault(ppid, []).append(int(entry.name))
+    found, todo = set(pids), list(pids)
+    while todo:
+        for child in parents.get(todo.pop(), []):
+            if child not in found:
+                found.add(child)
+                todo.append(child)
+    return found
+
+
 @dataclass
 class Series:
     values: list[float] = field(default_factory=list)
@@ -37,11 +58,19 @@ class Series:
 
 
 class ResourceSampler:
-    """Samples every ``interval`` seconds in a thread; CPU is percent of one core over each interval."""
+    """Samples every ``interval`` seconds in a thread; CPU is percent of one core over each interval.
 
-    def __init__(self, processes: dict[str, int], interval: float = 0.25) -> None:
-        self.processes = processes
+    Processes named in ``with_children`` count with all their descendants (Triton's Python backend
+    runs the model in a stub process of its own); ``add`` names one more while sampling runs (a
+    client started later)."""
+
+    def __init__(
+        self, processes: dict[str, int], interval: float = 0.25, *, with_children: Collection[str] = ()
+    ) -> None:
+        self.processes = dict(processes)
         self.interval = interval
+        self.with_children = set(with_children)
+        self._lock = threading.Lock()
         self.cpu = {name: Series() for name in processes}
         self.rss = {name: Series() for name in processes}
         self.gpu_utilization = Series()
@@ -60,25 +89,55 @@ class ResourceSampler:
         except Exception:
             return None
 
+    def add(self, name: str, pid: int) -> None:
+        with self._lock:
+            self.processes[name] = pid
+            self.cpu.setdefault(name, Series())
+            self.rss.setdefault(name, Series())
+
+    def _usage(self, name: str, pid: int) -> tuple[float, int]:
+        """CPU seconds and resident bytes of a process (and its children where asked); OSError once
+        it has ended."""
+        cpu, rss = cpu_seconds(pid), rss_bytes(pid)
+        if name not in self.with_children:
+            return cpu, rss
+        for child in children({pid}) - {pid}:
+            try:
+                child_cpu, child_rss = cpu_seconds(child), rss_bytes(child)
+            except OSError:  # it ended meanwhile
+                continue
+            cpu, rss = cpu + child_cpu, rss + child_rss
+        return cpu, rss
+
     def _run(self) -> None:
-        last = {name: (time.monotonic(), cpu_seconds(pid)) for name, pid in self.processes.items()}
-        while not self._stop.wait(self.interval):
-            for name, pid in self.processes.items():
-                try:
-                    now, cpu = time.monotonic(), cpu_seconds(pid)
-                    rss = rss_bytes(pid)
-                except OSError:  # the process ended
-                    continue
+        """A sample at the start, every ``interval``, and one more when stopped: even a run shorter
+        than the interval gets a CPU figure (CPU needs two samples)."""
+        last: dict[str, tuple[float, float]] = {}
+        stopping = False
+        while not stopping:
+            self._sample(last)
+            stopping = self._stop.wait(self.interval)
+        self._sample(last)
+
+    def _sample(self, last: dict[str, tuple[float, float]]) -> None:
+        with self._lock:
+            processes = dict(self.processes)
+        for name, pid in processes.items():
+            try:
+                now, (cpu, rss) = time.monotonic(), self._usage(name, pid)
+            except OSError:  # the process ended
+                continue
+            self.rss[name].values.append(float(rss))
+            if name in last:
                 then, cpu_then = last[name]
-                if now > then:
-                    self.cpu[name].values.append(100.0 * (cpu - cpu_then) / (now - then))
-                last[name] = (now, cpu)
-                self.rss[name].values.append(float(rss))
-            if self._nvml is not None:
-                nvml = self._nvml
-                handle = nvml.nvmlDeviceGetHandleByIndex(0)  # type: ignore[attr-defined]
-                self.gpu_utilization.values.append(float(nvml.nvmlDeviceGetUtilizationRates(handle).gpu))  # type: ignore[attr-defined]
-                self.gpu_memory.values.append(float(nvml.nvmlDeviceGetMemoryInfo(handle).used))  # type: ignore[attr-defined]
+                if now > then:  # a child that ended takes its CPU time with it: never below 0
+                    self.cpu[name].values.append(max(0.0, 100.0 * (cpu - cpu_then) / (now - then)))
+            last[name] = (now, cpu)
+        if self._nvml is not None:
+            nvml = self._nvml
+            handle = nvml.nvmlDeviceGetHandleByIndex(0)  # type: ignore[attr-defined]
+            self.gpu_utilization.values.append(float(nvml.nvmlDeviceGetUtilizationRates(handle).gpu))  # type: ignore[attr-defined]
+            self.gpu_memory.values.append(float(nvml.nvmlDeviceGetMemoryInfo(handle).used))  # type: ignore[attr-defined]
 
     def __enter__(self) -> ResourceSampler:
         self._thread.start()

@@ -20,88 +20,22 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import csv
 import os
 import signal
-import subprocess
 import tempfile
-from dataclasses import dataclass
 from pathlib import Path
 
 import cv2
 import numpy as np
 
 from loadtests.http_load import Row, free_port, http_load, start_gateway
+from loadtests.perf_analyzer import PA_DIR, Point, perf_analyzer
 from loadtests.photos import sample_photos
 from service.models.profiles import get_profile
 from service.models.store import ensure_model
 from service.preprocess import centre_crop_resize
 from service.triton.repository import TritonOptions, write_model
 from service.triton.server import LocalTriton, Ports, TritonInstall, default_venv
-
-PA_DIR = Path(os.environ.get("PERF_ANALYZER_DIR", ".perf-analyzer")).absolute()
-
-
-@dataclass
-class Point:
-    client: str
-    concurrency: int
-    rate: float
-    p50_ms: float
-    p99_ms: float
-
-
-def perf_analyzer(url: str, model: str, batch: int, concurrency: int, interval_ms: int, shm: bool) -> Point:
-    """One perf_analyzer measurement; on a noisy host a first failure to stabilise within 50 % is
-    retried once, accepting 100 %."""
-    try:
-        return _perf_analyzer(url, model, batch, concurrency, interval_ms, shm, stability=50)
-    except RuntimeError:
-        return _perf_analyzer(url, model, batch, concurrency, interval_ms, shm, stability=100)
-
-
-def _perf_analyzer(
-    url: str, model: str, batch: int, concurrency: int, interval_ms: int, shm: bool, stability: int
-) -> Point:
-    with tempfile.NamedTemporaryFile(suffix=".csv") as out:
-        cmd = [
-            str(PA_DIR / "perf_analyzer"),
-            "-m",
-            model,
-            "-u",
-            url,
-            "-i",
-            "grpc",
-            "-b",
-            str(batch),
-            "--concurrency-range",
-            str(concurrency),
-            "--measurement-interval",
-            str(interval_ms),
-            "--stability-percentage",
-            str(stability),
-            "--max-trials",
-            "10",
-            "-f",
-            out.name,
-        ]
-        if shm:
-            cmd += ["--shared-memory", "system", "--output-shared-memory-size", str(batch * 1000 * 4)]
-        env = {**os.environ, "LD_LIBRARY_PATH": str(PA_DIR / "lib")}
-        result = subprocess.run(cmd, env=env, capture_output=True, text=True)
-        if result.returncode != 0:
-            raise RuntimeError(f"perf_analyzer failed:\n{result.stdout[-2000:]}\n{result.stderr[-2000:]}")
-        with open(out.name) as f:
-            rows = list(csv.DictReader(f))
-    row = rows[0]
-    name = "perf_analyzer grpc" + (" shm" if shm else "")
-    return Point(
-        name,
-        concurrency,
-        float(row["Inferences/Second"]),
-        float(row["p50 latency"]) / 1000,
-        float(row["p99 latency"]) / 1000,
-    )
 
 
 def gateway_point(url: str, pid: int, photos: list[bytes], concurrency: int, images: int, client: str) -> Point:

@@ -73,33 +73,49 @@ class Ports:
 
 
 class LocalTriton:
-    """One tritonserver process on loopback ports."""
+    """One tritonserver process, on loopback ports unless ``address`` says otherwise.
 
-    def __init__(self, install: TritonInstall, repository: Path, ports: Ports, log: Path | None = None) -> None:
+    ``launcher`` is a command prefix that must exec the server in the same process (for instance
+    ``ip netns exec NAME``, which the distributed benchmark uses to put Triton in its own network
+    namespace), so that signals reach tritonserver itself."""
+
+    def __init__(
+        self,
+        install: TritonInstall,
+        repository: Path,
+        ports: Ports,
+        log: Path | None = None,
+        *,
+        address: str = "127.0.0.1",
+        launcher: tuple[str, ...] = (),
+    ) -> None:
         self.install = install
         self.repository = repository
         self.ports = ports
         self.log = log
+        self.address = address
+        self.launcher = launcher
         self.process: subprocess.Popen[bytes] | None = None
 
     @property
     def grpc_url(self) -> str:
-        return f"127.0.0.1:{self.ports.grpc}"
+        return f"{self.address}:{self.ports.grpc}"
 
     @property
     def http_url(self) -> str:
-        return f"127.0.0.1:{self.ports.http}"
+        return f"{self.address}:{self.ports.http}"
 
     def command(self) -> list[str]:
         return [
+            *self.launcher,
             str(self.install.binary),
             f"--model-repository={self.repository}",
             f"--backend-directory={self.install.root / 'backends'}",
-            "--http-address=127.0.0.1",
+            f"--http-address={self.address}",
             f"--http-port={self.ports.http}",
-            "--grpc-address=127.0.0.1",
+            f"--grpc-address={self.address}",
             f"--grpc-port={self.ports.grpc}",
-            "--metrics-address=127.0.0.1",
+            f"--metrics-address={self.address}",
             f"--metrics-port={self.ports.metrics}",
             "--allow-gpu-metrics=false",
             "--pinned-memory-pool-byte-size=0",

@@ -1,0 +1,157 @@
+"""The processes a benchmark starts and stops: gateway, offline worker, Triton (on this host or in
+its own network namespace), and where to find RabbitMQ's process for sampling."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+from loadtests.http_load import free_port, start_gateway
+from loadtests.network import LinkedNamespace, Shaping
+from service.models.profiles import get_profile
+from service.models.store import ensure_model
+from service.settings import Settings
+from service.triton.repository import TritonOptions, write_model
+from service.triton.server import LocalTriton, Ports, TritonInstall, default_venv
+
+BROKER = os.environ.get("GATEWAY_BROKER_URL", "amqp://guest:guest@127.0.0.1:5672/")
+
+
+@dataclass
+class Triton:
+    grpc_url: str
+    http_url: str
+    pid: int | None
+    """None for a server given by URL (not sampled)."""
+    network: str
+    """How the gateway reaches it, in words (for the report)."""
+
+
+@contextmanager
+def local_triton(
+    model: str,
+    batches: tuple[int, ...],
+    models_dir: Path,
+    workdir: Path,
+    *,
+    shaping: Shaping | None = None,
+    instances: int = 1,
+) -> Iterator[Triton]:
+    """Triton serving ``model`` (the ``python`` repository variant, ONNX Runtime on CPU: the backend
+    the PyPI tritonserver carries) on loopback, or behind a shaped veth pair when ``shaping`` is given.
+
+    The gateway sends whole batches, so Triton's own batcher does not wait for more (queue delay 0);
+    it may still merge requests that are already queued, for the gateway and perf_analyzer alike."""
+    profile = get_profile(model)
+    repo = workdir / f"repo-{uuid.uuid4().hex[:8]}"
+    options = TritonOptions(
+        variant="python",
+        max_batch_size=max(batches),
+        preferred_batch_sizes=tuple(sorted(set(batches))),
+        max_queue_delay_us=0,
+        instances=instances,
+    )
+    write_model(repo, profile, options, ensure_model(models_dir, profile))
+    install = TritonInstall.find(default_venv())
+    ports = Ports(free_port(), free_port(), free_port())
+    log = workdir / f"{repo.name}.log"
+    if shaping is None:
+        with LocalTriton(install, repo, ports, log) as server:
+            assert server.process is not None
+            yield Triton(server.grpc_url, server.http_url, server.process.pid, "loopback")
+        return
+    with LinkedNamespace(shaping) as ns:
+        server = LocalTriton(install, repo, ports, log, address=ns.peer_address, launcher=ns.launcher)
+        server.start(timeout=120)
+        try:
+            assert server.process is not None
+            yield Triton(server.grpc_url, server.http_url, server.process.pid, f"own network namespace, {ns.applied}")
+        finally:
+            server.stop()
+
+
+def gateway_args(model: str, batch: int, in_flight: int, triton: Triton | None, protocol: str) -> list[str]:
+    """``gateway serve`` flags for one batch size: admission sized for the clients of the grid."""
+    args = [
+        "--model",
+        model,
+        "--max-batch-size",
+        str(batch),
+        "--max-images-per-request",
+        str(max(64, batch)),
+        "--max-concurrent-requests",
+        str(max(64, in_flight)),
+        "--max-queue-size",
+        str(max(256, 4 * in_flight)),
+        "--request-timeout",
+        "60",
+    ]
+    if triton is not None:
+        url = triton.grpc_url if protocol == "grpc" else triton.http_url
+        args += ["--backend", "triton", "--triton-url", url, "--triton-protocol", protocol]
+    return args
+
+
+@contextmanager
+def gateway(args: list[str], models_dir: Path) -> Iterator[tuple[int, str]]:
+    """(pid, URL) of a ready gateway process, stopped with SIGTERM on exit."""
+    proc, url = start_gateway(args, models_dir)
+    try:
+        yield proc.pid, url
+    finally:
+        _stop(proc)
+
+
+def _stop(proc: subprocess.Popen[str] | subprocess.Popen[bytes]) -> None:
+    """SIGTERM (a graceful drain), SIGKILL after a minute."""
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+@contextmanager
+def worker(env: dict[str, str]) -> Iterator[tuple[subprocess.Popen[str], Settings]]:
+    """A ``gateway worker`` on queues of its own (a fresh prefix), ready to consume, with the
+    settings an ingest client needs to reach it; its queues are deleted afterwards."""
+    prefix = f"bench-{uuid.uuid4().hex[:8]}"
+    env = {
+        **os.environ,
+        "GATEWAY_BROKER_URL": BROKER,
+        "GATEWAY_QUEUE_PREFIX": prefix,
+        "GATEWAY_WORKER_METRICS_PORT": "0",
+        "GATEWAY_LOG_LEVEL": "warning",
+        **env,
+    }
+    proc = subprocess.Popen([sys.executable, "-m", "service", "worker"], env=env, stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        while "worker ready" not in proc.stdout.readline():
+            if proc.poll() is not None:
+                raise SystemExit(f"gateway worker exited with status {proc.returncode}")
+        yield proc, Settings.model_validate({"broker_url": BROKER, "queue_prefix": prefix})
+    finally:
+        _stop(proc)
+        for queue in ("requests", "results", "dead"):
+            subprocess.run(["rabbitmqctl", "delete_queue", f"{prefix}.{queue}"], capture_output=True)
+
+
+def broker_pid() -> int | None:
+    """RabbitMQ's Erlang VM on this host, if there is one (for resource sampling)."""
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if (entry / "comm").read_text().strip() == "beam.smp":
+                    return int(entry.name)
+            except OSError:
+                continue
+    return None
