@@ -26,7 +26,7 @@ import sys
 import tempfile
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
-from contextlib import AsyncExitStack, asynccontextmanager, contextmanager
+from contextlib import AsyncExitStack, ExitStack, asynccontextmanager, contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -72,15 +72,16 @@ class ProgressBar:
 
 @dataclass
 class Group:
-    """What runs one architecture at one batch size: the gateways, the worker,
-    the in-process model, and which processes to sample."""
+    """What runs at one batch size, for every architecture at once, so that each repetition goes
+    through all of them in turn and a drift of the machine's speed does not favour one: gateways,
+    workers, the in-process model, and the Triton servers (which live for the whole grid)."""
 
-    gateways: dict[tuple[str, str], tuple[int, str]] = field(default_factory=dict)
-    """(protocol, submission) -> (pid, URL); pid 0 for a gateway given by URL."""
-    worker_pid: int | None = None
-    worker_settings: Settings | None = None
+    tritons: dict[str, Triton]
+    gateways: dict[tuple[str, str, str], tuple[int, str]] = field(default_factory=dict)
+    """(architecture, protocol, submission) -> (pid, URL); pid 0 for a gateway given by URL."""
+    workers: dict[str, tuple[int, Settings]] = field(default_factory=dict)
+    """architecture -> (worker pid, the settings its ingest client uses)."""
     backend: EmbeddedBackend | None = None
-    triton: Triton | None = None
 
 
 class Bench:
@@ -123,49 +124,47 @@ class Bench:
     # --- deployments ------------------------------------------------------------------------------
 
     @contextmanager
-    def triton_for(self, architecture: str) -> Iterator[Triton | None]:
-        if architecture not in ("microservice", "distributed"):
-            yield None
-            return
+    def triton(self, architecture: str) -> Iterator[Triton]:
         shaping = network.Shaping(self.args.rate, self.args.delay_ms, self.args.jitter_ms)
+        distributed = architecture == "distributed"
         with local_triton(
             self.profile.model,
             self.profile.batches,
             self.models_dir,
             self.workdir,
-            shaping=shaping if architecture == "distributed" else None,
+            shaping=shaping if distributed else None,
         ) as triton:
-            if architecture == "distributed":
+            if distributed:
                 self.network = triton.network
             yield triton
 
     @asynccontextmanager
-    async def group(
-        self, architecture: str, batch: int, configs: list[Config], triton: Triton | None
-    ) -> AsyncIterator[Group]:
-        group = Group(triton=triton)
+    async def group(self, batch: int, configs: list[Config], tritons: dict[str, Triton]) -> AsyncIterator[Group]:
+        group = Group(tritons)
         model = self.profile.model
         async with AsyncExitStack() as stack:
-            # one gateway per protocol and submission mode: a process's peak memory then belongs to
-            # one mode (PAPER.md compares async and sync peaks)
-            for key in sorted({(c.protocol, c.submission) for c in configs if c.client == "gateway"}):
-                in_flight = max(c.in_flight for c in configs if (c.protocol, c.submission) == key)
+            # one gateway per architecture, protocol and submission mode: a process's peak memory
+            # then belongs to one mode (PAPER.md compares async and sync peaks)
+            keys = dict.fromkeys((c.architecture, c.protocol, c.submission) for c in configs if c.client == "gateway")
+            for key in keys:
+                architecture, protocol, _ = key
+                in_flight = max(c.in_flight for c in configs if (c.architecture, c.protocol, c.submission) == key)
                 if architecture == "external":
                     group.gateways[key] = (0, self.args.gateway_url)
                 else:
-                    args = gateway_args(model, batch, in_flight, triton, key[0])
+                    args = gateway_args(model, batch, in_flight, tritons.get(architecture), protocol)
                     group.gateways[key] = stack.enter_context(gateway(args, self.models_dir))
                 await clients.warm_up(group.gateways[key][1], self.memory_photos[0], batch, in_flight)
-            if any(c.client == "offline" for c in configs):
+            for architecture in dict.fromkeys(c.architecture for c in configs if c.client == "offline"):
                 env = {
                     "GATEWAY_MODEL": model,
                     "GATEWAY_MAX_BATCH_SIZE": str(batch),
                     "GATEWAY_MODELS_DIR": str(self.models_dir),
                 }
-                if triton is not None:
-                    env |= {"GATEWAY_BACKEND": "triton", "GATEWAY_TRITON_URL": triton.grpc_url}
-                proc, group.worker_settings = stack.enter_context(worker(env))
-                group.worker_pid = proc.pid
+                if architecture in tritons:
+                    env |= {"GATEWAY_BACKEND": "triton", "GATEWAY_TRITON_URL": tritons[architecture].grpc_url}
+                proc, settings = stack.enter_context(worker(env))
+                group.workers[architecture] = (proc.pid, settings)
             if any(c.client == "direct" for c in configs):
                 backend = EmbeddedBackend(ensure_model(self.models_dir, get_profile(model)))
                 await backend.start()
@@ -177,17 +176,19 @@ class Bench:
 
     def processes(self, config: Config, group: Group) -> dict[str, int]:
         found: dict[str, int] = {}
-        if config.client != "perf_analyzer":
+        if config.client != "perf_analyzer":  # perf_analyzer joins as the client once started
             found["client"] = os.getpid()
-        if config.client == "gateway" and group.gateways[config.protocol, config.submission][0]:
-            found["gateway"] = group.gateways[config.protocol, config.submission][0]
+        if config.client == "gateway":
+            pid = group.gateways[config.architecture, config.protocol, config.submission][0]
+            if pid:
+                found["gateway"] = pid
         if config.client == "offline":
-            assert group.worker_pid is not None
-            found["worker"] = group.worker_pid
+            found["worker"] = group.workers[config.architecture][0]
             if self.broker is not None:
                 found["broker"] = self.broker
-        if group.triton is not None and group.triton.pid is not None and config.client != "direct":
-            found["triton"] = group.triton.pid
+        triton = group.tritons.get(config.architecture)
+        if triton is not None and triton.pid is not None:
+            found["triton"] = triton.pid
         return found
 
     async def measure(self, config: Config, repetition: int, group: Group) -> Run:
@@ -201,7 +202,7 @@ class Bench:
         self, config: Config, group: Group, images: int, offset: int, sampler: ResourceSampler
     ) -> clients.Measurement:
         if config.client == "gateway":
-            url = group.gateways[config.protocol, config.submission][1]
+            url = group.gateways[config.architecture, config.protocol, config.submission][1]
             photos = self.photos(config.dataset)
             if config.submission == "sync":
                 return await clients.gateway_sync(url, photos, config.batch, images, offset)
@@ -210,15 +211,13 @@ class Bench:
             assert group.backend is not None
             return await clients.direct(group.backend, self.tensors, config.batch, images)
         if config.client == "offline":
-            assert group.worker_settings is not None
             # distinct paths (the ingest client skips a path it has already sent), the copies included
             count = min(images, len(self.all_files))
             files = [self.all_files[(offset + i) % len(self.all_files)] for i in range(count)]
-            return await clients.offline(group.worker_settings, files, self.workdir)
-        assert group.triton is not None
+            return await clients.offline(group.workers[config.architecture][1], files, self.workdir)
         point = await asyncio.to_thread(
             perf_analyzer,
-            group.triton.grpc_url,
+            group.tritons[config.architecture].grpc_url,
             self.profile.model,
             config.batch,
             config.in_flight // config.batch,
@@ -265,18 +264,20 @@ class Bench:
     async def run(self, grid: list[Config], log: CsvLog) -> list[Run]:
         runs: list[Run] = []
         progress = ProgressBar(len(grid) * self.profile.repeat)
-        for architecture, arch_group in itertools.groupby(grid, key=lambda c: c.architecture):
-            arch_configs = list(arch_group)
-            with self.triton_for(architecture) as triton:
-                for batch, batch_group in itertools.groupby(arch_configs, key=lambda c: c.batch):
-                    configs = list(batch_group)
-                    async with self.group(architecture, batch, configs, triton) as group:
-                        for repetition in range(self.profile.repeat):
-                            for config in configs:
-                                run = await self.measure(config, repetition, group)
-                                log.add(run)
-                                runs.append(run)
-                                progress.step(f"{config.label}: {run.measurement.rate:,.1f} img/s")
+        with ExitStack() as tritons_stack:
+            tritons: dict[str, Triton] = {}
+            for architecture in dict.fromkeys(c.architecture for c in grid):
+                if architecture in ("microservice", "distributed"):
+                    tritons[architecture] = tritons_stack.enter_context(self.triton(architecture))
+            for batch, batch_group in itertools.groupby(grid, key=lambda c: c.batch):
+                configs = list(batch_group)
+                async with self.group(batch, configs, tritons) as group:
+                    for repetition in range(self.profile.repeat):
+                        for config in configs:
+                            run = await self.measure(config, repetition, group)
+                            log.add(run)
+                            runs.append(run)
+                            progress.step(f"{config.label}: {run.measurement.rate:,.1f} img/s")
         return runs
 
 

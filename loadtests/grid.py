@@ -125,7 +125,7 @@ PROFILES = {
     "quick": Profile(
         "quick",
         batches=(1, 8),
-        repeat=3,
+        repeat=5,
         images=64,
         dataset_count=150,
         model="efficientnet-lite0",
@@ -145,10 +145,11 @@ PROFILES = {
 
 
 def build_grid(profile: Profile) -> list[Config]:
-    """Every configuration of the profile, grouped so that one deployment serves consecutive ones."""
+    """Every configuration of the profile, by batch size (the runner starts gateways per batch size
+    and goes through every architecture in each repetition)."""
     configs: list[Config] = []
-    for arch in profile.architectures:
-        for batch in profile.batches:
+    for batch in profile.batches:
+        for arch in profile.architectures:
             variants = profile.variant_batches is None or batch in profile.variant_batches
             protocols = ("-",) if arch in ("simple", "external") else profile.protocols
             if "gateway" in profile.clients:
