@@ -329,6 +329,7 @@ def markdown(summaries: list[Summary], meta: list[tuple[str, str]], price: float
 def plot(summaries: list[Summary], out: Path) -> list[str]:
     """The PNG files written into ``out`` (names relative to it)."""
     import matplotlib
+    import matplotlib.patches
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -382,6 +383,8 @@ def plot(summaries: list[Summary], out: Path) -> list[str]:
         color=[colours[s.config.architecture] for s in ordered],
         capsize=2,
     )
+    handles = [matplotlib.patches.Patch(color=colour, label=arch) for arch, colour in colours.items()]
+    ax.legend(handles=handles, fontsize=8, loc="lower right")
     ax.set_xlabel("images / s (mean ± standard error)")
     ax.set_title("Configurations")
     ax.tick_params(axis="y", labelsize=7)
