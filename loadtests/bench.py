@@ -10,7 +10,9 @@ what the configurations need, and runs each configuration ``--repeat`` times, in
 CPU and memory of every process (client, gateway, worker, Triton, RabbitMQ) and the GPU through NVML
 where there is one. Writes ``runs.csv``, ``report.md`` and PNG plots to ``--out``. Parts that
 cannot run here (no network namespaces, no perf_analyzer, no RabbitMQ, no Triton) are skipped and
-the report says why. ``--gateway-url`` measures a gateway that is already running instead.
+the report says why. ``--gateway-url`` measures a gateway that is already running instead;
+``--triton-grpc-url`` puts a running Triton (a TensorRT one on a GPU host) in the microservice
+architecture instead of the CPU Triton this command would start.
 """
 
 from __future__ import annotations
@@ -100,7 +102,9 @@ class Bench:
         reasons: dict[str, str | None] = {}
         if any(c.architecture == "distributed" for c in grid):
             reasons["distributed"] = network.check()
-        if any(c.architecture in ("microservice", "distributed") for c in grid):
+        if self.args.triton_grpc_url and any(c.architecture == "distributed" for c in grid):
+            reasons["distributed"] = "a Triton given by URL stays where it is (--triton-grpc-url): no distributed run"
+        if any(c.architecture in ("microservice", "distributed") for c in grid) and not self.args.triton_grpc_url:
             try:
                 TritonInstall.find(default_venv())
             except TritonNotInstalled as exc:
@@ -267,7 +271,10 @@ class Bench:
         with ExitStack() as tritons_stack:
             tritons: dict[str, Triton] = {}
             for architecture in dict.fromkeys(c.architecture for c in grid):
-                if architecture in ("microservice", "distributed"):
+                if architecture == "microservice" and self.args.triton_grpc_url:
+                    http = self.args.triton_http_url or ""
+                    tritons[architecture] = Triton(self.args.triton_grpc_url, http, None, "given by URL")
+                elif architecture in ("microservice", "distributed"):
                     tritons[architecture] = tritons_stack.enter_context(self.triton(architecture))
             for batch, batch_group in itertools.groupby(grid, key=lambda c: c.batch):
                 configs = list(batch_group)
@@ -322,6 +329,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--delay-ms", type=float, default=0.25, help="distributed: one-way delay")
     parser.add_argument("--jitter-ms", type=float, default=0.05, help="distributed: delay jitter")
     parser.add_argument("--gateway-url", default=None, help="measure this running gateway (architecture external)")
+    parser.add_argument(
+        "--triton-grpc-url",
+        default=None,
+        help="microservice: use this running Triton (HOST:PORT, e.g. a TensorRT one on a GPU host) instead of "
+        "starting one; it must serve --model under that name with max_batch_size >= the largest batch",
+    )
+    parser.add_argument("--triton-http-url", default=None, help="its HTTP endpoint (without it: gRPC only)")
     parser.add_argument("--models-dir", type=Path, default=Path(tempfile.gettempdir()) / "gateway-bench-models")
     return parser.parse_args(argv)
 
@@ -344,6 +358,8 @@ def profile_from(args: argparse.Namespace) -> Profile:
         )
         if getattr(args, name) is not None
     }
+    if args.triton_grpc_url and not args.triton_http_url:
+        overrides["protocols"] = ("grpc",)
     if args.gateway_url:
         overrides |= {"architectures": ("external",), "clients": ("gateway",)}
     if "batches" in overrides and profile.variant_batches is not None:

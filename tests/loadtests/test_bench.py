@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from loadtests import network
+from loadtests.deployment import local_triton
 from loadtests.grid import PROFILES, build_grid
 from loadtests.http_load import start_gateway
 from loadtests.perf_analyzer import PA_DIR
@@ -128,3 +129,22 @@ def test_a_running_gateway_given_by_url(tmp_path: Path, models_dir: Path) -> Non
     }
     assert all(float(r["img_per_s"]) > 0 and r["errors"] == "0" for r in rows)
     assert all(r["gateway_cpu_pct_mean"] == "" for r in rows)  # not ours to sample
+
+
+def test_a_running_triton_given_by_url(tmp_path: Path, models_dir: Path) -> None:
+    with local_triton("efficientnet-lite0", (1, 2), models_dir, tmp_path) as triton:
+        run_bench(
+            tmp_path / "out",
+            models_dir,
+            *("--architectures", "microservice,distributed", "--clients", "gateway,perf_analyzer"),
+            *("--datasets", "files", "--triton-grpc-url", triton.grpc_url),
+        )
+    rows = read_runs(tmp_path / "out")
+    assert {(r["architecture"], r["client"], r["protocol"]) for r in rows} == {
+        ("microservice", "gateway", "grpc"),
+        ("microservice", "perf_analyzer", "grpc"),
+    }
+    assert all(float(r["img_per_s"]) > 0 and r["errors"] == "0" for r in rows)
+    assert all(r["triton_cpu_pct_mean"] == "" for r in rows)  # not started here: not sampled
+    report = (tmp_path / "out" / "report.md").read_text()
+    assert "distributed" in report.split("| skipped |")[1].splitlines()[0]
