@@ -35,11 +35,20 @@ from urllib.parse import urlsplit
 
 from loadtests import clients, network
 from loadtests.dataset import build
-from loadtests.deployment import BROKER, Triton, broker_pid, gateway, gateway_args, local_triton, worker
+from loadtests.deployment import (
+    BROKER,
+    Triton,
+    broker_pid,
+    gateway,
+    gateway_args,
+    gateway_batching,
+    local_triton,
+    worker,
+)
 from loadtests.grid import PROFILES, Config, Profile, build_grid
 from loadtests.perf_analyzer import PA_DIR, perf_analyzer
 from loadtests.report import CsvLog, Run, markdown, plot, summarise
-from loadtests.resources import ResourceSampler
+from loadtests.resources import ResourceSampler, gpu_name
 from service.backends.embedded import EmbeddedBackend
 from service.models.profiles import get_profile
 from service.models.store import ensure_model
@@ -101,9 +110,11 @@ class Bench:
     def runnable(self, grid: list[Config]) -> list[Config]:
         reasons: dict[str, str | None] = {}
         if any(c.architecture == "distributed" for c in grid):
-            reasons["distributed"] = network.check()
-        if self.args.triton_grpc_url and any(c.architecture == "distributed" for c in grid):
-            reasons["distributed"] = "a Triton given by URL stays where it is (--triton-grpc-url): no distributed run"
+            reasons["distributed"] = (
+                "a Triton given by URL stays where it is (--triton-grpc-url): no distributed run"
+                if self.args.triton_grpc_url
+                else network.check()
+            )
         if any(c.architecture in ("microservice", "distributed") for c in grid) and not self.args.triton_grpc_url:
             try:
                 TritonInstall.find(default_venv())
@@ -133,7 +144,7 @@ class Bench:
         distributed = architecture == "distributed"
         with local_triton(
             self.profile.model,
-            self.profile.batches,
+            gateway_batching(self.profile.batches),
             self.models_dir,
             self.workdir,
             shaping=shaping if distributed else None,
@@ -397,7 +408,7 @@ def main(argv: list[str] | None = None) -> None:
     meta = [
         ("date", datetime.date.today().isoformat()),
         ("host", f"{os.cpu_count()} cores, {_memory_gib():.0f} GiB, {platform.processor() or platform.machine()}"),
-        ("GPU", _gpu_name()),
+        ("GPU", gpu_name()),
         ("model", profile.model),
         ("profile", f"{profile.name}: batches {', '.join(map(str, profile.batches))}, {profile.repeat} runs each"),
         ("photos per run", f"at least {profile.images}"),
@@ -417,13 +428,3 @@ def main(argv: list[str] | None = None) -> None:
 
 def _memory_gib() -> float:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
-
-
-def _gpu_name() -> str:
-    try:
-        import pynvml
-
-        pynvml.nvmlInit()
-        return str(pynvml.nvmlDeviceGetName(pynvml.nvmlDeviceGetHandleByIndex(0)))
-    except Exception:
-        return "none visible"

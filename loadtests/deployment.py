@@ -9,7 +9,7 @@ import subprocess
 import sys
 import uuid
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,47 +34,47 @@ class Triton:
     """How the gateway reaches it, in words (for the report)."""
 
 
-@contextmanager
-def local_triton(
-    model: str,
-    batches: tuple[int, ...],
-    models_dir: Path,
-    workdir: Path,
-    *,
-    shaping: Shaping | None = None,
-    instances: int = 1,
-) -> Iterator[Triton]:
-    """Triton serving ``model`` (the ``python`` repository variant, ONNX Runtime on CPU: the backend
-    the PyPI tritonserver carries) on loopback, or behind a shaped veth pair when ``shaping`` is given.
-
-    The gateway sends whole batches, so Triton's own batcher does not wait for more (queue delay 0);
-    it may still merge requests that are already queued, for the gateway and perf_analyzer alike."""
-    profile = get_profile(model)
-    repo = workdir / f"repo-{uuid.uuid4().hex[:8]}"
-    options = TritonOptions(
+def gateway_batching(batches: tuple[int, ...]) -> TritonOptions:
+    """Triton behind the gateway: the gateway sends whole batches, so Triton's batcher does not wait
+    for more (queue delay 0); it may still merge requests already queued, for the gateway and
+    perf_analyzer alike. The ``python`` variant: ONNX Runtime on CPU, the backend the PyPI
+    tritonserver carries."""
+    return TritonOptions(
         variant="python",
         max_batch_size=max(batches),
         preferred_batch_sizes=tuple(sorted(set(batches))),
         max_queue_delay_us=0,
-        instances=instances,
     )
+
+
+@contextmanager
+def local_triton(
+    model: str, options: TritonOptions, models_dir: Path, workdir: Path, *, shaping: Shaping | None = None
+) -> Iterator[Triton]:
+    """A tritonserver serving ``model`` on loopback, or behind a shaped veth pair in a network
+    namespace of its own when ``shaping`` is given; stopped on exit."""
+    profile = get_profile(model)
+    repo = workdir / f"repo-{model}-{uuid.uuid4().hex[:8]}"
     write_model(repo, profile, options, ensure_model(models_dir, profile))
-    install = TritonInstall.find(default_venv())
-    ports = Ports(free_port(), free_port(), free_port())
-    log = workdir / f"{repo.name}.log"
-    if shaping is None:
-        with LocalTriton(install, repo, ports, log) as server:
-            assert server.process is not None
-            yield Triton(server.grpc_url, server.http_url, server.process.pid, "loopback")
-        return
-    with LinkedNamespace(shaping) as ns:
-        server = LocalTriton(install, repo, ports, log, address=ns.peer_address, launcher=ns.launcher)
+    with ExitStack() as stack:
+        launcher: tuple[str, ...] = ()
+        address, network = "127.0.0.1", "loopback"
+        if shaping is not None:
+            ns = stack.enter_context(LinkedNamespace(shaping))
+            address, launcher, network = ns.peer_address, ns.launcher, f"own network namespace, {ns.applied}"
+        ports = Ports(free_port(), free_port(), free_port())
+        server = LocalTriton(
+            TritonInstall.find(default_venv()),
+            repo,
+            ports,
+            workdir / f"{repo.name}.log",
+            address=address,
+            launcher=launcher,
+        )
         server.start(timeout=120)
-        try:
-            assert server.process is not None
-            yield Triton(server.grpc_url, server.http_url, server.process.pid, f"own network namespace, {ns.applied}")
-        finally:
-            server.stop()
+        stack.callback(server.stop)
+        assert server.process is not None
+        yield Triton(server.grpc_url, server.http_url, server.process.pid, network)
 
 
 def gateway_args(model: str, batch: int, in_flight: int, triton: Triton | None, protocol: str) -> list[str]:

@@ -16,14 +16,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import signal
 import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
 
-from loadtests.http_load import Row, http_load, median_row, start_gateway
+from loadtests.deployment import gateway
+from loadtests.http_load import Row, http_load, median_row
 from loadtests.photos import sample_photos
 from service.backends.embedded import EmbeddedBackend
 from service.models.profiles import get_profile
@@ -109,17 +109,13 @@ def main() -> None:
         "--max-queue-size",
         str(max(256, 4 * max(args.concurrency))),
     ]
-    proc, url = start_gateway(gateway_args, models_dir)
-    try:
+    with gateway(gateway_args, models_dir) as (pid, url):
         for _ in range(args.repeat):
             batch = asyncio.run(direct_rows(model_path, photos, args.batch_size, args.requests, args.threads))
             for c in args.concurrency:
-                batch.append(asyncio.run(http_load(url, proc.pid, photos, c, args.requests, f"gateway c{c}")))
+                batch.append(asyncio.run(http_load(url, pid, photos, c, args.requests, f"gateway c{c}")))
             for row in batch:
                 runs.setdefault(row.mode, []).append(row)
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(timeout=30)
     rows = [median_row(r) for r in runs.values()]
     print_table(rows, baseline=rows[1], repeats=args.repeat)
 

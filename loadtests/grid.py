@@ -22,7 +22,7 @@ A configuration is one point of the study's factors:
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Literal
 
 Architecture = Literal["simple", "microservice", "distributed", "external"]
@@ -92,7 +92,6 @@ class Profile:
     submissions: tuple[Submission, ...] = SUBMISSIONS
     datasets: tuple[Dataset, ...] = DATASETS
     clients: tuple[Client, ...] = CLIENTS
-    notes: list[str] = field(default_factory=list)
 
     def check(self) -> None:
         """ValueError naming any factor value this grid does not know."""

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import asyncio
 import os
-import re
 import socket
 import subprocess
 import sys
@@ -12,9 +10,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import aiohttp
 import httpx
 
+from loadtests.clients import gateway_async, warm_up
 from loadtests.resources import cpu_seconds
 
 
@@ -46,50 +44,16 @@ def median_row(runs: list[Row]) -> Row:
     return ordered[len(ordered) // 2]
 
 
-def _batch_totals(metrics: str) -> tuple[float, float]:
-    def value(name: str) -> float:
-        match = re.search(rf"^{name} ([0-9.e+]+)$", metrics, re.M)
-        return float(match.group(1)) if match else 0.0
-
-    return value("gateway_batch_size_sum"), value("gateway_batch_size_count")
-
-
 async def http_load(url: str, pid: int, photos: list[bytes], concurrency: int, images: int, mode: str) -> Row:
-    """``concurrency`` clients, each posting one JPEG at a time, ``images`` requests in all.
-
-    The client is aiohttp: on this kind of machine httpx's async client costs 10-20x more CPU per
-    request, and client and gateway share the cores."""
-    connector = aiohttp.TCPConnector(limit=concurrency)
-    headers = {"content-type": "image/jpeg"}
-    async with aiohttp.ClientSession(url, connector=connector, timeout=aiohttp.ClientTimeout(total=300)) as client:
-        async with client.post("/classify", data=photos[0], headers=headers) as warm:
-            await warm.read()
-        async with client.get("/metrics") as r:
-            before = _batch_totals(await r.text())
-        latencies: list[float] = []
-        counter = iter(range(images))
-        errors = 0
-
-        async def worker() -> None:
-            nonlocal errors
-            for i in counter:
-                t0 = time.perf_counter()
-                async with client.post("/classify", data=photos[i % len(photos)], headers=headers) as r:
-                    await r.read()
-                    errors += r.status != 200
-                latencies.append(time.perf_counter() - t0)
-
-        cpu0, server0, start = time.process_time(), cpu_seconds(pid), time.perf_counter()
-        await asyncio.gather(*(worker() for _ in range(concurrency)))
-        seconds = time.perf_counter() - start
-        client_cpu, server_cpu = time.process_time() - cpu0, cpu_seconds(pid) - server0
-        async with client.get("/metrics") as r:
-            after = _batch_totals(await r.text())
-    if errors:
-        print(f"warning: {errors} of {images} requests failed ({mode})", file=sys.stderr)
-    batches = after[1] - before[1]
-    mean_batch = (after[0] - before[0]) / batches if batches else None
-    return Row(mode, images - errors, seconds, latencies, mean_batch, client_cpu, server_cpu)
+    """``concurrency`` clients, each posting one JPEG at a time, ``images`` requests in all (after one
+    warm-up request), with the CPU the client and the gateway process ``pid`` used meanwhile."""
+    await warm_up(url, photos[0], 1, 1)
+    cpu0, server0 = time.process_time(), cpu_seconds(pid)
+    m = await gateway_async(url, photos, concurrency, images, 0)
+    client_cpu, server_cpu = time.process_time() - cpu0, cpu_seconds(pid) - server0
+    if m.errors:
+        print(f"warning: {m.errors} of {images} requests failed ({mode})", file=sys.stderr)
+    return Row(mode, m.images, m.seconds, m.latencies, m.mean_batch, client_cpu, server_cpu)
 
 
 def free_port() -> int:

@@ -21,8 +21,8 @@ import tempfile
 from pathlib import Path
 
 from loadtests.clients import offline
-from loadtests.deployment import worker
-from loadtests.http_load import Row, http_load, median_row, start_gateway
+from loadtests.deployment import gateway, worker
+from loadtests.http_load import Row, http_load, median_row
 from loadtests.photos import sample_photos
 
 
@@ -63,26 +63,21 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp) / "images"
         images = write_images(folder, photos, args.images)
-        proc, url = start_gateway(
-            ["--model", args.model, "--max-batch-size", str(args.batch_size), "--max-queue-size", "1024"], models_dir
-        )
-        try:
+        serve = ["--model", args.model, "--max-batch-size", str(args.batch_size), "--max-queue-size", "1024"]
+        with gateway(serve, models_dir) as (pid, url):
             for _ in range(args.repeat):
                 online = asyncio.run(
                     http_load(
-                        url, proc.pid, images, args.concurrency, args.images, f"online: {args.concurrency} HTTP clients"
+                        url, pid, images, args.concurrency, args.images, f"online: {args.concurrency} HTTP clients"
                     )
                 )
                 runs.setdefault(online.mode, []).append(online)
-                proc.send_signal(signal.SIGSTOP)  # keep the idle gateway off the CPU while offline runs
+                os.kill(pid, signal.SIGSTOP)  # keep the idle gateway off the CPU while offline runs
                 try:
                     offline = offline_row(args, folder, models_dir, args.images)
                 finally:
-                    proc.send_signal(signal.SIGCONT)
+                    os.kill(pid, signal.SIGCONT)
                 runs.setdefault(offline.mode, []).append(offline)
-        finally:
-            proc.send_signal(signal.SIGTERM)
-            proc.wait(timeout=60)
     rows = [median_row(r) for r in runs.values()]
     print(
         f"model {args.model}, batch size {args.batch_size}, {args.images} images, {os.cpu_count()} cores, "

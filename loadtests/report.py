@@ -29,13 +29,16 @@ class Run:
     """``ResourceSampler.report()``: "<process> cpu %", "<process> rss MiB", "gpu %", "gpu memory MiB"."""
 
 
-def _resource_columns() -> list[str]:
-    columns = []
-    for process in PROCESSES:
-        columns += [f"{process}_cpu_pct_{s}" for s in STATS] + [f"{process}_rss_mib_{s}" for s in STATS]
-    return columns + [f"gpu_util_pct_{s}" for s in STATS] + [f"gpu_mem_mib_{s}" for s in STATS]
+def _resource_columns() -> list[tuple[str, str, str]]:
+    """(CSV column, ``ResourceSampler.report()`` key, statistic)."""
+    series = [
+        (f"{p}_{kind}", f"{p} {key}") for p in PROCESSES for kind, key in (("cpu_pct", "cpu %"), ("rss_mib", "rss MiB"))
+    ]
+    series += [("gpu_util_pct", "gpu %"), ("gpu_mem_mib", "gpu memory MiB")]
+    return [(f"{column}_{stat}", key, stat) for column, key in series for stat in STATS]
 
 
+RESOURCE_COLUMNS = _resource_columns()
 COLUMNS = [
     *CONFIG_FIELDS,
     "repetition",
@@ -47,19 +50,8 @@ COLUMNS = [
     "p50_ms",
     "p99_ms",
     "mean_batch",
-    *_resource_columns(),
+    *(column for column, _, _ in RESOURCE_COLUMNS),
 ]
-
-
-def _resource_key(column: str) -> tuple[str, str] | None:
-    """CSV column -> (ResourceSampler report key, statistic)."""
-    name, stat = column.rsplit("_", 1)
-    if name.startswith("gpu_util"):
-        return "gpu %", stat
-    if name.startswith("gpu_mem"):
-        return "gpu memory MiB", stat
-    process, kind = name.split("_", 1)
-    return (f"{process} cpu %" if kind == "cpu_pct" else f"{process} rss MiB"), stat
 
 
 def csv_row(run: Run) -> dict[str, object]:
@@ -76,10 +68,8 @@ def csv_row(run: Run) -> dict[str, object]:
         p99_ms=_round(m.percentile_ms(0.99)),
         mean_batch=_round(m.mean_batch),
     )
-    for column in _resource_columns():
-        key = _resource_key(column)
-        assert key is not None
-        value = run.resources.get(key[0], {}).get(key[1])
+    for column, key, stat in RESOURCE_COLUMNS:
+        value = run.resources.get(key, {}).get(stat)
         row[column] = _round(value) if value is not None and not math.isnan(value) else None
     return row
 

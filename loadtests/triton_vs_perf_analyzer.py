@@ -21,21 +21,18 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import signal
 import tempfile
 from pathlib import Path
 
 import cv2
 import numpy as np
 
-from loadtests.http_load import Row, free_port, http_load, start_gateway
+from loadtests.deployment import gateway, local_triton
+from loadtests.http_load import Row, http_load
 from loadtests.perf_analyzer import PA_DIR, Point, perf_analyzer
 from loadtests.photos import sample_photos
-from service.models.profiles import get_profile
-from service.models.store import ensure_model
 from service.preprocess import centre_crop_resize
-from service.triton.repository import TritonOptions, write_model
-from service.triton.server import LocalTriton, Ports, TritonInstall, default_venv
+from service.triton.repository import TritonOptions
 
 
 def gateway_point(url: str, pid: int, photos: list[bytes], concurrency: int, images: int, client: str) -> Point:
@@ -56,26 +53,16 @@ def small_jpegs() -> list[bytes]:
 
 
 def run_model(args: argparse.Namespace, model: str, models_dir: Path, workdir: Path) -> list[str]:
-    profile = get_profile(model)
-    repo = workdir / f"repo-{model}"
     options = TritonOptions(
         variant="python",
         max_batch_size=max(64, args.batch_size),
         preferred_batch_sizes=(args.batch_size,),
         max_queue_delay_us=2000,
     )
-    write_model(repo, profile, options, ensure_model(models_dir, profile))
-    triton = LocalTriton(
-        TritonInstall.find(default_venv()),
-        repo,
-        Ports(free_port(), free_port(), free_port()),
-        log=workdir / f"triton-{model}.log",
-    )
-    triton.start(timeout=120)
     photos = small_jpegs()
     images = args.images[model] if isinstance(args.images, dict) else args.images
     points: list[Point] = []
-    try:
+    with local_triton(model, options, models_dir, workdir) as triton:
         pa_one = perf_analyzer(triton.grpc_url, model, 1, 1, args.interval_ms, shm=False)
         for c in args.concurrency:
             points.append(perf_analyzer(triton.grpc_url, model, args.batch_size, c, args.interval_ms, shm=False))
@@ -86,34 +73,16 @@ def run_model(args: argparse.Namespace, model: str, models_dir: Path, workdir: P
         ]
         gw_one = None
         for client, extra in gateways:
-            proc, url = start_gateway(
-                [
-                    "--backend",
-                    "triton",
-                    "--model",
-                    model,
-                    "--max-batch-size",
-                    str(args.batch_size),
-                    "--max-inflight-batches",
-                    str(args.inflight),
-                    "--max-queue-size",
-                    "4096",
-                    "--max-delay",
-                    "0.005",
-                    *extra,
-                ],
-                models_dir,
-            )
-            try:
+            serve = [
+                *("--backend", "triton", "--model", model, "--max-batch-size", str(args.batch_size)),
+                *("--max-inflight-batches", str(args.inflight), "--max-queue-size", "4096", "--max-delay", "0.005"),
+                *extra,
+            ]
+            with gateway(serve, models_dir) as (pid, url):
                 if gw_one is None:
-                    gw_one = gateway_point(url, proc.pid, photos, 1, max(20, images // 8), "gateway grpc")
+                    gw_one = gateway_point(url, pid, photos, 1, max(20, images // 8), "gateway grpc")
                 for c in args.concurrency:
-                    points.append(gateway_point(url, proc.pid, photos, c * args.batch_size, images, client))
-            finally:
-                proc.send_signal(signal.SIGTERM)
-                proc.wait(timeout=60)
-    finally:
-        triton.stop()
+                    points.append(gateway_point(url, pid, photos, c * args.batch_size, images, client))
     assert gw_one is not None
     lines = [
         f"\n### {model}: batch size {args.batch_size}, {os.cpu_count()} cores\n",

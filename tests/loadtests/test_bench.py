@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from loadtests import network
-from loadtests.deployment import local_triton
+from loadtests.deployment import gateway_batching, local_triton
 from loadtests.grid import PROFILES, build_grid
 from loadtests.http_load import start_gateway
 from loadtests.perf_analyzer import PA_DIR
@@ -132,7 +132,7 @@ def test_a_running_gateway_given_by_url(tmp_path: Path, models_dir: Path) -> Non
 
 
 def test_a_running_triton_given_by_url(tmp_path: Path, models_dir: Path) -> None:
-    with local_triton("efficientnet-lite0", (1, 2), models_dir, tmp_path) as triton:
+    with local_triton("efficientnet-lite0", gateway_batching((1, 2)), models_dir, tmp_path) as triton:
         run_bench(
             tmp_path / "out",
             models_dir,
