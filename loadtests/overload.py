@@ -26,7 +26,6 @@ import numpy as np
 from loadtests.http_load import start_gateway
 from loadtests.resources import rss_bytes
 
-DECODED_PER_PIXEL = 3
 PER_CONNECTION = 512 * 1024
 """Allowance per open connection: measured ~0.29 MiB (uvicorn keeps up to 64 KB of an unread body,
 the event loop reads 256 KB at a time), plus allocator slack."""
@@ -127,7 +126,7 @@ def histogram_quantile(metrics: str, q: float) -> float:
 
 def run(seconds: float = 30.0, admitted: int = 32, factor: int = 10, fake_delay: float = 0.1) -> Report:
     max_body = 1024 * 1024
-    max_pixels = 1024 * 1024
+    max_image_bytes = 3 * 1024 * 1024
     workers, queue = 2, 16
     args = [
         "--backend",
@@ -144,8 +143,8 @@ def run(seconds: float = 30.0, admitted: int = 32, factor: int = 10, fake_delay:
         str(admitted),
         "--max-body-bytes",
         str(max_body),
-        "--max-image-pixels",
-        str(max_pixels),
+        "--max-image-bytes",
+        str(max_image_bytes),
         "--preprocess-workers",
         str(workers),
         "--request-timeout",
@@ -159,7 +158,7 @@ def run(seconds: float = 30.0, admitted: int = 32, factor: int = 10, fake_delay:
         bound = (
             baseline
             + admitted * max_body
-            + workers * max_pixels * DECODED_PER_PIXEL
+            + workers * max_image_bytes
             + queue * 224 * 224 * 3
             + clients * PER_CONNECTION
         )

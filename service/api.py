@@ -179,7 +179,7 @@ async def _classify_offline(request: Request, images: list[ImageInput], top_k: i
     gateway = request.app.state.gateway
     if gateway.jobs is None:  # a property of this deployment, not a passing fault: retrying cannot help
         raise BadRequest("mode=offline is not available: this gateway has no message broker (GATEWAY_BROKER_URL)")
-    gateway.classifier.validate(images)
+    await gateway.classifier.validate(images)
     offline = [OfflineImage(i.data, i.content_type or "application/octet-stream", i.filename) for i in images]
     job_ids = await gateway.jobs.submit(offline, top_k)
     body = JobsAccepted(

@@ -79,13 +79,19 @@ class Classifier:
             arrays.append(outcome)
         return arrays
 
-    def validate(self, images: list[ImageInput]) -> None:
-        """The cheap checks only (format, header, pixel count), for work queued to be decoded later."""
+    def _check(self, images: list[ImageInput]) -> None:
         for i, image in enumerate(images):
             try:
                 check_limits(probe(image.data), self.config)
             except GatewayError as exc:
                 raise _naming_the_image(exc, i, images) from None
+
+    async def validate(self, images: list[ImageInput]) -> None:
+        """The cheap checks only (format, header, decoded size), for work queued to be decoded later.
+
+        In the thread pool, like decoding: even a bounded header walk is CPU the event loop must not
+        spend."""
+        await asyncio.get_running_loop().run_in_executor(self.executor, self._check, images)
 
     async def classify(self, images: list[ImageInput], *, k: int, deadline: float | None) -> list[Classification]:
         try:

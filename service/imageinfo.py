@@ -1,7 +1,14 @@
-"""Image format, dimensions and EXIF orientation, read from the first bytes without decoding.
+"""Image format, dimensions, sample layout and EXIF orientation, read from the header without decoding.
 
-Knowing the pixel count before decoding is what stops a decompression bomb (a small file that
-claims 50,000 x 50,000 pixels); the same cheap check validates images in offline mode.
+What the header says (width x height x channels x bytes per sample, and for JPEG whether the decoder
+must keep the whole image's DCT coefficients) is what lets the gateway refuse a decompression bomb
+before decoding it, and the same cheap check validates images in offline mode.
+
+The walk is bounded so that hostile bytes cost little: the JPEG marker walk reads at most
+``HEADER_WINDOW`` bytes and ``MAX_SEGMENTS`` segments, refuses fill runs over ``MAX_FILL``, and
+refuses files with more than ``MAX_SCANS`` scans (each progressive scan is another pass of the
+decoder over the whole image). Pillow's lazy ``Image.open`` would give the same facts, but its JPEG
+reader steps over junk one byte at a time in Python, so it is not bounded.
 """
 
 from __future__ import annotations
@@ -13,7 +20,22 @@ from service.errors import BadImage
 
 FORMATS = ("jpeg", "png", "gif", "webp", "bmp", "tiff")
 _JPEG_SOF = {0xC0, 0xC1, 0xC2, 0xC3, 0xC5, 0xC6, 0xC7, 0xC9, 0xCA, 0xCB, 0xCD, 0xCE, 0xCF}
+_JPEG_PROGRESSIVE = {0xC2, 0xC6, 0xCA, 0xCE}
 _ORIENTATION_TAG = 0x0112
+_TIFF_WIDTH, _TIFF_HEIGHT, _TIFF_BITS, _TIFF_SAMPLES, _TIFF_EXTRA = 256, 257, 258, 277, 338
+_TIFF_PHOTOMETRIC = 262
+# PNG colour types: samples per pixel, and whether one of them is alpha (3, palette: 1 index)
+_PNG_COLOUR = {0: (1, False), 2: (3, False), 3: (1, False), 4: (2, True), 6: (4, True)}
+
+HEADER_WINDOW = 1024 * 1024
+"""The JPEG frame header must start within this many bytes (real ones do within a few hundred KB,
+EXIF thumbnails and ICC profiles included)."""
+MAX_SEGMENTS = 512
+"""JPEG segments allowed before the frame header (real files have a few dozen)."""
+MAX_FILL = 64
+"""Consecutive 0xFF fill bytes allowed before a JPEG marker."""
+MAX_SCANS = 100
+"""JPEG scans allowed (progressive files have about 10; libjpeg-turbo's tools advise 100)."""
 
 
 @dataclass(frozen=True)
@@ -23,6 +45,18 @@ class ImageInfo:
     height: int
     orientation: int = 1
     """EXIF orientation, 1 (upright) to 8."""
+    channels: int = 3
+    """Samples per pixel as stored (a palette index counts as one), alpha included."""
+    bits: int = 8
+    """Bits per sample (8, 16 or 32)."""
+    alpha: bool = False
+    """The image has (or may have) transparency."""
+    grey: bool = False
+    """Grey levels only (decoded to one channel, made colour after the resize)."""
+    scans: int = 1
+    """JPEG: the number of scans; more than one makes libjpeg keep every DCT coefficient."""
+    samples: int = 0
+    """JPEG: samples of all components at full size, whole 8x8 blocks (chroma subsampling counted)."""
 
     @property
     def pixels(self) -> int:
@@ -30,7 +64,8 @@ class ImageInfo:
 
 
 def _tiff_tags(data: bytes, wanted: set[int]) -> dict[int, int]:
-    """Integer values of the wanted tags in the first IFD of a TIFF structure (also EXIF's)."""
+    """Integer values of the wanted tags in the first IFD of a TIFF structure (also EXIF's); for a
+    tag with several values (BitsPerSample), the first."""
     if len(data) < 8 or data[:2] not in (b"II", b"MM"):
         return {}
     endian = "<" if data[:2] == b"II" else ">"
@@ -43,39 +78,107 @@ def _tiff_tags(data: bytes, wanted: set[int]) -> dict[int, int]:
         entry = ifd + 2 + 12 * i
         if entry + 12 > len(data):
             break
-        tag, typ = struct.unpack_from(endian + "HH", data, entry)
-        if tag in wanted:
-            if typ == 3:  # SHORT
-                (found[tag],) = struct.unpack_from(endian + "H", data, entry + 8)
-            elif typ == 4:  # LONG
-                (found[tag],) = struct.unpack_from(endian + "I", data, entry + 8)
+        tag, typ, n = struct.unpack_from(endian + "HHI", data, entry)
+        if tag not in wanted:
+            continue
+        if typ == 3:  # SHORT: inline when up to two fit, else at an offset
+            offset = entry + 8 if n <= 2 else struct.unpack_from(endian + "I", data, entry + 8)[0]
+            if offset + 2 <= len(data):
+                (found[tag],) = struct.unpack_from(endian + "H", data, offset)
+        elif typ == 4:  # LONG
+            offset = entry + 8 if n <= 1 else struct.unpack_from(endian + "I", data, entry + 8)[0]
+            if offset + 4 <= len(data):
+                (found[tag],) = struct.unpack_from(endian + "I", data, offset)
     return found
 
 
+def _skip_fill(data: bytes, pos: int) -> int:
+    """Position of the marker code after the 0xFF at ``pos`` and any fill bytes after it."""
+    end = pos + 1
+    while end < len(data) and data[end] == 0xFF:
+        end += 1
+        if end - pos > MAX_FILL:
+            raise BadImage(f"corrupt JPEG: more than {MAX_FILL} fill bytes before a marker")
+    return end
+
+
+def _jpeg_samples(sof: bytes, width: int, height: int) -> int:
+    """Samples of every component, in whole blocks, from a frame header's sampling factors."""
+    factors = [(sof[7 + 3 * i] >> 4, sof[7 + 3 * i] & 15) for i in range(sof[5]) if 8 + 3 * i < len(sof)]
+    factors = [(max(1, h), max(1, v)) for h, v in factors] or [(1, 1)]
+    hmax, vmax = max(h for h, _ in factors), max(v for _, v in factors)
+    total = 0
+    for h, v in factors:
+        cols = -(-width * h // hmax)
+        rows = -(-height * v // vmax)
+        total += -(-cols // 8) * 8 * -(-rows // 8) * 8
+    return total
+
+
 def _jpeg(data: bytes) -> ImageInfo:
-    pos, orientation = 2, 1
-    n = len(data)
+    pos, orientation, segments = 2, 1, 0
+    window = data[:HEADER_WINDOW]
+    n = len(window)
     while pos + 4 <= n:
-        if data[pos] != 0xFF:
+        if window[pos] != 0xFF:
             raise BadImage("corrupt JPEG: expected a marker")
-        marker = data[pos + 1]
-        if marker == 0xFF:  # fill byte
-            pos += 1
-            continue
+        pos = _skip_fill(window, pos) - 1  # pos: the last 0xFF, pos + 1: the marker code
+        if pos + 4 > n:
+            break
+        marker = window[pos + 1]
+        segments += 1
+        if segments > MAX_SEGMENTS:
+            raise BadImage(f"corrupt JPEG: more than {MAX_SEGMENTS} segments before the frame header")
         if marker in (0x01, *range(0xD0, 0xD8)):  # markers without a length
             pos += 2
             continue
-        (length,) = struct.unpack_from(">H", data, pos + 2)
-        segment = data[pos + 4 : pos + 2 + length]
+        (length,) = struct.unpack_from(">H", window, pos + 2)
+        if length < 2:
+            raise BadImage("corrupt JPEG: segment length under 2")
+        segment = window[pos + 4 : pos + 2 + length]
         if marker == 0xE1 and segment.startswith(b"Exif\x00\x00"):
             orientation = _tiff_tags(segment[6:], {_ORIENTATION_TAG}).get(_ORIENTATION_TAG, 1)
-        elif marker in _JPEG_SOF and len(segment) >= 5:
+        elif marker in _JPEG_SOF and len(segment) >= 6:
+            bits = segment[0]
             height, width = struct.unpack_from(">HH", segment, 1)
-            return ImageInfo("jpeg", width, height, orientation if 1 <= orientation <= 8 else 1)
+            components = segment[5]
+            samples = _jpeg_samples(segment, width, height)
+            # Every scan starts with an SOS marker; in entropy-coded data 0xFF is always followed by
+            # 0x00 or a restart marker, so counting the pair (in C, over the whole file) counts scans.
+            scans = data.count(b"\xff\xda", pos)
+            if scans > MAX_SCANS:
+                raise BadImage(f"JPEG has {scans} scans; at most {MAX_SCANS} are accepted")
+            if marker in _JPEG_PROGRESSIVE:
+                scans = max(scans, 2)  # a progressive decode always buffers the coefficients
+            return ImageInfo(
+                "jpeg",
+                width,
+                height,
+                orientation if 1 <= orientation <= 8 else 1,
+                channels=max(1, components),
+                bits=16 if bits > 8 else 8,
+                grey=components == 1,
+                scans=max(scans, 1),
+                samples=samples,
+            )
         elif marker == 0xDA:
             break
         pos += 2 + length
+    if n == HEADER_WINDOW and pos + 4 > n:
+        raise BadImage(f"JPEG frame header not within the first {HEADER_WINDOW} bytes")
     raise BadImage("corrupt JPEG: no frame header found")
+
+
+def _png(data: bytes) -> ImageInfo:
+    if data[12:16] != b"IHDR" or len(data) < 26:
+        raise BadImage("corrupt PNG: no IHDR chunk")
+    w, h, depth, colour = struct.unpack_from(">IIBB", data, 16)
+    if colour not in _PNG_COLOUR or depth not in (1, 2, 4, 8, 16):
+        raise BadImage(f"corrupt PNG: colour type {colour} with bit depth {depth}")
+    channels, alpha = _PNG_COLOUR[colour]
+    # A palette or grey image may still carry transparency in a tRNS chunk; assume it may.
+    alpha = alpha or (colour in (0, 2, 3) and b"tRNS" in data[: data.find(b"IDAT")])
+    return ImageInfo("png", w, h, channels=channels, bits=16 if depth == 16 else 8, alpha=alpha, grey=colour == 0)
 
 
 def _webp(data: bytes) -> ImageInfo:
@@ -85,12 +188,46 @@ def _webp(data: bytes) -> ImageInfo:
         return ImageInfo("webp", w & 0x3FFF, h & 0x3FFF)
     if chunk == b"VP8L" and len(data) >= 25:
         (bits,) = struct.unpack_from("<I", data, 21)
-        return ImageInfo("webp", (bits & 0x3FFF) + 1, ((bits >> 14) & 0x3FFF) + 1)
+        alpha = bool(bits >> 28 & 1)
+        return ImageInfo(
+            "webp", (bits & 0x3FFF) + 1, ((bits >> 14) & 0x3FFF) + 1, channels=4 if alpha else 3, alpha=alpha
+        )
     if chunk == b"VP8X" and len(data) >= 30:
+        alpha = bool(data[20] & 0x10)
         w = int.from_bytes(data[24:27], "little") + 1
         h = int.from_bytes(data[27:30], "little") + 1
-        return ImageInfo("webp", w, h)
+        return ImageInfo("webp", w, h, channels=4 if alpha else 3, alpha=alpha)
     raise BadImage("corrupt WebP header")
+
+
+def _bmp(data: bytes) -> ImageInfo:
+    (dib,) = struct.unpack_from("<I", data, 14)
+    if dib == 12:
+        w, h, _, bitcount = struct.unpack_from("<HHHH", data, 18)
+    else:
+        w, h, _, bitcount = struct.unpack_from("<iiHH", data, 18)
+    alpha = bitcount == 32
+    return ImageInfo("bmp", abs(w), abs(h), channels=4 if alpha else 3, alpha=alpha)
+
+
+def _tiff(data: bytes) -> ImageInfo:
+    wanted = {_TIFF_WIDTH, _TIFF_HEIGHT, _TIFF_BITS, _TIFF_SAMPLES, _TIFF_EXTRA, _TIFF_PHOTOMETRIC, _ORIENTATION_TAG}
+    tags = _tiff_tags(data, wanted)
+    if _TIFF_WIDTH not in tags or _TIFF_HEIGHT not in tags:
+        raise BadImage("corrupt TIFF: no dimensions in the first IFD")
+    orientation = tags.get(_ORIENTATION_TAG, 1)
+    samples = min(max(tags.get(_TIFF_SAMPLES, 1), 1), 4)
+    bits = tags.get(_TIFF_BITS, 8)
+    return ImageInfo(
+        "tiff",
+        tags[_TIFF_WIDTH],
+        tags[_TIFF_HEIGHT],
+        orientation if 1 <= orientation <= 8 else 1,
+        channels=samples,
+        bits=8 if bits <= 8 else 16 if bits <= 16 else 32,
+        alpha=_TIFF_EXTRA in tags or samples in (2, 4),
+        grey=samples == 1 and tags.get(_TIFF_PHOTOMETRIC, 1) in (0, 1),
+    )
 
 
 def probe(data: bytes) -> ImageInfo:
@@ -101,28 +238,16 @@ def probe(data: bytes) -> ImageInfo:
         if data.startswith(b"\xff\xd8\xff"):
             return _jpeg(data)
         if data.startswith(b"\x89PNG\r\n\x1a\n"):
-            if data[12:16] != b"IHDR":
-                raise BadImage("corrupt PNG: no IHDR chunk")
-            w, h = struct.unpack_from(">II", data, 16)
-            return ImageInfo("png", w, h)
+            return _png(data)
         if data[:6] in (b"GIF87a", b"GIF89a"):
             w, h = struct.unpack_from("<HH", data, 6)
-            return ImageInfo("gif", w, h)
+            return ImageInfo("gif", w, h, channels=4, alpha=True)  # transparency is per frame
         if data[:4] == b"RIFF" and data[8:12] == b"WEBP":
             return _webp(data)
         if data[:2] == b"BM":
-            (dib,) = struct.unpack_from("<I", data, 14)
-            if dib == 12:
-                w, h = struct.unpack_from("<HH", data, 18)
-            else:
-                w, h = struct.unpack_from("<ii", data, 18)
-            return ImageInfo("bmp", abs(w), abs(h))
+            return _bmp(data)
         if data[:4] in (b"II*\x00", b"MM\x00*"):
-            tags = _tiff_tags(data, {256, 257, _ORIENTATION_TAG})
-            if 256 not in tags or 257 not in tags:
-                raise BadImage("corrupt TIFF: no dimensions in the first IFD")
-            orientation = tags.get(_ORIENTATION_TAG, 1)
-            return ImageInfo("tiff", tags[256], tags[257], orientation if 1 <= orientation <= 8 else 1)
+            return _tiff(data)
     except struct.error:
         raise BadImage("truncated image header") from None
     raise BadImage("not a recognised image (JPEG, PNG, GIF, WebP, BMP or TIFF expected)")

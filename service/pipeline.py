@@ -76,7 +76,7 @@ async def open_pipeline(
     )
     metrics.bind_batcher(batcher, chosen.name)
     pool = ThreadPoolExecutor(max_workers=settings.preprocess_workers, thread_name_prefix="preprocess")
-    config = PreprocessConfig(profile.image_size, profile.crop_fraction, settings.max_image_pixels)
+    config = PreprocessConfig(profile.image_size, profile.crop_fraction, settings.max_image_bytes)
     batcher.start()
     gpu = start_gpu_sampler(metrics.registry)
     metrics.gpus_visible = gpu.count if gpu is not None else 0

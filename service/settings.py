@@ -110,10 +110,12 @@ class Settings(BaseSettings):
     max_concurrent_requests: int = Field(64, ge=1)
     """/classify requests handled at once (reading, decoding, waiting for their batch); beyond it
     the answer is 429 at once, before the body is read. With the body cap this bounds memory:
-    baseline + max_concurrent_requests x max_body_bytes + preprocess_workers x max_image_pixels x 3
+    baseline + max_concurrent_requests x max_body_bytes + preprocess_workers x max_image_bytes
     + max_queue_size x 150 KB + open connections x ~0.3 MiB."""
-    max_image_pixels: int = Field(50_000_000, ge=1)
-    """Largest width x height accepted, checked from the header before decoding; larger get 413."""
+    max_image_bytes: int = Field(300_000_000, ge=1_000_000)
+    """Decoder memory one image may take, reckoned from its header before decoding (width x height
+    x channels x bytes per sample, twice, plus a progressive JPEG's coefficients); larger get 413.
+    The default admits a 50-megapixel 8-bit RGB PNG, and JPEGs far larger (decoded at 1/8 scale)."""
     max_images_per_request: int = Field(64, ge=1)
     """Most images in one /classify request."""
     preprocess_workers: int = Field(default_factory=lambda: os.cpu_count() or 1, ge=1)

@@ -65,13 +65,13 @@ def png_bytes(array: np.ndarray) -> bytes:
     return buffer.getvalue()
 
 
-def crafted_png(width: int, height: int) -> bytes:
-    """A well-formed PNG whose header claims width x height, with one tiny IDAT."""
+def crafted_png(width: int, height: int, colour_type: int = 2) -> bytes:
+    """A well-formed 8-bit PNG whose header claims width x height, with one tiny IDAT."""
 
     def chunk(kind: bytes, payload: bytes) -> bytes:
         return struct.pack(">I", len(payload)) + kind + payload + struct.pack(">I", zlib.crc32(kind + payload))
 
-    ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    ihdr = struct.pack(">IIBBBBB", width, height, 8, colour_type, 0, 0, 0)
     return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(b"\0" * 64)) + chunk(b"IEND", b"")
 
 

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import io
+from pathlib import Path
 
 import cv2
 import numpy as np
@@ -10,6 +11,7 @@ from hypothesis import strategies as st
 from PIL import Image, ImageOps
 from skimage import data as skdata
 
+from loadtests import decode_memory
 from service.errors import BadImage, GatewayError, PayloadTooLarge
 from service.imageinfo import probe
 from service.preprocess import PreprocessConfig, centre_crop_resize, prepare, reduction_for
@@ -140,11 +142,11 @@ def test_decompression_bomb_is_refused_from_the_header() -> None:
         prepare(crafted_png(50_000, 50_000), CONFIG)
 
 
-def test_jpeg_dimensions_over_the_limit_are_refused() -> None:
+def test_jpeg_over_the_decoded_bytes_budget_is_refused() -> None:
     encoded = pil_bytes(Image.new("RGB", (400, 300)), "JPEG")
-    with pytest.raises(PayloadTooLarge):
-        prepare(encoded, PreprocessConfig(max_pixels=400 * 300 - 1))
-    assert prepare(encoded, PreprocessConfig(max_pixels=400 * 300)).shape == (224, 224, 3)
+    with pytest.raises(PayloadTooLarge, match="400x300"):
+        prepare(encoded, PreprocessConfig(max_image_bytes=2 * 400 * 300 * 3 - 1))
+    assert prepare(encoded, PreprocessConfig(max_image_bytes=2 * 400 * 300 * 3)).shape == (224, 224, 3)
 
 
 @settings(max_examples=300, deadline=None)
@@ -156,3 +158,69 @@ def test_random_bytes_never_crash(payload: bytes, prefix: bytes) -> None:
     except GatewayError:
         return
     assert out.shape == (224, 224, 3)
+
+
+@pytest.mark.parametrize("case", decode_memory.CASES, ids=[c.name for c in decode_memory.CASES])
+def test_decoding_stays_within_the_bytes_budget(case: decode_memory.Case, tmp_path: Path) -> None:
+    """For every accepted format, bit depth and alpha, the peak memory of preparing an image (in a
+    fresh process) stays within what the header reckons: the budget GATEWAY_MAX_IMAGE_BYTES is
+    compared with. Full-resolution float conversions (1.7 GB for a 7000x7000 RGBA PNG) broke this."""
+    measured = decode_memory.measure(decode_memory.make(case, tmp_path, scale=0.45))
+    assert measured["peak"] <= measured["estimate"] + 16e6, measured  # + decoder buffers, code pages
+
+
+def test_an_rgba_png_over_the_budget_is_refused_before_decoding() -> None:
+    """A 7000x7000 RGBA PNG compresses to ~200 KB; decoding it takes 392 MB, over the default budget."""
+    with pytest.raises(PayloadTooLarge, match=r"7000x7000 \(PNG, 4 channel"):
+        prepare(crafted_png(7000, 7000, colour_type=6), CONFIG)
+
+
+@pytest.mark.parametrize(("mode", "depth"), [("RGBA", 8), ("RGBA", 16), ("LA", 8)])
+def test_alpha_is_composited_over_white_after_the_resize(mode: str, depth: int) -> None:
+    """Transparent pixels come out white and edges do not bleed the hidden colour, at 8 and 16 bits,
+    grey or colour: the result matches compositing at full size and then resizing."""
+    rng = np.random.default_rng(1)
+    h, w = 600, 800
+    colour = rng.integers(0, 256, (h, w, 3), dtype=np.uint16) * 257
+    alpha = np.zeros((h, w, 1), np.uint16)
+    alpha[100:500, 150:650] = 65535
+    alpha[:, 390:410] = 30000  # a half-transparent band through the middle
+    if mode == "LA":
+        colour = np.repeat(colour[:, :, :1], 3, axis=2)
+    bgra = np.concatenate([colour, alpha], axis=2)
+    if depth == 8:
+        bgra = (bgra >> 8).astype(np.uint8)
+    if mode == "RGBA":
+        encoded = cv2.imencode(".png", bgra)[1].tobytes()
+    else:  # OpenCV cannot write grey + alpha
+        encoded = pil_bytes(Image.fromarray(np.ascontiguousarray(bgra[:, :, [0, 3]]), "LA"), "PNG")
+    top = 65535.0 if depth == 16 else 255.0
+    a = bgra[:, :, 3:].astype(np.float64) / top
+    over_white = (bgra[:, :, :3].astype(np.float64) / top * a + (1 - a)) * 255
+    expected = centre_crop_resize(over_white.astype(np.float32), 224, CONFIG.crop_fraction)[:, :, ::-1]
+    out = prepare(encoded, CONFIG).astype(np.float64)
+    assert np.abs(out - expected).max() <= 2.0
+    assert tuple(out[2, 2]) == (255, 255, 255)
+
+
+def _jpeg_with(middle: bytes) -> bytes:
+    sof2 = b"\xff\xc2\x00\x11\x08\x00\x10\x00\x10\x03\x01\x22\x00\x02\x11\x01\x03\x11\x01"
+    return b"\xff\xd8" + middle + sof2 + b"\xff\xd9"
+
+
+@pytest.mark.parametrize(
+    ("data", "message"),
+    [
+        (b"\xff\xd8" + b"\xff" * (8 << 20), "fill bytes"),
+        (_jpeg_with(b"\xff\xfe\x00\x02" * 10_000), "segments"),
+        (_jpeg_with((b"\xff\xe2\xff\xff" + b"\x00" * 65533) * 17), "frame header not within"),
+        (_jpeg_with(b"")[:-2] + b"\xff\xda\x00\x02" * 150 + b"\xff\xd9", "150 scans"),
+    ],
+    ids=["fill-run", "segments", "header-beyond-window", "scans"],
+)
+def test_hostile_jpeg_headers_are_refused_by_a_bounded_walk(data: bytes, message: str) -> None:
+    """8 MiB of fill bytes (0.5 s of Python before), 10,000 empty segments, a frame header hidden
+    past the window, or 150 progressive scans (each one more decoder pass over the whole image)
+    are refused from the header, before any decoding."""
+    with pytest.raises(BadImage, match=message):
+        probe(data)
