@@ -70,7 +70,8 @@ _ERRORS: dict[int | str, dict[str, Any]] = {
     code: {"model": ErrorBody, "description": text}
     for code, text in {
         400: "Empty, truncated or undecodable image, or a malformed multipart body.",
-        413: "Body, image count or an image's pixel count over its limit.",
+        408: "The request body did not arrive within GATEWAY_BODY_TIMEOUT.",
+        413: "Body, image count or an image's decoded size over its limit.",
         415: "Content type that is not an image or multipart/form-data.",
         404: "Unknown job (GET /jobs/{job_id}).",
         422: "Invalid query parameters.",
@@ -148,21 +149,25 @@ async def classify(
 ) -> Any:
     gateway = request.app.state.gateway
     limit = gateway.settings.max_concurrent_requests
-    if gateway.active_requests >= limit:  # refuse before reading the body: memory stays bounded
+    if gateway.active_requests >= limit:  # full now: refuse before spending time on the body
+        raise QueueFull(f"{limit} requests are already being handled; retry later")
+    # The body is read before taking a slot: a slow sender never holds one (its time is bounded by
+    # GATEWAY_BODY_TIMEOUT, its memory by the body budget in BodyLimitMiddleware).
+    images = await _read_images(request, gateway.settings.max_images_per_request)
+    deadline = asyncio.get_running_loop().time() + gateway.settings.request_timeout
+    if gateway.active_requests >= limit:
         raise QueueFull(f"{limit} requests are already being handled; retry later")
     gateway.active_requests += 1
     try:
-        return await _classify(request, gateway, top_k, mode)
+        if mode == "offline":
+            return await _classify_offline(request, images, top_k)
+        return await _classify_online(gateway, images, top_k, deadline)
     finally:
         gateway.active_requests -= 1
 
 
-async def _classify(request: Request, gateway: Any, top_k: int, mode: str) -> Any:
+async def _classify_online(gateway: Any, images: list[ImageInput], top_k: int, deadline: float) -> ClassifyResponse:
     classifier: Classifier = gateway.classifier
-    deadline = asyncio.get_running_loop().time() + gateway.settings.request_timeout
-    images = await _read_images(request, gateway.settings.max_images_per_request)
-    if mode == "offline":
-        return await _classify_offline(request, images, top_k)
     results = await classifier.classify(images, k=top_k, deadline=deadline)
     gateway.metrics.images.labels("online").inc(len(results))
     return ClassifyResponse(

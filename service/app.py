@@ -103,9 +103,15 @@ def create_app(
             {"error": code, "detail": str(exc.detail)}, status_code=exc.status_code, headers=exc.headers
         )
 
-    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
+    app.add_middleware(
+        BodyLimitMiddleware,
+        max_bytes=settings.max_body_bytes,
+        max_buffered_bytes=settings.max_buffered_body_bytes_effective,
+        timeout=settings.body_timeout,
+        metrics=metrics,
+    )
     open_paths = OPEN_PATHS | ({"/metrics"} if settings.metrics_public else set())
-    app.add_middleware(ApiKeyMiddleware, keys=settings.load_api_keys(), open_paths=open_paths)
+    app.add_middleware(ApiKeyMiddleware, keys=settings.load_api_keys(), open_paths=open_paths, metrics=metrics)
     app.add_middleware(MetricsMiddleware, metrics=metrics)
     return app
 

@@ -38,6 +38,16 @@ class Unauthorized(GatewayError):
     error = "unauthorized"
 
 
+class RequestTimeout(GatewayError):
+    """The client did not send its request body in time."""
+
+    status_code = 408
+    error = "request_timeout"
+
+    def __init__(self, detail: str) -> None:
+        super().__init__(detail, headers={"Connection": "close"})
+
+
 class NotFound(GatewayError):
     status_code = 404
     error = "not_found"

@@ -1,23 +1,37 @@
-"""Pure ASGI middleware: a cap on request bodies, and per-route request metrics."""
+"""Pure ASGI middleware: bounds on receiving request bodies, API keys, and per-route request metrics."""
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import time
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from service.errors import PayloadTooLarge, Unauthorized, error_response
+from service.errors import PayloadTooLarge, QueueFull, RequestTimeout, Unauthorized, error_response
 from service.metrics import Metrics
 
 
 class BodyLimitMiddleware:
-    """Refuse bodies over ``max_bytes``: at once from Content-Length, or as soon as a streamed
-    (chunked) body passes the limit, so no more than the limit is ever buffered."""
+    """Bound what receiving request bodies may cost, in bytes and in time.
 
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+    * A body over ``max_bytes`` is refused (413): at once from Content-Length, or as soon as a
+      streamed (chunked) body passes the limit, so no more than the limit is ever buffered.
+    * The bodies of all requests being handled together may hold at most ``max_buffered_bytes``;
+      a chunk that would pass it gets 429. Memory is bounded by bytes actually received, so slow
+      senders, who hold few, cannot lock out everyone else the way a count of uploads would.
+    * The whole body must arrive within ``timeout`` seconds of the request's headers (408); a
+      client trickling a body holds its connection no longer than that.
+    """
+
+    def __init__(self, app: ASGIApp, max_bytes: int, max_buffered_bytes: int, timeout: float, metrics: Metrics) -> None:
         self.app = app
         self.max_bytes = max_bytes
+        self.max_buffered_bytes = max_buffered_bytes
+        self.timeout = timeout
+        self.metrics = metrics
+        self.buffered = 0
+        """Body bytes received by the requests being handled now."""
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -31,21 +45,42 @@ class BodyLimitMiddleware:
                     declared = 0
                 if declared > self.max_bytes:
                     error = PayloadTooLarge(f"request body is {declared} bytes; the limit is {self.max_bytes}")
+                    self.metrics.rejections.labels(error.error).inc()
                     await error_response(error)(scope, receive, send)
                     return
                 break
         received = 0
+        complete = False
+        deadline = asyncio.get_running_loop().time() + self.timeout
 
         async def limited_receive() -> Message:
-            nonlocal received
-            message = await receive()
+            nonlocal received, complete
+            if complete:  # after the body, receive() only waits for a disconnect
+                return await receive()
+            try:
+                async with asyncio.timeout_at(deadline):
+                    message = await receive()
+            except TimeoutError:
+                raise RequestTimeout(
+                    f"the request body did not arrive within {self.timeout:g} s ({received} bytes received)"
+                ) from None
             if message["type"] == "http.request":
-                received += len(message.get("body", b""))
+                size = len(message.get("body", b""))
+                received += size
+                self.buffered += size
+                complete = not message.get("more_body", False)
                 if received > self.max_bytes:
                     raise PayloadTooLarge(f"request body is over the limit of {self.max_bytes} bytes")
+                if self.buffered > self.max_buffered_bytes:
+                    raise QueueFull(
+                        f"request bodies being handled hold over {self.max_buffered_bytes} bytes; retry later"
+                    )
             return message
 
-        await self.app(scope, limited_receive, send)
+        try:
+            await self.app(scope, limited_receive, send)
+        finally:
+            self.buffered -= received
 
 
 class MetricsMiddleware:
@@ -87,10 +122,11 @@ class ApiKeyMiddleware:
     Keys are compared in constant time against every configured key (no early exit), and a missing
     key and a wrong one get the same answer, so nothing tells a caller which part failed."""
 
-    def __init__(self, app: ASGIApp, keys: list[bytes], open_paths: frozenset[str]) -> None:
+    def __init__(self, app: ASGIApp, keys: list[bytes], open_paths: frozenset[str], metrics: Metrics) -> None:
         self.app = app
         self.keys = keys
         self.open_paths = open_paths
+        self.metrics = metrics
 
     def _valid(self, presented: bytes) -> bool:
         matched = False
@@ -117,4 +153,5 @@ class ApiKeyMiddleware:
             "a valid API key is required: send 'Authorization: Bearer <key>' or 'X-API-Key: <key>'",
             headers={"WWW-Authenticate": "Bearer"},
         )
+        self.metrics.rejections.labels(error.error).inc()
         await error_response(error)(scope, receive, send)

@@ -100,17 +100,25 @@ class Settings(BaseSettings):
     """Images waiting for a batch; beyond it requests are rejected with 429."""
 
     request_timeout: float = Field(10.0, gt=0.0)
-    """Seconds a /classify request may take end to end before it gets 504."""
+    """Seconds a /classify request may take from the end of its body (decoding, queueing,
+    inference) before it gets 504; the upload has its own bound, ``body_timeout``."""
     max_body_bytes: int = Field(16 * 1024 * 1024, ge=1024)
     """Largest request body accepted; larger bodies get 413."""
+    body_timeout: float = Field(15.0, gt=0.0)
+    """Seconds a client has to send the whole request body once its headers have arrived; slower
+    uploads get 408 and the connection is closed (a trickled body holds nothing longer)."""
+    max_buffered_body_bytes: int = Field(0, ge=0)
+    """Body bytes all requests being handled may hold together; a chunk over it gets 429 (0:
+    max_concurrent_requests x max_body_bytes). Counted in bytes received, so slow senders holding
+    little do not lock out others."""
     max_connections: int = Field(1000, ge=1)
     """Open HTTP connections and tasks uvicorn allows before answering 503 (its limit_concurrency).
     Each connection holds up to ~0.3 MiB of unread body in the server's buffers, so this bounds
     that memory too."""
     max_concurrent_requests: int = Field(64, ge=1)
-    """/classify requests handled at once (reading, decoding, waiting for their batch); beyond it
-    the answer is 429 at once, before the body is read. With the body cap this bounds memory:
-    baseline + max_concurrent_requests x max_body_bytes + preprocess_workers x max_image_bytes
+    """/classify requests decoding or waiting for their batch at once; beyond it the answer is 429.
+    A request takes its slot once its body has arrived, so slow uploads never hold one. Memory:
+    baseline + max_buffered_body_bytes + preprocess_workers x (max_image_bytes + 16 MB)
     + max_queue_size x 150 KB + open connections x ~0.3 MiB."""
     max_image_bytes: int = Field(300_000_000, ge=1_000_000)
     """Decoder memory one image may take, reckoned from its header before decoding (width x height
@@ -131,6 +139,10 @@ class Settings(BaseSettings):
         return [k.encode() for k in keys if k and not k.startswith("#")]
 
     @property
+    def max_buffered_body_bytes_effective(self) -> int:
+        return self.max_buffered_body_bytes or self.max_concurrent_requests * self.max_body_bytes
+
+    @property
     def prefetch(self) -> int:
         return self.worker_prefetch or self.max_batch_size * self.max_inflight_batches * 2
 
@@ -146,6 +158,8 @@ class Settings(BaseSettings):
 
         if self.model not in PROFILES:
             raise ValueError(f"unknown model {self.model!r}; known: {', '.join(PROFILES)}")
+        if self.max_buffered_body_bytes and self.max_buffered_body_bytes < self.max_body_bytes:
+            raise ValueError("max_buffered_body_bytes must be at least max_body_bytes (or 0)")
         if self.max_queue_size < self.max_images_per_request:
             raise ValueError("max_queue_size must be at least max_images_per_request")
         return self

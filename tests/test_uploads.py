@@ -1,0 +1,122 @@
+"""Receiving bodies on a real uvicorn server: slow senders, the body budget, and early refusals
+counted like every other rejection."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Callable
+
+import httpx
+
+from service.backends.fake import FakeBackend
+from service.settings import Settings
+from tests.conftest import png_bytes, running_gateway, solid_image
+
+MakeSettings = Callable[..., Settings]
+PNG = png_bytes(solid_image(7, 32))
+
+
+def _port(client: httpx.AsyncClient) -> int:
+    port = client.base_url.port
+    assert port is not None
+    return port
+
+
+async def _trickle(port: int, declared: int, stop: asyncio.Event) -> tuple[int, dict[str, str], float]:
+    """Send headers and then a byte every 100 ms until the server answers; return its status, JSON
+    body and how long the connection was held."""
+    started = time.monotonic()
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(
+        b"POST /classify HTTP/1.1\r\nhost: x\r\ncontent-type: image/png\r\n"
+        + f"content-length: {declared}\r\n\r\n".encode()
+        + PNG[:16]
+    )
+    await writer.drain()
+
+    async def send_slowly() -> None:
+        for byte in PNG[16:]:
+            if stop.is_set():
+                return
+            writer.write(bytes([byte]))
+            await writer.drain()
+            await asyncio.sleep(0.1)
+
+    sender = asyncio.create_task(send_slowly())
+    try:
+        head = await reader.readuntil(b"\r\n\r\n")
+        lines = head.decode().split("\r\n")
+        length = next(int(v) for k, _, v in (h.partition(": ") for h in lines[1:]) if k.lower() == "content-length")
+        body = json.loads(await reader.readexactly(length))
+        return int(lines[0].split()[1]), body, time.monotonic() - started
+    finally:
+        sender.cancel()
+        writer.close()
+
+
+async def test_slow_uploads_cannot_starve_other_clients(gateway_factory: MakeSettings) -> None:
+    """70 connections trickling a body (more than the 8 admission slots) leave every other client
+    served, and each trickler gets 408 with the JSON error once GATEWAY_BODY_TIMEOUT has passed.
+    Before, the tricklers held every slot and everyone else got 429 for as long as they liked."""
+    settings = gateway_factory(backend="fake", max_concurrent_requests=8, body_timeout=2.0)
+    async with running_gateway(settings, FakeBackend()) as client:
+        stop = asyncio.Event()
+        tricklers = [asyncio.create_task(_trickle(_port(client), len(PNG), stop)) for _ in range(70)]
+        await asyncio.sleep(0.5)  # every trickler has sent its headers and is sending its body
+        answers = [
+            await client.post("/classify", content=PNG, headers={"content-type": "image/png"}) for _ in range(20)
+        ]
+        assert [a.status_code for a in answers] == [200] * 20, [a.text for a in answers if a.status_code != 200]
+        outcomes = await asyncio.gather(*tricklers)
+        stop.set()
+        for status, body, held in outcomes:
+            assert status == 408
+            assert body["error"] == "request_timeout"
+            assert "did not arrive within 2 s" in body["detail"]
+            assert 1.9 <= held <= 4.0
+        metrics = (await client.get("/metrics")).text
+        assert 'gateway_rejections_total{reason="request_timeout"} 70.0' in metrics
+
+
+async def test_bodies_being_handled_are_bounded_in_bytes(gateway_factory: MakeSettings) -> None:
+    """While one upload holds most of the body budget, a second that would pass it gets 429; once
+    the first has finished, the same body is served."""
+    settings = gateway_factory(
+        backend="fake", max_body_bytes=64 * 1024, max_buffered_body_bytes=100 * 1024, body_timeout=5.0
+    )
+    big = PNG + b"\0" * (60 * 1024)  # trailing bytes after IEND are ignored by the decoder
+    async with running_gateway(settings, FakeBackend()) as client:
+        reader, writer = await asyncio.open_connection("127.0.0.1", _port(client))
+        writer.write(
+            b"POST /classify HTTP/1.1\r\nhost: x\r\ncontent-type: image/png\r\n"
+            + f"content-length: {len(big)}\r\n\r\n".encode()
+            + big[:-10]
+        )
+        await writer.drain()
+        await asyncio.sleep(0.3)  # the held upload's bytes are in the budget
+        refused = await client.post("/classify", content=big, headers={"content-type": "image/png"})
+        assert refused.status_code == 429
+        assert refused.json()["error"] == "queue_full"
+        writer.write(big[-10:])
+        await writer.drain()
+        assert (await reader.readuntil(b"\r\n")).startswith(b"HTTP/1.1 200")
+        writer.close()
+        served = await client.post("/classify", content=big, headers={"content-type": "image/png"})
+        assert served.status_code == 200, served.text
+
+
+async def test_refusals_before_the_route_are_counted(gateway_factory: MakeSettings) -> None:
+    """A 401 (no key) and a 413 from Content-Length are answered by middleware, before any route;
+    they count in gateway_rejections_total like the route's own refusals."""
+    settings = gateway_factory(backend="fake", api_keys="k1", max_body_bytes=4096, metrics_public=True)
+    async with running_gateway(settings, FakeBackend()) as client:
+        assert (await client.post("/classify", content=PNG, headers={"content-type": "image/png"})).status_code == 401
+        too_big = await client.post(
+            "/classify", content=b"\0" * 5000, headers={"content-type": "image/png", "x-api-key": "k1"}
+        )
+        assert too_big.status_code == 413
+        metrics = (await client.get("/metrics")).text
+        assert 'gateway_rejections_total{reason="unauthorized"} 1.0' in metrics
+        assert 'gateway_rejections_total{reason="payload_too_large"} 1.0' in metrics
