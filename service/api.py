@@ -237,12 +237,11 @@ async def healthz() -> dict[str, str]:
 )
 async def readyz(request: Request) -> JSONResponse:
     gateway = request.app.state.gateway
-    problem = await gateway.backend.ready()
+    problem = gateway.health.problem  # the background check's latest answer: no backend call here
     checks = {"backend": f"{gateway.backend.name}: {problem or 'ok'}"}
     checks["batcher"] = "shutting down" if gateway.closing else "ok"
     gpus = gateway.metrics.gpus_visible
     checks["gpu"] = f"ok: {gpus} visible" if gpus else "none visible: no GPU metrics from this process"
-    gateway.metrics.backend_ready.labels(gateway.backend.name).set(0 if problem else 1)
     if gateway.jobs is not None:  # informational: online requests do not need the broker
         checks["broker"] = gateway.jobs.status()
     ready = problem is None and not gateway.closing

@@ -19,6 +19,7 @@ from service.api import router
 from service.backends.base import Backend
 from service.classifier import Classifier
 from service.errors import GatewayError, error_response
+from service.health import BackendHealth
 from service.jobs.client import JobsClient
 from service.metrics import Metrics
 from service.middleware import OPEN_PATHS, ApiKeyMiddleware, BodyLimitMiddleware, MetricsMiddleware
@@ -37,6 +38,7 @@ class Gateway:
     backend: Backend
     classifier: Classifier
     metrics: Metrics
+    health: BackendHealth
     jobs: JobsClient | None = None
     closing: bool = False
     active_requests: int = 0
@@ -64,13 +66,15 @@ def create_app(
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        async with open_pipeline(settings, metrics, backend) as (classifier, chosen):
+        async with open_pipeline(settings, metrics, backend) as pipeline:
             jobs = JobsClient(settings, metrics) if settings.broker_url else None
             if jobs is not None:
                 jobs.start()  # in the background: online mode must not wait for the broker
-            gateway = Gateway(settings, chosen, classifier, metrics, jobs)
+            gateway = Gateway(settings, pipeline.backend, pipeline.classifier, metrics, pipeline.health, jobs)
             app.state.gateway = gateway
-            logger.info("gateway ready: model %s v%s on the %s backend", profile.name, profile.version, chosen.name)
+            logger.info(
+                "gateway ready: model %s v%s on the %s backend", profile.name, profile.version, pipeline.backend.name
+            )
             try:
                 yield
             finally:

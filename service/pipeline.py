@@ -11,14 +11,17 @@ import logging
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 
 import cv2
+import numpy as np
 
 from service.backends.base import Backend
 from service.backends.circuit import CircuitBreaker
 from service.batcher import DynamicBatcher
 from service.classifier import Classifier
 from service.gpu import start_gpu_sampler
+from service.health import BackendHealth
 from service.metrics import Metrics
 from service.models.profiles import ModelProfile, get_profile
 from service.models.store import ensure_model
@@ -55,16 +58,26 @@ async def build_backend(settings: Settings, profile: ModelProfile) -> Backend:
     )
 
 
+@dataclass(frozen=True)
+class Pipeline:
+    classifier: Classifier
+    backend: Backend
+    health: BackendHealth
+
+
 @asynccontextmanager
 async def open_pipeline(
     settings: Settings, metrics: Metrics, backend: Backend | None = None
-) -> AsyncIterator[tuple[Classifier, Backend]]:
+) -> AsyncIterator[Pipeline]:
     """Start backend, batcher and preprocessing pool; on exit drain and close them in order."""
     profile = get_profile(settings.model)
     cv2.setNumThreads(1)  # parallelism comes from the preprocessing pool, one image per thread
     chosen = backend if backend is not None else await build_backend(settings, profile)
     if settings.breaker_threshold:
-        chosen = CircuitBreaker(chosen, threshold=settings.breaker_threshold, cooldown=settings.breaker_cooldown)
+        probe = np.zeros((1, profile.image_size, profile.image_size, 3), np.uint8)
+        chosen = CircuitBreaker(
+            chosen, threshold=settings.breaker_threshold, cooldown=settings.breaker_cooldown, probe=probe
+        )
     await chosen.start()
     batcher = DynamicBatcher(
         chosen.infer,
@@ -80,12 +93,18 @@ async def open_pipeline(
     batcher.start()
     gpu = start_gpu_sampler(metrics.registry)
     metrics.gpus_visible = gpu.count if gpu is not None else 0
-    watcher = asyncio.create_task(_watch_readiness(chosen, metrics), name="readiness")
+    health = BackendHealth(chosen, metrics, settings.readiness_interval)
+    await health.refresh()
+    watchers = [
+        asyncio.create_task(health.run(), name="readiness"),
+        asyncio.create_task(_sample(metrics), name="sampler"),
+    ]
     logger.info("pipeline ready: model %s v%s on the %s backend", profile.name, profile.version, chosen.name)
     try:
-        yield Classifier(profile, batcher, pool, metrics, config), chosen
+        yield Pipeline(Classifier(profile, batcher, pool, metrics, config), chosen, health)
     finally:
-        watcher.cancel()
+        for watcher in watchers:
+            watcher.cancel()
         if gpu is not None:
             gpu.stop()
         await batcher.aclose(drain_timeout=settings.request_timeout)
@@ -93,17 +112,8 @@ async def open_pipeline(
         pool.shutdown(wait=True, cancel_futures=True)
 
 
-async def _watch_readiness(backend: Backend, metrics: Metrics, every: int = 5) -> None:
-    """Keep the gauges current whether or not anyone scrapes: the batcher's every second,
-    ``gateway_backend_ready`` every ``every`` seconds (for alerting without /readyz polls)."""
-    tick = 0
+async def _sample(metrics: Metrics) -> None:
+    """Keep the batcher's gauges current whether or not anyone scrapes."""
     while True:
         metrics.sample()
-        if tick % every == 0:
-            try:
-                metrics.backend_ready.labels(backend.name).set(0 if await backend.ready() else 1)
-            except Exception as exc:
-                logger.warning("readiness check failed: %s", exc)
-                metrics.backend_ready.labels(backend.name).set(0)
-        tick += 1
         await asyncio.sleep(1.0)

@@ -46,7 +46,11 @@ class Settings(BaseSettings):
     breaker_threshold: int = Field(5, ge=0)
     """Consecutive failed batches that open the backend's circuit breaker (0: no breaker)."""
     breaker_cooldown: float = Field(5.0, gt=0.0)
-    """Seconds an open circuit refuses work (503) before letting one trial batch through."""
+    """Seconds an open circuit refuses work (503) before letting one trial batch through; the
+    readiness check sends that trial itself when the backend says it is ready."""
+    readiness_interval: float = Field(2.0, gt=0.0, le=60.0)
+    """Seconds between background readiness checks of the backend; /readyz answers from the
+    latest one, so probes cost the backend nothing."""
     model: str = "efficientnet-lite0"
     """Model profile to serve: ``efficientnet-lite0`` (real ImageNet weights), ``resnet50``, or
     ``trivial`` (no real answers; almost no compute, for measuring the gateway itself)."""

@@ -99,11 +99,39 @@ async def test_only_one_trial_batch_while_half_open() -> None:
     assert breaker.state == "closed"
 
 
+async def test_readiness_sends_the_trial_batch_itself() -> None:
+    """With no traffic at all, an open circuit closes once the cooldown is over and the probe batch
+    succeeds; while the backend is still broken the trial fails and readiness says why."""
+    inner, clock = Flaky(), Clock()
+    breaker = CircuitBreaker(inner, threshold=1, cooldown=5.0, clock=clock, probe=BATCH)
+    with pytest.raises(BackendError):
+        await breaker.infer(BATCH)
+    assert "circuit open" in (await breaker.ready() or "")
+    assert len(inner.batches) == 1  # no trial during the cooldown
+    clock.now += 5.0
+    assert "the trial batch failed (device lost)" in (await breaker.ready() or "")
+    assert breaker.state == "open"
+    clock.now += 5.0
+    inner.broken = False
+    assert await breaker.ready() is None
+    assert breaker.state == "closed"
+    assert len(inner.batches) == 3  # the first failure and the two trials, nothing else
+
+
+async def test_half_open_without_a_probe_counts_as_ready() -> None:
+    inner, clock = Flaky(), Clock()
+    breaker = CircuitBreaker(inner, threshold=1, cooldown=5.0, clock=clock)
+    with pytest.raises(BackendError):
+        await breaker.infer(BATCH)
+    clock.now += 5.0
+    assert await breaker.ready() is None  # the next batch is let through: the pod can take traffic
+
+
 async def test_open_circuit_over_http(gateway_factory: Callable[..., Settings]) -> None:
-    """Repeated backend failures: 500s, then fast 503s with a clear body and /readyz false; after
-    the cooldown and a successful trial, 200 and ready again."""
+    """Repeated backend failures: 500s, then fast 503s with a clear body and /readyz false; once
+    the backend has recovered, /readyz alone (no request) turns ready again, and requests pass."""
     inner = Flaky()
-    settings = gateway_factory(backend="fake", breaker_threshold=2, breaker_cooldown=0.3)
+    settings = gateway_factory(backend="fake", breaker_threshold=2, breaker_cooldown=0.3, readiness_interval=0.05)
     png = png_bytes(solid_image(7, 16))
     async with running_gateway(settings, inner) as client:
 
@@ -113,10 +141,41 @@ async def test_open_circuit_over_http(gateway_factory: Callable[..., Settings]) 
 
         assert [await post() for _ in range(2)] == [(500, "backend_error")] * 2
         assert await post() == (503, "backend_unavailable")
+        await asyncio.sleep(0.1)  # the next background check
         readyz = await client.get("/readyz")
         assert readyz.status_code == 503
         assert "circuit open" in readyz.json()["checks"]["backend"]
+        await asyncio.sleep(0.5)  # past the cooldown, the backend still broken: trials fail
+        assert (await client.get("/readyz")).status_code == 503
         inner.broken = False
-        await asyncio.sleep(0.35)
+        async with asyncio.timeout(5):
+            while (await client.get("/readyz")).status_code != 200:  # noqa: ASYNC110
+                await asyncio.sleep(0.05)
         assert await post() == (200, "")
-        assert (await client.get("/readyz")).status_code == 200
+
+
+class Counting(FakeBackend):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ready_calls = 0
+
+    async def ready(self) -> str | None:
+        self.ready_calls += 1
+        return await super().ready()
+
+
+async def test_readyz_answers_from_the_background_check(gateway_factory: Callable[..., Settings]) -> None:
+    """200 anonymous /readyz calls cost the backend no call of their own: /readyz reads the latest
+    background check (before, each cost Triton 2-3 RPCs); the check still follows the backend."""
+    backend = Counting()
+    settings = gateway_factory(backend="fake", readiness_interval=0.2)
+    async with running_gateway(settings, backend) as client:
+        started = asyncio.get_running_loop().time()
+        for _ in range(200):
+            assert (await client.get("/readyz")).status_code == 200
+        elapsed = asyncio.get_running_loop().time() - started
+        assert backend.ready_calls <= elapsed / 0.2 + 3
+        backend.is_ready = False
+        async with asyncio.timeout(3):
+            while (await client.get("/readyz")).status_code != 503:  # noqa: ASYNC110
+                await asyncio.sleep(0.05)

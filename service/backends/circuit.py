@@ -4,6 +4,11 @@ After ``threshold`` consecutive failed batches the circuit opens: batches fail a
 ``cooldown`` seconds instead of piling onto a broken backend, and ``/readyz`` says so. Then one
 batch is let through (half-open): success closes the circuit, failure opens it again. Deadlines
 and full queues are the clients' business and do not count as backend failures.
+
+Readiness does not wait for traffic: once the cooldown is over and the backend says it is ready,
+``ready()`` sends the trial itself (``probe``, a one-image batch) and reports ready when it
+succeeds. An open circuit used to stay open until a request came, and a pod out of rotation gets
+none, so every replica stayed unready after any outage longer than the cooldown.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ class CircuitBreaker:
         *,
         threshold: int = 5,
         cooldown: float = 5.0,
+        probe: np.ndarray | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.inner = inner
@@ -37,6 +43,8 @@ class CircuitBreaker:
         self.threshold = threshold
         self.cooldown = cooldown
         self._clock = clock
+        self.probe = probe
+        """A batch ``ready()`` may send as the trial (None: wait for real traffic)."""
         self.state: State = "closed"
         self.failures = 0
         self._opened_at = 0.0
@@ -96,9 +104,18 @@ class CircuitBreaker:
 
     async def ready(self) -> str | None:
         problem = await self.inner.ready()
-        if problem is None and self.state == "open":
+        if problem is not None or self.state == "closed":
+            return problem
+        remaining = self._opened_at + self.cooldown - self._clock()
+        if self.state == "open" and remaining > 0:
             return f"circuit open after {self.failures} consecutive failures: {self._last_error}"
-        return problem
+        if self.probe is not None and not self._trial_running:
+            try:
+                await self.infer(self.probe, timeout=self.cooldown + 5.0)
+            except Exception as exc:
+                detail = getattr(exc, "detail", None) or str(exc)
+                return f"circuit open: the trial batch failed ({detail})"
+        return None  # closed by the trial, or half-open: one batch will be let through
 
     async def aclose(self) -> None:
         await self.inner.aclose()

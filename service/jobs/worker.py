@@ -235,9 +235,9 @@ async def run_worker(settings: Settings, stop: asyncio.Event | None = None, back
         publish_timeout=settings.publish_timeout,
         prefetch=settings.prefetch,
     )
-    async with open_pipeline(settings, metrics, backend) as (classifier, _backend):
+    async with open_pipeline(settings, metrics, backend) as pipeline:
         await broker.connect()
-        worker = Worker(settings, classifier, broker, metrics)
+        worker = Worker(settings, pipeline.classifier, broker, metrics)
         await worker.start()
         sampler = asyncio.create_task(_sample_depth(broker, metrics))
         print("worker ready", flush=True)

@@ -131,7 +131,8 @@ async def test_triton_killed_then_restarted(
     the gateway serves again without a restart (shared-memory regions are registered anew)."""
     server = start_triton(triton_install, triton_repository, tmp_path)
     try:
-        async with running_gateway(triton_settings(gateway_factory, server, protocol, shm)) as client:
+        settings = triton_settings(gateway_factory, server, protocol, shm, readiness_interval=0.2)
+        async with running_gateway(settings) as client:
 
             async def classify() -> int:
                 r = await client.post("/classify", content=cat_jpeg, headers={"content-type": "image/jpeg"})
@@ -144,8 +145,9 @@ async def test_triton_killed_then_restarted(
             assert await classify() == 200
             server.kill()
             assert await classify() == 503
-            readyz = await client.get("/readyz")
-            assert readyz.status_code == 503
+            async with asyncio.timeout(5):  # /readyz reads the background check, every 0.2 s here
+                while (readyz := await client.get("/readyz")).status_code != 503:  # noqa: ASYNC110
+                    await asyncio.sleep(0.05)
             assert "unreachable" in readyz.json()["checks"]["backend"]
 
             server.start(timeout=90)
@@ -157,6 +159,42 @@ async def test_triton_killed_then_restarted(
         server.stop()
     if shm:  # the restarted Triton did not know the surviving region pair: it was registered again
         assert "shared-memory regions were lost" in caplog.text
+
+
+async def test_readiness_recovers_after_an_outage_without_traffic(
+    gateway_factory: MakeSettings,
+    triton_install: TritonInstall,
+    triton_repository: Path,
+    tmp_path: Path,
+    cat_jpeg: bytes,
+) -> None:
+    """Triton dies long enough for the circuit breaker to open; when it is back, polling /readyz
+    alone (as a kubelet does: a pod out of rotation gets no requests) makes the pod ready again,
+    and requests then pass. Before, /readyz stayed 503 until a /classify arrived."""
+    server = start_triton(triton_install, triton_repository, tmp_path)
+    settings = triton_settings(
+        gateway_factory, server, "grpc", False, breaker_threshold=2, breaker_cooldown=1.0, readiness_interval=0.2
+    )
+    try:
+        async with running_gateway(settings) as client:
+
+            async def classify() -> int:
+                r = await client.post("/classify", content=cat_jpeg, headers={"content-type": "image/jpeg"})
+                return r.status_code
+
+            assert await classify() == 200
+            server.kill()
+            assert [await classify() for _ in range(3)] == [503, 503, 503]  # the third: refused by the open circuit
+            await asyncio.sleep(1.5)  # longer than the cooldown
+            assert (await client.get("/readyz")).status_code == 503
+            server.start(timeout=90)
+            async with asyncio.timeout(30):
+                while (readyz := await client.get("/readyz")).status_code != 200:  # noqa: ASYNC110
+                    await asyncio.sleep(0.2)
+            assert readyz.json()["checks"]["backend"] == "triton: ok"
+            assert await classify() == 200
+    finally:
+        server.stop()
 
 
 async def test_unreachable_triton_maps_to_backend_unavailable() -> None:
