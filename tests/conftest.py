@@ -140,3 +140,11 @@ def gateway_factory(models_dir: Path) -> Callable[..., Settings]:
         return Settings(models_dir=models_dir, **overrides)  # type: ignore[arg-type]
 
     return make
+
+
+async def readyz_becomes(client: httpx.AsyncClient, status: int, timeout: float = 5.0) -> httpx.Response:
+    """Poll /readyz until it answers ``status`` (it reads the background check, not the backend)."""
+    async with asyncio.timeout(timeout):
+        while (response := await client.get("/readyz")).status_code != status:  # noqa: ASYNC110
+            await asyncio.sleep(0.05)
+    return response

@@ -11,7 +11,15 @@ import pytest
 
 from service.backends.fake import FakeBackend
 from service.settings import Settings
-from tests.conftest import CAT_CLASSES, ESPRESSO, crafted_png, png_bytes, running_gateway, solid_image
+from tests.conftest import (
+    CAT_CLASSES,
+    ESPRESSO,
+    crafted_png,
+    png_bytes,
+    readyz_becomes,
+    running_gateway,
+    solid_image,
+)
 
 MakeSettings = Callable[..., Settings]
 
@@ -177,7 +185,7 @@ async def test_deadline_is_504(gateway_factory: MakeSettings) -> None:
 
 async def test_backend_failure_is_500_and_not_ready_is_503(gateway_factory: MakeSettings) -> None:
     fake = FakeBackend()
-    async with running_gateway(gateway_factory(backend="fake"), fake) as client:
+    async with running_gateway(gateway_factory(backend="fake", readiness_interval=0.1), fake) as client:
         fake.fail_next = RuntimeError("device lost")
         failed = await client.post("/classify", content=png_of_class(1), headers={"content-type": "image/png"})
         assert error_of(failed) == (500, "backend_error")
@@ -187,8 +195,7 @@ async def test_backend_failure_is_500_and_not_ready_is_503(gateway_factory: Make
         assert ready["ready"] is True
         assert {k: ready["checks"][k] for k in ("backend", "batcher")} == {"backend": "fake: ok", "batcher": "ok"}
         fake.is_ready = False
-        readyz = await client.get("/readyz")
-        assert readyz.status_code == 503
+        readyz = await readyz_becomes(client, 503)
         assert readyz.json()["checks"]["backend"] == "fake: fake backend marked not ready"
         assert (await client.get("/healthz")).status_code == 200
 
