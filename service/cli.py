@@ -10,6 +10,7 @@ import argparse
 import json
 import logging
 import os
+import re
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -39,19 +40,27 @@ def _settings(args: argparse.Namespace) -> Settings:
         sys.exit(f"gateway: invalid settings:\n{exc}")
 
 
+_METRIC_FILE = re.compile(r"(counter|gauge_[a-z]+|histogram|summary)_\d+\.db")
+"""prometheus_client's per-process files in multiprocess mode."""
+
+
 def _prepare_multiprocess(args: argparse.Namespace) -> None:
     """Before uvicorn spawns its workers: hand them the CLI's settings through the environment, and
     give prometheus_client an empty directory for its per-process files (read at import time)."""
-    import shutil
     import tempfile
 
     for name in Settings.model_fields:
         value = getattr(args, name, None)
         if value is not None:
             os.environ[f"GATEWAY_{name.upper()}"] = str(value)
-    directory = os.environ.get("PROMETHEUS_MULTIPROC_DIR") or tempfile.mkdtemp(prefix="gateway-metrics-")
-    shutil.rmtree(directory, ignore_errors=True)  # stale files from a previous run would be summed in
-    os.makedirs(directory)
+    directory = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+    if not directory:
+        directory = tempfile.mkdtemp(prefix="gateway-metrics-")
+    else:  # the operator's folder: remove stale metric files (they would be summed in), nothing else
+        os.makedirs(directory, exist_ok=True)
+        for entry in Path(directory).iterdir():
+            if entry.is_file() and _METRIC_FILE.fullmatch(entry.name):
+                entry.unlink()
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = directory
 
 
@@ -161,6 +170,36 @@ def _ingest(args: argparse.Namespace) -> int:
     )
 
 
+def _queue_policies(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from service.jobs.policies import apply, gateway_policies, shell_lines
+    from service.jobs.topology import Names
+
+    settings = _settings(args)
+    policies = gateway_policies(Names(settings.queue_prefix), settings.queue_delivery_limit)
+    if args.apply is None:
+        print(shell_lines(policies, args.vhost))
+        return 0
+    asyncio.run(apply(args.apply, policies, args.vhost))
+    print(f"applied {len(policies)} policies: {', '.join(p.name for p in policies)}")
+    return 0
+
+
+def _alive(args: argparse.Namespace) -> int:
+    """Liveness probe of a worker: 0 when its event loop touched the heartbeat file recently."""
+    from service.jobs.worker import heartbeat_age
+
+    path = args.file or _settings(args).worker_heartbeat_file
+    if path is None:
+        sys.exit("gateway alive: no heartbeat file (set GATEWAY_WORKER_HEARTBEAT_FILE or --file)")
+    age = heartbeat_age(path)
+    if age > args.max_age:
+        print(f"not alive: {path} last touched {age:.0f} s ago (limit {args.max_age:g} s)", file=sys.stderr)
+        return 1
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="gateway", description="Async inference gateway.")
     commands = parser.add_subparsers(dest="command")
@@ -170,6 +209,20 @@ def build_parser() -> argparse.ArgumentParser:
     worker = commands.add_parser("worker", help="consume queued images from RabbitMQ and publish results")
     _add_setting_flags(worker)
     worker.set_defaults(func=_worker)
+    queues = commands.add_parser("queues", help="RabbitMQ set-up for offline mode")
+    queue_commands = queues.add_subparsers(dest="queues_command", required=True)
+    policies = queue_commands.add_parser(
+        "policies", help="print the queue policies as rabbitmqctl commands, or apply them (--apply)"
+    )
+    _add_setting_flags(policies)
+    policies.add_argument("--apply", metavar="URL", help="management API, e.g. http://user:pass@rabbitmq:15672")
+    policies.add_argument("--vhost", default="/", help="virtual host (default /)")
+    policies.set_defaults(func=_queue_policies)
+    alive = commands.add_parser("alive", help="worker liveness probe: exit 1 when its event loop is stuck")
+    _add_setting_flags(alive)
+    alive.add_argument("--file", type=Path, default=None, help="heartbeat file (default: the worker's setting)")
+    alive.add_argument("--max-age", type=float, default=30.0, help="seconds without a heartbeat that mean stuck")
+    alive.set_defaults(func=_alive)
     ingest = commands.add_parser("ingest", help="classify a folder of photos through RabbitMQ into JSON lines")
     _add_setting_flags(ingest)
     ingest.add_argument("paths", nargs="+", type=Path, help="image files or folders (searched recursively)")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import tempfile
 from pathlib import Path
 from typing import Literal
 
@@ -85,13 +86,23 @@ class Settings(BaseSettings):
     """Seconds to wait for the broker to confirm a publish before answering 503."""
     worker_prefetch: int = Field(0, ge=0)
     """Unacknowledged messages a worker holds (0: max_batch_size x max_inflight_batches x 2, enough
-    to keep batches full while results are being published)."""
+    to keep batches full while results are being published, at most max_queue_size). Never more
+    than max_queue_size: the worker's batcher must be able to hold every message it takes."""
+    queue_delivery_limit: int = Field(5, ge=1, le=100)
+    """Deliveries of one job to workers that died or hung holding it before it fails with
+    ``delivery_limit`` and is dead-lettered (the worker checks it; ``gateway queues policies``
+    gives RabbitMQ the same limit as a policy, the backstop)."""
     max_retries: int = Field(3, ge=0)
     """Times a message is retried after a backend failure before it is dead-lettered."""
     jobs_cache_size: int = Field(100_000, ge=1)
     """Job states the API keeps in memory for ``GET /jobs/{id}`` (oldest forgotten first)."""
     worker_metrics_port: int = Field(9101, ge=0, le=65535)
     """Port of the worker's Prometheus endpoint (0: none)."""
+    worker_heartbeat_file: Path | None = Field(
+        default_factory=lambda: Path(tempfile.gettempdir()) / "gateway-worker.heartbeat"
+    )
+    """File the worker's event loop touches every 5 s; ``gateway alive`` fails when it is older
+    than its ``--max-age`` (a liveness probe that a stuck loop cannot answer). None: no file."""
 
     max_batch_size: int = Field(16, ge=1, le=1024)
     """Most images the batcher puts in one backend call."""
@@ -148,7 +159,7 @@ class Settings(BaseSettings):
 
     @property
     def prefetch(self) -> int:
-        return self.worker_prefetch or self.max_batch_size * self.max_inflight_batches * 2
+        return self.worker_prefetch or min(self.max_batch_size * self.max_inflight_batches * 2, self.max_queue_size)
 
     @property
     def embedded_threads_per_batch(self) -> int:
@@ -164,6 +175,10 @@ class Settings(BaseSettings):
             raise ValueError(f"unknown model {self.model!r}; known: {', '.join(PROFILES)}")
         if self.max_buffered_body_bytes and self.max_buffered_body_bytes < self.max_body_bytes:
             raise ValueError("max_buffered_body_bytes must be at least max_body_bytes (or 0)")
+        if self.worker_prefetch and self.worker_prefetch > self.max_queue_size:
+            raise ValueError(
+                "worker_prefetch must not exceed max_queue_size: a worker's batcher must hold every message it takes"
+            )
         if self.max_queue_size < self.max_images_per_request:
             raise ValueError("max_queue_size must be at least max_images_per_request")
         return self

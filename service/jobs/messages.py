@@ -17,6 +17,8 @@ from pydantic import BaseModel, Field
 from service.schemas import Label, ModelInfo
 
 RETRIES_HEADER = "x-retries"
+REQUEUES_HEADER = "x-requeues"
+"""Times a job went back to the queue for overload (not counted as retries)."""
 ERROR_HEADER = "x-gateway-error"
 DETAIL_HEADER = "x-gateway-detail"
 DEFAULT_REPLY_TO = "jobs"
@@ -44,9 +46,19 @@ def new_job_id() -> str:
 
 
 def request_message(
-    data: bytes, *, job_id: str, content_type: str, filename: str | None, top_k: int, reply_to: str, retries: int = 0
+    data: bytes,
+    *,
+    job_id: str,
+    content_type: str,
+    filename: str | None,
+    top_k: int,
+    reply_to: str,
+    retries: int = 0,
+    requeues: int = 0,
 ) -> aio_pika.Message:
     headers: dict[str, Any] = {"top_k": top_k, RETRIES_HEADER: retries}
+    if requeues:
+        headers[REQUEUES_HEADER] = requeues
     if filename is not None:
         headers["filename"] = filename
     return aio_pika.Message(

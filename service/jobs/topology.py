@@ -1,10 +1,20 @@
 """Exchange and queue names, and their declaration (idempotent; every party declares what it uses).
 
-<prefix>.requests  direct exchange -> durable queue <prefix>.requests   (routing key "classify")
+<prefix>.requests  direct exchange -> quorum queue <prefix>.work        (routing key "classify")
 <prefix>.results   topic exchange  -> durable queue <prefix>.results    (binding "#", capped)
-                                   -> each API replica's own queue      (binding "#")
+                                   -> each API replica's own queue      (binding "jobs")
                                    -> each ingest run's durable queue   (binding "ingest.<run>")
-<prefix>.dead      fanout exchange -> durable queue <prefix>.dead       (reason in x-gateway-error)
+<prefix>.dead      fanout exchange -> durable queue <prefix>.dead       (reason in x-gateway-error,
+                                                                         or x-death for the broker's)
+
+Queues are declared with no arguments but their type: the delivery limit, dead-letter exchange and
+length caps come from RabbitMQ policies (``service.jobs.policies``), which can change on a live
+queue, where a changed queue argument fails every later declaration with PRECONDITION_FAILED.
+
+Migration from the classic ``<prefix>.requests`` queue of earlier versions (a classic queue cannot
+become a quorum queue in place): ``migrate_legacy`` unbinds it, so new jobs reach only the quorum
+queue, moves what it holds there (each message confirmed before it is acked), and deletes it once
+empty. Workers run it at start and every minute, so a rolling upgrade loses nothing.
 """
 
 from __future__ import annotations
@@ -12,10 +22,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import aio_pika
-from aio_pika.abc import AbstractChannel, AbstractExchange, AbstractQueue
+from aio_pika.abc import AbstractChannel, AbstractConnection, AbstractExchange, AbstractQueue
 
 REQUEST_KEY = "classify"
-RESULTS_CAP = 1_000_000
 
 
 @dataclass(frozen=True)
@@ -24,6 +33,16 @@ class Names:
 
     @property
     def requests(self) -> str:
+        return f"{self.prefix}.requests"
+
+    @property
+    def work(self) -> str:
+        """The quorum queue workers consume."""
+        return f"{self.prefix}.work"
+
+    @property
+    def legacy_requests(self) -> str:
+        """The classic queue of earlier versions, migrated by ``migrate_legacy``."""
         return f"{self.prefix}.requests"
 
     @property
@@ -48,18 +67,62 @@ class Topology:
     dead_queue: AbstractQueue
 
 
-async def declare(channel: AbstractChannel, names: Names) -> Topology:
+async def declare(connection: AbstractConnection, channel: AbstractChannel, names: Names) -> Topology:
     requests_exchange = await channel.declare_exchange(names.requests, aio_pika.ExchangeType.DIRECT, durable=True)
     results_exchange = await channel.declare_exchange(names.results, aio_pika.ExchangeType.TOPIC, durable=True)
     dead_exchange = await channel.declare_exchange(names.dead, aio_pika.ExchangeType.FANOUT, durable=True)
-    requests_queue = await channel.declare_queue(
-        names.requests, durable=True, arguments={"x-dead-letter-exchange": names.dead}
-    )
+    requests_queue = await channel.declare_queue(names.work, durable=True, arguments={"x-queue-type": "quorum"})
     await requests_queue.bind(requests_exchange, REQUEST_KEY)
     results_queue = await channel.declare_queue(
-        names.results, durable=True, arguments={"x-max-length": RESULTS_CAP, "x-overflow": "drop-head"}
+        names.results, durable=True, passive=await _exists(connection, names.results)
     )
     await results_queue.bind(results_exchange, "#")
     dead_queue = await channel.declare_queue(names.dead, durable=True)
     await dead_queue.bind(dead_exchange)
     return Topology(names, requests_exchange, requests_queue, results_exchange, dead_exchange, dead_queue)
+
+
+async def _exists(connection: AbstractConnection, name: str) -> bool:
+    """Whether a queue exists (asked on a channel of its own: a failed passive declare closes it).
+    An existing results queue is used as it is, whatever arguments an earlier version gave it."""
+    probe = await connection.channel()
+    try:
+        await probe.declare_queue(name, passive=True)
+        return True
+    except aio_pika.exceptions.ChannelClosed:
+        return False
+    finally:
+        if not probe.is_closed:
+            await probe.close()
+
+
+async def migrate_legacy(connection: AbstractConnection, names: Names) -> int:
+    """Move the jobs of the classic ``<prefix>.requests`` queue into the quorum queue; return how
+    many were moved. Nothing to do (0) when that queue does not exist."""
+    channel = await connection.channel(publisher_confirms=True)
+    try:
+        try:
+            legacy = await channel.declare_queue(names.legacy_requests, passive=True)
+        except aio_pika.exceptions.ChannelClosed:
+            return 0
+        exchange = await channel.get_exchange(names.requests)
+        await legacy.unbind(exchange, REQUEST_KEY)
+        moved = 0
+        while (message := await legacy.get(fail=False, no_ack=False)) is not None:
+            copy = aio_pika.Message(
+                message.body,
+                message_id=message.message_id,
+                content_type=message.content_type,
+                reply_to=message.reply_to,
+                headers=dict(message.headers or {}),
+                timestamp=message.timestamp,
+                delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
+            )
+            await exchange.publish(copy, REQUEST_KEY, mandatory=True)
+            await message.ack()
+            moved += 1
+        await legacy.delete(if_unused=False, if_empty=True)
+        return moved
+    finally:
+        if not channel.is_closed:
+            await channel.close()

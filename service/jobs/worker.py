@@ -10,8 +10,16 @@ queue). Outcomes per message:
   ``x-gateway-detail``, input acked: dead-lettered once, never redelivered in a loop;
 * backend failure -> republished with ``x-retries`` + 1 (then acked) up to ``max_retries``, then
   dead-lettered like bad input;
-* backend unavailable (down, not ready) -> requeued after a pause, not counted as a retry;
-* broker lost while publishing or acking -> nothing more; the broker redelivers the input.
+* overload or outage (queue full, batch deadline passed, backend unavailable) -> republished after
+  a backoff with ``x-requeues`` + 1, then acked: neither a retry nor a delivery is used up;
+* anything that escapes (a publish the broker did not confirm, nacked or returned; an error in an
+  error path) -> ``message.process`` rejects the input with requeue, so nothing is stranded;
+* the worker crashes or hangs for good (OOM, a codec fault) -> the broker redelivers; the quorum
+  queue's delivery limit (a policy, see ``service.jobs.policies``) dead-letters a message that
+  keeps doing it, with reason ``delivery_limit``.
+
+Every batch has a deadline (``request_timeout``), and the event loop touches a heartbeat file
+(``worker_heartbeat_file``) that ``gateway alive`` checks: a stuck loop cannot fake it.
 """
 
 from __future__ import annotations
@@ -19,10 +27,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import random
 import signal
 import socket
 import time
-from typing import Literal
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal
 
 import aio_pika
 from aio_pika.abc import AbstractIncomingMessage
@@ -34,8 +45,10 @@ from service.errors import (
     BackendUnavailable,
     BadImage,
     BadRequest,
+    DeadlineExceeded,
     GatewayError,
     PayloadTooLarge,
+    QueueFull,
     UnsupportedMediaType,
 )
 from service.jobs.broker import Broker
@@ -43,6 +56,7 @@ from service.jobs.messages import (
     DEFAULT_REPLY_TO,
     DETAIL_HEADER,
     ERROR_HEADER,
+    REQUEUES_HEADER,
     RETRIES_HEADER,
     JobError,
     JobResult,
@@ -50,7 +64,7 @@ from service.jobs.messages import (
     request_message,
     result_message,
 )
-from service.jobs.topology import REQUEST_KEY, Names
+from service.jobs.topology import REQUEST_KEY, Names, migrate_legacy
 from service.metrics import Metrics
 from service.pipeline import open_pipeline
 from service.schemas import Label, ModelInfo
@@ -58,8 +72,32 @@ from service.settings import Settings
 
 logger = logging.getLogger(__name__)
 
-POISON = (BadImage, BadRequest, PayloadTooLarge, UnsupportedMediaType)
-UNAVAILABLE_PAUSE = 1.0
+
+class DeliveryLimit(GatewayError):
+    """The job was delivered to workers that all died or hung while holding it."""
+
+    status_code = 500
+    error = "delivery_limit"
+
+
+POISON = (BadImage, BadRequest, PayloadTooLarge, UnsupportedMediaType, DeliveryLimit)
+DELIVERY_COUNT_HEADER = "x-delivery-count"
+"""Set by quorum queues: how many times the message was delivered before."""
+OVERLOAD_PAUSE = 0.5
+"""Seconds before the first requeue of a job refused for overload; doubled at each requeue."""
+OVERLOAD_PAUSE_MAX = 30.0
+HEARTBEAT_INTERVAL = 5.0
+
+
+def _int_header(headers: Mapping[str, Any], name: str) -> int:
+    try:
+        return int(str(headers.get(name, 0)))
+    except (TypeError, ValueError):
+        return 0
+
+
+def _filename(headers: Mapping[str, Any]) -> str | None:
+    return str(headers["filename"]) if headers.get("filename") is not None else None
 
 
 class _BrokerLost(Exception):
@@ -75,14 +113,14 @@ class Worker:
         self.name = f"{socket.gethostname()}-{os.getpid()}"
         self._tasks: set[asyncio.Task[None]] = set()
         self._consumer_tag: str | None = None
+        self._suspects = asyncio.Lock()
+        """Redelivered messages (their worker died holding them) run one at a time, alone."""
         self.closing = False
 
     async def start(self) -> None:
         assert self.broker.topology is not None
         self._consumer_tag = await self.broker.topology.requests_queue.consume(self._on_message)
-        logger.info(
-            "worker %s: consuming %s (prefetch %d)", self.name, self.broker.names.requests, self.broker.prefetch
-        )
+        logger.info("worker %s: consuming %s (prefetch %d)", self.name, self.broker.names.work, self.broker.prefetch)
 
     async def _on_message(self, message: AbstractIncomingMessage) -> None:
         self.metrics.queue_messages.labels("consumed").inc()
@@ -122,7 +160,6 @@ class Worker:
         failed = base.model_copy(update={"status": "failed", "error": JobError(error=error.error, detail=error.detail)})
         await self._publish_result(failed, reply)
         await self._dead_letter(message, error)
-        await message.ack()
         self.metrics.queue_messages.labels("acked").inc()
 
     async def _retry(self, message: AbstractIncomingMessage, retries: int, top_k: int, filename: str | None) -> None:
@@ -136,15 +173,57 @@ class Worker:
             retries=retries + 1,
         )
         await self._publish("requests", again, REQUEST_KEY)
-        await message.ack()
         self.metrics.queue_messages.labels("retried").inc()
 
+    async def _requeue_later(self, message: AbstractIncomingMessage, error: GatewayError, top_k: int) -> None:
+        """Overload or an outage is not the message's fault: wait (backing off with each requeue),
+        then put a copy back at the tail with the same retry count; this one is acked. Neither a
+        retry nor a delivery of the quorum queue's delivery limit is used up."""
+        headers = message.headers or {}
+        requeues = _int_header(headers, REQUEUES_HEADER)
+        pause = min(OVERLOAD_PAUSE * 2**requeues, OVERLOAD_PAUSE_MAX) * random.uniform(0.5, 1.0)
+        logger.warning(
+            "worker: job %s not run (%s: %s); requeued in %.1f s", message.message_id, error.error, error.detail, pause
+        )
+        if not self.closing:
+            await asyncio.sleep(pause)
+        again = request_message(
+            message.body,
+            job_id=message.message_id or new_job_id(),
+            content_type=message.content_type or "application/octet-stream",
+            filename=_filename(headers),
+            top_k=top_k,
+            reply_to=message.reply_to or DEFAULT_REPLY_TO,
+            retries=_int_header(headers, RETRIES_HEADER),
+            requeues=requeues + 1,
+        )
+        await self._publish("requests", again, REQUEST_KEY)
+        self.metrics.queue_messages.labels("requeued").inc()
+
     async def _handle(self, message: AbstractIncomingMessage) -> None:
+        """Every path ends in ack, nack or reject: ``message.process`` acks when the block ends and
+        rejects with requeue when anything escapes it (a publish not confirmed, nacked or returned,
+        an error inside an error path), so the prefetch window never fills with stranded messages."""
+        try:
+            async with message.process(requeue=True, ignore_processed=True):
+                if _int_header(message.headers or {}, DELIVERY_COUNT_HEADER) == 0:
+                    await self._process(message)
+                else:  # it may be what killed the last worker: keep it out of others' batches
+                    async with self._suspects:
+                        await self._process(message)
+        except _BrokerLost as exc:
+            logger.warning("worker: job %s requeued: the broker did not take its outcome (%s)", message.message_id, exc)
+            self.metrics.queue_messages.labels("rejected").inc()
+        except Exception:
+            logger.exception("worker: job %s could not be finished; requeued", message.message_id)
+            self.metrics.queue_messages.labels("rejected").inc()
+
+    async def _process(self, message: AbstractIncomingMessage) -> None:
         started = time.perf_counter()
         headers = message.headers or {}
         job_id = message.message_id or new_job_id()
         reply_to = message.reply_to or DEFAULT_REPLY_TO
-        filename = str(headers["filename"]) if headers.get("filename") is not None else None
+        filename = _filename(headers)
         profile = self.classifier.profile
         base = JobResult(
             job_id=job_id,
@@ -164,31 +243,31 @@ class Worker:
                 raise BadRequest(f"bad message headers: top_k={headers.get('top_k')!r}") from None
             if not 1 <= top_k <= 20:
                 raise BadRequest(f"top_k must be 1-20, not {top_k}")
-            (classified,) = await self.classifier.classify([ImageInput(message.body, filename)], k=top_k, deadline=None)
+            deliveries = _int_header(headers, DELIVERY_COUNT_HEADER)
+            if deliveries >= self.settings.queue_delivery_limit:
+                raise DeliveryLimit(
+                    f"delivered {deliveries + 1} times; every earlier worker died or hung while holding it "
+                    "(a crashing codec or model input?)"
+                )
+            deadline = asyncio.get_running_loop().time() + self.settings.request_timeout
+            (classified,) = await self.classifier.classify(
+                [ImageInput(message.body, filename)], k=top_k, deadline=deadline
+            )
             base.labels = [Label(index=i, label=lab, score=s) for i, lab, s in classified.labels]
             self.metrics.images.labels("offline").inc()
             base.timings["processing"] = time.perf_counter() - started
             await self._publish_result(base, reply_to)
-            await message.ack()
             self.metrics.queue_messages.labels("acked").inc()
         except POISON as exc:
             await self._fail(message, base, exc, reply_to)
-        except BackendUnavailable as exc:
-            logger.warning("worker: backend unavailable (%s); requeueing job %s", exc.detail, job_id)
-            if not self.closing:
-                await asyncio.sleep(UNAVAILABLE_PAUSE)
-            await message.nack(requeue=True)
-            self.metrics.queue_messages.labels("requeued").inc()
+        except (BackendUnavailable, QueueFull, DeadlineExceeded) as exc:
+            await self._requeue_later(message, exc, top_k)
         except GatewayError as exc:
             if retries < self.settings.max_retries:
                 logger.warning("worker: job %s failed (%s), retry %d", job_id, exc.detail, retries + 1)
                 await self._retry(message, retries, top_k, filename)
             else:
                 await self._fail(message, base, exc, reply_to)
-        except _BrokerLost as exc:
-            logger.warning("worker: broker lost while finishing job %s (%s); it will be redelivered", job_id, exc)
-        except Exception:
-            logger.exception("worker: job %s could not be finished; the broker will redeliver it", job_id)
 
     async def stop(self, drain_timeout: float) -> None:
         """Stop consuming, then let the messages already taken finish (and be acked)."""
@@ -206,16 +285,54 @@ class Worker:
 
 
 async def _sample_depth(broker: Broker, metrics: Metrics, interval: float = 5.0) -> None:
+    """Queue lengths as the broker counts them now. A passive declare on aio-pika's robust channel
+    returns the queue object it cached, with the count of its first declaration, so ask the
+    underlying channel each time."""
     while True:
         if broker.is_open and broker.channel is not None:
-            for name in (broker.names.requests, broker.names.dead):
+            for name in (broker.names.work, broker.names.dead):
                 try:
-                    queue = await broker.channel.declare_queue(name, passive=True)
-                    count = queue.declaration_result.message_count or 0
-                    metrics.queue_depth_messages.labels(name).set(count)
+                    channel = await broker.channel.get_underlay_channel()
+                    declared = await channel.queue_declare(queue=name, passive=True, timeout=5)
+                    metrics.queue_depth_messages.labels(name).set(declared.message_count or 0)
                 except Exception as exc:
                     logger.debug("worker: cannot sample %s: %s", name, exc)
         await asyncio.sleep(interval)
+
+
+async def _migrate_legacy_queue(broker: Broker, interval: float = 60.0) -> None:
+    """Drain the classic requests queue of earlier versions into the quorum queue, now and then
+    (an API replica of the old version may still publish to it during a rolling upgrade)."""
+    while True:
+        if broker.is_open and broker.connection is not None:
+            try:
+                moved = await migrate_legacy(broker.connection, broker.names)
+                if moved:
+                    logger.warning(
+                        "worker: moved %d jobs from the classic queue %s to %s",
+                        moved,
+                        broker.names.legacy_requests,
+                        broker.names.work,
+                    )
+            except Exception as exc:
+                logger.warning("worker: could not migrate %s: %s", broker.names.legacy_requests, exc)
+        await asyncio.sleep(interval)
+
+
+async def _heartbeat(path: Path, interval: float) -> None:
+    """Touch ``path`` from the event loop: its age is how long the loop has been stuck."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    while True:
+        path.touch()  # noqa: ASYNC240 - on the loop on purpose: the loop itself is what proves alive
+        await asyncio.sleep(interval)
+
+
+def heartbeat_age(path: Path) -> float:
+    """Seconds since the worker's event loop last touched ``path`` (inf when never)."""
+    try:
+        return max(0.0, time.time() - path.stat().st_mtime)
+    except FileNotFoundError:
+        return float("inf")
 
 
 async def run_worker(settings: Settings, stop: asyncio.Event | None = None, backend: Backend | None = None) -> None:
@@ -239,11 +356,17 @@ async def run_worker(settings: Settings, stop: asyncio.Event | None = None, back
         await broker.connect()
         worker = Worker(settings, pipeline.classifier, broker, metrics)
         await worker.start()
-        sampler = asyncio.create_task(_sample_depth(broker, metrics))
+        background = [
+            asyncio.create_task(_sample_depth(broker, metrics)),
+            asyncio.create_task(_migrate_legacy_queue(broker)),
+        ]
+        if settings.worker_heartbeat_file is not None:
+            background.append(asyncio.create_task(_heartbeat(settings.worker_heartbeat_file, HEARTBEAT_INTERVAL)))
         print("worker ready", flush=True)
         await stop.wait()
         logger.info("worker: stopping")
         await worker.stop(drain_timeout=settings.request_timeout)
-        sampler.cancel()
+        for task in background:
+            task.cancel()
     await broker.aclose()
     logger.info("worker: stopped")

@@ -34,7 +34,7 @@ async def _delete_everything(prefix: str) -> None:
     connection = await aio_pika.connect(BROKER_URL, timeout=10)
     async with connection:
         channel = await connection.channel()
-        for queue in {*queues, names.requests, names.results, names.dead}:
+        for queue in {*queues, names.work, names.legacy_requests, names.results, names.dead}:
             await channel.queue_delete(queue)
         for exchange in (names.requests, names.results, names.dead):
             await channel.exchange_delete(exchange)

@@ -301,7 +301,7 @@ async def _publish(names: Names, *messages: aio_pika.Message) -> None:
     connection = await aio_pika.connect(BROKER_URL)
     async with connection:
         channel = await connection.channel(publisher_confirms=True)
-        topology = await declare(channel, names)
+        topology = await declare(connection, channel, names)
         for message in messages:
             await topology.requests_exchange.publish(message, REQUEST_KEY)
 
@@ -353,7 +353,7 @@ async def test_poison_message_is_dead_lettered_once_and_the_rest_flow_on(
     assert dead[0].message_id == "poison"
     assert dead[0].headers[ERROR_HEADER] == "bad_image"
     assert "not a recognised image" in str(dead[0].headers[DETAIL_HEADER])
-    assert await queue_depth(names.requests) == 0
+    assert await queue_depth(names.work) == 0
 
 
 class AlwaysFailing(FakeBackend):
