@@ -101,7 +101,7 @@ class Settings(BaseSettings):
     worker_heartbeat_file: Path | None = Field(
         default_factory=lambda: Path(tempfile.gettempdir()) / "gateway-worker.heartbeat"
     )
-    """File the worker's event loop touches every 5 s; ``gateway alive`` fails when it is older
+    """File the worker's event loop touches every second; ``gateway alive`` fails when it is older
     than its ``--max-age`` (a liveness probe that a stuck loop cannot answer). None: no file."""
 
     max_batch_size: int = Field(16, ge=1, le=1024)

@@ -48,8 +48,9 @@ def test_compose_stack_is_valid_and_starts_in_order(files: tuple[str, ...]) -> N
         assert services[name]["environment"]["GATEWAY_BROKER_URL"] == "amqp://gateway:s3cret-pw@rabbitmq:5672/"
     assert services["triton"]["depends_on"] == {"models": {"condition": "service_completed_successfully"}}
     for name, service in services.items():
-        if name != "models":
+        if name not in ("models", "queue-policies"):  # one-shot services
             assert "healthcheck" in service, name
+    assert "queues policies --apply http://gateway:s3cret-pw@rabbitmq:15672" in services["queue-policies"]["command"]
     devices = services["triton"].get("deploy", {}).get("resources", {}).get("reservations", {}).get("devices", [])
     gpu = "docker-compose.gpu.yml" in files
     assert [d["driver"] for d in devices] == (["nvidia"] if gpu else [])
@@ -108,7 +109,11 @@ def test_kubernetes_overlay_renders_and_validates(overlay: str, tmp_path: Path) 
     assert by_kind(docs, "HorizontalPodAutoscaler", "gateway")["spec"]["scaleTargetRef"]["name"] == "gateway"
     assert by_kind(docs, "PodDisruptionBudget", "gateway")["spec"]["minAvailable"] == 1
     trigger = by_kind(docs, "ScaledObject", "worker")["spec"]["triggers"][0]
-    assert (trigger["type"], trigger["metadata"]["queueName"]) == ("rabbitmq", "gateway.requests")
+    assert (trigger["type"], trigger["metadata"]["queueName"]) == ("rabbitmq", "gateway.work")
+    worker = by_kind(docs, "Deployment", "worker")
+    assert container(worker, "worker")["livenessProbe"]["exec"]["command"][:2] == ["gateway", "alive"]
+    init = worker["spec"]["template"]["spec"]["initContainers"][0]
+    assert init["args"][:3] == ["queues", "policies", "--apply"]
 
     triton = container(by_kind(docs, "Deployment", "triton"), "triton")
     assert triton["readinessProbe"]["httpGet"]["path"] == "/v2/health/ready"

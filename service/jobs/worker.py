@@ -86,7 +86,9 @@ DELIVERY_COUNT_HEADER = "x-delivery-count"
 OVERLOAD_PAUSE = 0.5
 """Seconds before the first requeue of a job refused for overload; doubled at each requeue."""
 OVERLOAD_PAUSE_MAX = 30.0
-HEARTBEAT_INTERVAL = 5.0
+HEARTBEAT_INTERVAL = 1.0
+BROKER_PAUSE = 1.0
+"""Seconds before a message whose outcome the broker refused goes back to the queue."""
 
 
 def _int_header(headers: Mapping[str, Any], name: str) -> int:
@@ -206,11 +208,16 @@ class Worker:
         an error inside an error path), so the prefetch window never fills with stranded messages."""
         try:
             async with message.process(requeue=True, ignore_processed=True):
-                if _int_header(message.headers or {}, DELIVERY_COUNT_HEADER) == 0:
-                    await self._process(message)
-                else:  # it may be what killed the last worker: keep it out of others' batches
-                    async with self._suspects:
+                try:
+                    if _int_header(message.headers or {}, DELIVERY_COUNT_HEADER) == 0:
                         await self._process(message)
+                    else:  # it may be what killed the last worker: keep it out of others' batches
+                        async with self._suspects:
+                            await self._process(message)
+                except _BrokerLost:
+                    if not self.closing:  # do not spin: the broker refused (or lost) the outcome
+                        await asyncio.sleep(BROKER_PAUSE)
+                    raise
         except _BrokerLost as exc:
             logger.warning("worker: job %s requeued: the broker did not take its outcome (%s)", message.message_id, exc)
             self.metrics.queue_messages.labels("rejected").inc()

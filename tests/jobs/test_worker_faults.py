@@ -1,0 +1,355 @@
+"""The worker under faults, against the real RabbitMQ: refused publishes, overload, crash loops,
+the classic queue of earlier versions, failed declarations, and a stuck event loop."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import aio_pika
+import numpy as np
+import pytest
+
+from service.backends.fake import FakeBackend
+from service.errors import DeadlineExceeded, QueueFull
+from service.jobs.broker import Broker
+from service.jobs.messages import ERROR_HEADER, REQUEUES_HEADER, RETRIES_HEADER, JobResult, request_message
+from service.jobs.policies import gateway_policies, rabbitmqctl_commands
+from service.jobs.topology import REQUEST_KEY, Names, declare
+from service.jobs.worker import _sample_depth, run_worker
+from service.metrics import Metrics
+from service.settings import Settings
+from tests.conftest import png_bytes, solid_image
+from tests.jobs.conftest import BROKER_URL, drain, gateway_process, queue_depth, wait_for_line
+
+MakeSettings = Callable[..., Settings]
+
+
+def job(value: int, job_id: str) -> aio_pika.Message:
+    return request_message(
+        png_bytes(solid_image(value, 8)),
+        job_id=job_id,
+        content_type="image/png",
+        filename=None,
+        top_k=1,
+        reply_to="jobs",
+    )
+
+
+async def publish(names: Names, *messages: aio_pika.Message) -> None:
+    connection = await aio_pika.connect(BROKER_URL)
+    async with connection:
+        channel = await connection.channel(publisher_confirms=True)
+        topology = await declare(connection, channel, names)
+        for message in messages:
+            await topology.requests_exchange.publish(message, REQUEST_KEY)
+
+
+async def results(names: Names, count: int, timeout: float = 60) -> dict[str, JobResult]:
+    async with asyncio.timeout(timeout):
+        while await queue_depth(names.results) < count:  # noqa: ASYNC110
+            await asyncio.sleep(0.05)
+    return {r.job_id: r for r in (JobResult.model_validate_json(m.body) for m in await drain(names.results))}
+
+
+def settings_for(make: MakeSettings, prefix: str, **kw: object) -> Settings:
+    return make(broker_url=BROKER_URL, queue_prefix=prefix, worker_metrics_port=0, backend="fake", **kw)
+
+
+async def test_a_refused_result_publish_does_not_strand_the_message(gateway_factory: MakeSettings, prefix: str) -> None:
+    """While results cannot be routed (mandatory publish returned), the worker rejects its inputs
+    back to the queue instead of holding them unacked: once results route again every job is done.
+    Before, the prefetch window (2 here) filled with stranded messages and the worker stalled until
+    RabbitMQ's consumer timeout."""
+    names = Names(prefix)
+    settings = settings_for(gateway_factory, prefix, worker_prefetch=2, max_batch_size=1)
+    await publish(names)  # the topology, then cut the results queue off its exchange
+    connection = await aio_pika.connect(BROKER_URL)
+    async with connection:
+        channel = await connection.channel()
+        results_queue = await channel.declare_queue(names.results, passive=True)
+        await results_queue.unbind(names.results, "#")
+        await publish(names, *(job(v, f"j{v}") for v in range(5)))
+        stop = asyncio.Event()
+        worker = asyncio.create_task(run_worker(settings, stop, backend=FakeBackend()))
+        await asyncio.sleep(2.5)  # every result publish is returned meanwhile
+        await results_queue.bind(names.results, "#")
+        done = await results(names, 5, timeout=30)
+    stop.set()
+    await worker
+    assert sorted(done) == [f"j{v}" for v in range(5)]
+    assert {r.status for r in done.values()} == {"done"}
+    assert await queue_depth(names.work) == 0
+
+
+class Overloaded(FakeBackend):
+    """Refuses the first batches as a full Triton queue, then one with a passed deadline."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.refusals: list[Exception] = [QueueFull("Triton's queue is full"), DeadlineExceeded("too slow")]
+
+    async def infer(self, batch: np.ndarray, *, timeout: float | None = None) -> np.ndarray:
+        if self.refusals:
+            self.batches.append(int(batch.shape[0]))
+            raise self.refusals.pop(0)
+        return await super().infer(batch, timeout=timeout)
+
+
+async def test_overload_is_requeued_after_a_backoff_without_using_a_retry(
+    gateway_factory: MakeSettings, prefix: str
+) -> None:
+    """A full queue and a passed deadline are not the job's fault: with no retries allowed at all,
+    the job is requeued (x-requeues counts), then done; nothing is dead-lettered. Before, both took
+    the retry path and good jobs were dead-lettered after three immediate retries."""
+    names = Names(prefix)
+    settings = settings_for(gateway_factory, prefix, max_retries=0)
+    await publish(names, job(9, "busy"))
+    stop = asyncio.Event()
+    started = time.monotonic()
+    worker = asyncio.create_task(run_worker(settings, stop, backend=Overloaded()))
+    (result,) = (await results(names, 1)).values()
+    elapsed = time.monotonic() - started
+    stop.set()
+    await worker
+    assert result.status == "done"
+    assert result.labels[0].index == 9
+    assert await queue_depth(names.dead) == 0
+    assert elapsed >= 0.25 + 0.5  # two backoffs: 0.5 s and 1 s, each at least half of that
+
+
+async def test_prefetch_beyond_the_batcher_queue_is_refused(gateway_factory: MakeSettings) -> None:
+    with pytest.raises(ValueError, match="worker_prefetch must not exceed max_queue_size"):
+        gateway_factory(worker_prefetch=300, max_queue_size=256)
+    assert gateway_factory(max_batch_size=64, max_inflight_batches=4, max_queue_size=256).prefetch == 256
+
+
+def _set_policies(names: Names, limit: int) -> None:
+    for command in rabbitmqctl_commands(gateway_policies(names, limit)):
+        subprocess.run(command, check=True, capture_output=True)
+
+
+def _clear_policies(names: Names) -> None:
+    for policy in gateway_policies(names, 1):
+        subprocess.run(["rabbitmqctl", "clear_policy", policy.name], capture_output=True)
+
+
+async def test_the_delivery_limit_policy_dead_letters_a_crash_loop(prefix: str) -> None:
+    """The quorum queue with `gateway queues policies` applied: a message whose consumer dies
+    holding it three times is dead-lettered by RabbitMQ itself, with reason delivery_limit."""
+    names = Names(prefix)
+    _set_policies(names, 2)
+    try:
+        await publish(names, job(1, "poison"))
+        for _ in range(3):
+            consumer = await aio_pika.connect(BROKER_URL)
+            channel = await consumer.channel()
+            queue = await channel.declare_queue(names.work, passive=True)
+            assert await queue.get(fail=False) is not None
+            await consumer.close()  # dies without an ack
+        async with asyncio.timeout(10):
+            while await queue_depth(names.dead) == 0:  # noqa: ASYNC110
+                await asyncio.sleep(0.05)
+        (dead,) = await drain(names.dead)
+        assert dead.message_id == "poison"
+        assert dead.headers["x-first-death-reason"] == "delivery_limit"
+        assert await queue_depth(names.work) == 0
+    finally:
+        _clear_policies(names)
+
+
+def test_a_job_that_kills_its_workers_fails_with_delivery_limit(tmp_path: Path, prefix: str, models_dir: Path) -> None:
+    """A job hangs every worker that takes it (fake backend, 60 s per batch); each is SIGKILLed,
+    as the kubelet would after the liveness probe fails. The third delivery is refused by the
+    worker itself: a `failed` result (delivery_limit) and a dead-letter copy; the loop ends."""
+    names = Names(prefix)
+    asyncio.run(publish(names, job(1, "hangs")))
+    env = {
+        **os.environ,
+        "GATEWAY_BROKER_URL": BROKER_URL,
+        "GATEWAY_QUEUE_PREFIX": prefix,
+        "GATEWAY_BACKEND": "fake",
+        "GATEWAY_FAKE_DELAY": "60",
+        "GATEWAY_REQUEST_TIMEOUT": "120",
+        "GATEWAY_QUEUE_DELIVERY_LIMIT": "2",
+        "GATEWAY_WORKER_METRICS_PORT": "0",
+        "GATEWAY_MODELS_DIR": str(models_dir),
+        "GATEWAY_WORKER_HEARTBEAT_FILE": str(tmp_path / "heartbeat"),
+    }
+    for round_ in range(2):
+        log = tmp_path / f"worker-{round_}.log"
+        worker = gateway_process(["worker"], env, log)
+        wait_for_line(log, "worker ready")
+        deadline = time.monotonic() + 30
+        while asyncio.run(queue_depth(names.work)) != 0:  # the job is taken (unacked)
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        time.sleep(0.3)
+        worker.send_signal(signal.SIGKILL)
+        worker.wait()
+    log = tmp_path / "worker-last.log"
+    worker = gateway_process(["worker"], env, log)
+    try:
+        (result,) = asyncio.run(results(names, 1)).values()
+    finally:
+        worker.send_signal(signal.SIGTERM)
+        worker.wait(timeout=30)
+    assert result.status == "failed"
+    assert result.error is not None
+    assert result.error.error == "delivery_limit"
+    assert "delivered 3 times" in result.error.detail
+    (dead,) = asyncio.run(drain(names.dead))
+    assert dead.headers[ERROR_HEADER] == "delivery_limit"
+
+
+async def test_jobs_in_the_classic_queue_of_earlier_versions_are_migrated(
+    gateway_factory: MakeSettings, prefix: str
+) -> None:
+    """Jobs queued by an earlier version (classic <prefix>.requests queue with arguments, results
+    queue with its old arguments) are moved to the quorum queue by the worker and all classified;
+    the classic queue is unbound at once and deleted once empty."""
+    names = Names(prefix)
+    connection = await aio_pika.connect(BROKER_URL)
+    async with connection:
+        channel = await connection.channel(publisher_confirms=True)
+        exchange = await channel.declare_exchange(names.requests, aio_pika.ExchangeType.DIRECT, durable=True)
+        legacy = await channel.declare_queue(
+            names.legacy_requests, durable=True, arguments={"x-dead-letter-exchange": names.dead}
+        )
+        await legacy.bind(exchange, REQUEST_KEY)
+        await channel.declare_queue(
+            names.results, durable=True, arguments={"x-max-length": 1_000_000, "x-overflow": "drop-head"}
+        )
+        for v in range(3):
+            await exchange.publish(job(v, f"old-{v}"), REQUEST_KEY)
+    stop = asyncio.Event()
+    worker = asyncio.create_task(run_worker(settings_for(gateway_factory, prefix), stop, backend=FakeBackend()))
+    done = await results(names, 3)
+    stop.set()
+    await worker
+    assert {k: r.status for k, r in done.items()} == {f"old-{v}": "done" for v in range(3)}
+    with pytest.raises(aio_pika.exceptions.ChannelNotFoundEntity):
+        await queue_depth(names.legacy_requests)
+
+
+def _connections() -> int:
+    listed = subprocess.run(["rabbitmqctl", "list_connections", "-q", "name"], capture_output=True, text=True)
+    return len([line for line in listed.stdout.splitlines() if line.strip()])
+
+
+async def test_a_failed_declaration_does_not_leak_connections(prefix: str) -> None:
+    """The work queue exists with another type (a classic queue), so every declaration fails with
+    PRECONDITION_FAILED and the broker keeps retrying; the number of open connections stays put.
+    Before, each retry left its connection open."""
+    names = Names(prefix)
+    connection = await aio_pika.connect(BROKER_URL)
+    async with connection:
+        channel = await connection.channel()
+        await channel.declare_queue(names.work, durable=True)  # classic: the quorum declare will fail
+        before = _connections()
+        broker = Broker(BROKER_URL, names)
+        broker.start()
+        await asyncio.sleep(4)  # several retries (0.5, 1, 2 s)
+        during = _connections()
+        await broker.aclose()
+    assert not broker.connected.is_set()
+    assert during <= before + 1
+
+
+async def test_the_queue_depth_gauge_follows_the_broker(prefix: str) -> None:
+    """The gauge reads the broker's count each time (aio-pika's robust channel hands back the
+    first passive declaration's cached count)."""
+    names = Names(prefix)
+    broker = Broker(BROKER_URL, names)
+    await broker.connect(timeout=10)
+    metrics = Metrics()
+    sampler = asyncio.create_task(_sample_depth(broker, metrics, interval=0.1))
+    try:
+        for expected in (2, 5):
+            await publish(names, *(job(v, f"d{v}") for v in range(expected - await queue_depth(names.work))))
+            async with asyncio.timeout(5):
+                while metrics.queue_depth_messages.labels(names.work)._value.get() != expected:  # noqa: ASYNC110
+                    await asyncio.sleep(0.05)
+    finally:
+        sampler.cancel()
+        await broker.aclose()
+
+
+async def test_liveness_fails_while_the_event_loop_is_stuck(
+    gateway_factory: MakeSettings, prefix: str, tmp_path: Path
+) -> None:
+    """`gateway alive` passes while the worker's loop runs, and fails while the loop is blocked
+    (the metrics endpoint, served from a thread, would still answer)."""
+    heartbeat = tmp_path / "hb"
+    settings = settings_for(gateway_factory, prefix, worker_heartbeat_file=heartbeat)
+    stop = asyncio.Event()
+    worker = asyncio.create_task(run_worker(settings, stop, backend=FakeBackend()))
+    alive = [sys.executable, "-m", "service", "alive", "--file", str(heartbeat), "--max-age", "2.5"]
+    try:
+        async with asyncio.timeout(30):
+            while not heartbeat.exists():  # noqa: ASYNC110
+                await asyncio.sleep(0.05)
+        await asyncio.sleep(2.0)  # a few heartbeats later
+        assert (await asyncio.to_thread(subprocess.run, alive, capture_output=True)).returncode == 0
+        outcome: list[subprocess.CompletedProcess[bytes]] = []
+
+        def probe_later() -> None:
+            time.sleep(4.0)
+            outcome.append(subprocess.run(alive, capture_output=True))
+
+        prober = threading.Thread(target=probe_later)
+        prober.start()
+        time.sleep(6)  # noqa: ASYNC251 - the point: the event loop is stuck
+        prober.join()
+        assert outcome[0].returncode == 1
+        assert b"not alive" in outcome[0].stderr
+    finally:
+        stop.set()
+        await worker
+
+
+def test_requeued_and_retried_headers_are_distinct() -> None:
+    message = request_message(
+        b"x", job_id="j", content_type="image/png", filename=None, top_k=1, reply_to="r", requeues=2
+    )
+    assert message.headers[REQUEUES_HEADER] == 2
+    assert message.headers[RETRIES_HEADER] == 0
+
+
+def test_policies_are_applied_through_the_management_api(prefix: str) -> None:
+    """`gateway queues policies --apply URL` puts both policies, with the settings' values, and
+    applying them again (every worker start in Kubernetes) changes nothing."""
+    command = [
+        sys.executable,
+        "-m",
+        "service",
+        "queues",
+        "policies",
+        "--queue-prefix",
+        prefix,
+        "--queue-delivery-limit",
+        "7",
+        "--apply",
+        "http://guest:guest@127.0.0.1:15672",
+    ]
+    try:
+        for _ in range(2):
+            deadline = time.monotonic() + 20  # the plugin may still be starting
+            while (run := subprocess.run(command, capture_output=True, text=True)).returncode != 0:
+                assert time.monotonic() < deadline, run.stderr
+                time.sleep(0.5)
+            assert f"{prefix}-work" in run.stdout
+        listed = subprocess.run(["rabbitmqctl", "list_policies", "-q"], capture_output=True, text=True).stdout
+        work = next(line for line in listed.splitlines() if f"{prefix}-work" in line)
+        assert '"delivery-limit":7' in work.replace(" ", "")
+        assert f'"dead-letter-exchange":"{prefix}.dead"' in work.replace(" ", "")
+        assert f"{prefix}-results" in listed
+    finally:
+        _clear_policies(Names(prefix))
