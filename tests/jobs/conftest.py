@@ -19,7 +19,8 @@ import numpy as np
 import pytest
 from skimage import data as skdata
 
-from service.jobs.topology import Names
+from service.jobs.messages import JobResult
+from service.jobs.topology import REQUEST_KEY, Names, declare
 from tests.conftest import png_bytes, solid_image
 
 BROKER_URL = os.environ.get("GATEWAY_TEST_BROKER_URL", "amqp://guest:guest@127.0.0.1:5672/")
@@ -152,3 +153,21 @@ def worker_pids(prefix: str) -> list[int]:
         if b"worker" in args and b"service" in args and marker in environ:
             pids.append(pid)
     return pids
+
+
+async def publish(names: Names, *messages: aio_pika.Message) -> None:
+    """Declare the topology and publish each message to the requests exchange (confirmed)."""
+    connection = await aio_pika.connect(BROKER_URL)
+    async with connection:
+        channel = await connection.channel(publisher_confirms=True)
+        topology = await declare(connection, channel, names)
+        for message in messages:
+            await topology.requests_exchange.publish(message, REQUEST_KEY)
+
+
+async def collect_results(names: Names, count: int, timeout: float = 60) -> list[JobResult]:
+    """Wait for ``count`` results in the results queue and take them."""
+    async with asyncio.timeout(timeout):
+        while await queue_depth(names.results) < count:  # noqa: ASYNC110
+            await asyncio.sleep(0.05)
+    return [JobResult.model_validate_json(m.body) for m in await drain(names.results)]

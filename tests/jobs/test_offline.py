@@ -12,24 +12,25 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-import aio_pika
 import httpx
 import numpy as np
 import pytest
 
 from service.backends.fake import FakeBackend
 from service.errors import BackendError
-from service.jobs.messages import DETAIL_HEADER, ERROR_HEADER, JobResult, request_message
-from service.jobs.topology import REQUEST_KEY, Names, declare
+from service.jobs.messages import DETAIL_HEADER, ERROR_HEADER, request_message
+from service.jobs.topology import Names
 from service.jobs.worker import run_worker
 from service.settings import Settings
 from tests.conftest import CAT_CLASSES, ESPRESSO, free_port, png_bytes, running_gateway, solid_image
 from tests.jobs.conftest import (
     BROKER_URL,
     class_pngs,
+    collect_results,
     drain,
     gateway_process,
     photo_variants,
+    publish,
     queue_depth,
     wait_for_line,
     worker_pids,
@@ -297,22 +298,6 @@ def test_worker_sigterm_mid_ingest_finishes_its_messages_and_loses_none(
     )
 
 
-async def _publish(names: Names, *messages: aio_pika.Message) -> None:
-    connection = await aio_pika.connect(BROKER_URL)
-    async with connection:
-        channel = await connection.channel(publisher_confirms=True)
-        topology = await declare(connection, channel, names)
-        for message in messages:
-            await topology.requests_exchange.publish(message, REQUEST_KEY)
-
-
-async def _collect_results(names: Names, count: int, timeout: float = 60) -> list[JobResult]:
-    async with asyncio.timeout(timeout):
-        while await queue_depth(names.results) < count:  # noqa: ASYNC110
-            await asyncio.sleep(0.05)
-    return [JobResult.model_validate_json(m.body) for m in await drain(names.results)]
-
-
 async def test_poison_message_is_dead_lettered_once_and_the_rest_flow_on(
     gateway_factory: MakeSettings, prefix: str
 ) -> None:
@@ -332,10 +317,10 @@ async def test_poison_message_is_dead_lettered_once_and_the_rest_flow_on(
     poison = request_message(
         b"this is not an image", job_id="poison", content_type="image/jpeg", filename="p.jpg", top_k=1, reply_to="jobs"
     )
-    await _publish(names, good[0], poison, *good[1:])
+    await publish(names, good[0], poison, *good[1:])
     stop = asyncio.Event()
     worker = asyncio.create_task(run_worker(settings, stop, backend=FakeBackend()))
-    results = {r.job_id: r for r in await _collect_results(names, 4)}
+    results = {r.job_id: r for r in await collect_results(names, 4)}
     await asyncio.sleep(0.5)  # time for any (wrong) redelivery of the poison message to show up
     stop.set()
     await worker
@@ -373,11 +358,11 @@ async def test_backend_failures_retry_then_dead_letter(gateway_factory: MakeSett
         top_k=1,
         reply_to="jobs",
     )
-    await _publish(names, message)
+    await publish(names, message)
     backend = AlwaysFailing()
     stop = asyncio.Event()
     worker = asyncio.create_task(run_worker(settings, stop, backend=backend))
-    (result,) = await _collect_results(names, 1)
+    (result,) = await collect_results(names, 1)
     stop.set()
     await worker
     assert backend.batches == [1, 1, 1]  # the first try and 2 retries
@@ -405,10 +390,10 @@ async def test_worker_exports_its_metrics_on_its_own_port(gateway_factory: MakeS
         )
         for v in range(5)
     ]
-    await _publish(names, *messages)
+    await publish(names, *messages)
     stop = asyncio.Event()
     worker = asyncio.create_task(run_worker(settings, stop, backend=FakeBackend()))
-    await _collect_results(names, 5)
+    await collect_results(names, 5)
     async with httpx.AsyncClient() as client:
         text = (await client.get(f"http://127.0.0.1:{port}/metrics")).text
     stop.set()

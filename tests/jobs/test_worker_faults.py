@@ -22,12 +22,20 @@ from service.errors import DeadlineExceeded, QueueFull
 from service.jobs.broker import Broker
 from service.jobs.messages import ERROR_HEADER, REQUEUES_HEADER, RETRIES_HEADER, JobResult, request_message
 from service.jobs.policies import gateway_policies, rabbitmqctl_commands
-from service.jobs.topology import REQUEST_KEY, Names, declare
+from service.jobs.topology import REQUEST_KEY, Names
 from service.jobs.worker import _sample_depth, run_worker
 from service.metrics import Metrics
 from service.settings import Settings
 from tests.conftest import png_bytes, solid_image
-from tests.jobs.conftest import BROKER_URL, drain, gateway_process, queue_depth, wait_for_line
+from tests.jobs.conftest import (
+    BROKER_URL,
+    collect_results,
+    drain,
+    gateway_process,
+    publish,
+    queue_depth,
+    wait_for_line,
+)
 
 MakeSettings = Callable[..., Settings]
 
@@ -43,20 +51,8 @@ def job(value: int, job_id: str) -> aio_pika.Message:
     )
 
 
-async def publish(names: Names, *messages: aio_pika.Message) -> None:
-    connection = await aio_pika.connect(BROKER_URL)
-    async with connection:
-        channel = await connection.channel(publisher_confirms=True)
-        topology = await declare(connection, channel, names)
-        for message in messages:
-            await topology.requests_exchange.publish(message, REQUEST_KEY)
-
-
 async def results(names: Names, count: int, timeout: float = 60) -> dict[str, JobResult]:
-    async with asyncio.timeout(timeout):
-        while await queue_depth(names.results) < count:  # noqa: ASYNC110
-            await asyncio.sleep(0.05)
-    return {r.job_id: r for r in (JobResult.model_validate_json(m.body) for m in await drain(names.results))}
+    return {r.job_id: r for r in await collect_results(names, count, timeout)}
 
 
 def settings_for(make: MakeSettings, prefix: str, **kw: object) -> Settings:
