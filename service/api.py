@@ -207,8 +207,9 @@ async def job_status(request: Request, job_id: str) -> JobStatus:
     state = gateway.jobs.store.get(job_id) if gateway.jobs is not None else None
     if state is None:
         raise NotFound(
-            f"unknown job {job_id!r}: never accepted, forgotten (the cache keeps the last "
-            f"{gateway.settings.jobs_cache_size}), or accepted by another replica and not finished yet"
+            f"unknown job {job_id!r}: never accepted, forgotten (job states are kept "
+            f"{gateway.settings.jobs_ttl:g} s, within GATEWAY_JOBS_CACHE_BYTES), or accepted by another replica "
+            "and not finished yet"
         )
     if isinstance(state, PendingJob):
         return JobStatus(job_id=job_id, status="pending", filename=state.filename)

@@ -94,8 +94,11 @@ class Settings(BaseSettings):
     gives RabbitMQ the same limit as a policy, the backstop)."""
     max_retries: int = Field(3, ge=0)
     """Times a message is retried after a backend failure before it is dead-lettered."""
-    jobs_cache_size: int = Field(100_000, ge=1)
-    """Job states the API keeps in memory for ``GET /jobs/{id}`` (oldest forgotten first)."""
+    jobs_cache_bytes: int = Field(64 * 1024 * 1024, ge=1024 * 1024)
+    """Memory the API gives job states for ``GET /jobs/{id}`` (results ~4-12 KB each; pending
+    markers have a quarter of it of their own, so results never evict running jobs)."""
+    jobs_ttl: float = Field(24 * 3600.0, gt=0.0)
+    """Seconds a job state is kept after it was last written."""
     worker_metrics_port: int = Field(9101, ge=0, le=65535)
     """Port of the worker's Prometheus endpoint (0: none)."""
     worker_heartbeat_file: Path | None = Field(

@@ -14,6 +14,7 @@ from typing import Literal
 
 import aio_pika
 from aio_pika.abc import AbstractExchange, AbstractMessage, AbstractRobustChannel, AbstractRobustConnection
+from pamqp.common import FieldTable
 
 from service.errors import BackendUnavailable
 from service.jobs.topology import Names, Topology, declare
@@ -40,12 +41,15 @@ class Broker:
         publish_timeout: float = 5.0,
         prefetch: int = 0,
         on_connect: Callable[[Broker], Awaitable[None]] | None = None,
+        name: str | None = None,
     ) -> None:
         self.url = url
         self.names = names
         self.publish_timeout = publish_timeout
         self.prefetch = prefetch
         self._on_connect = on_connect
+        self.name = name
+        """Connection name shown by RabbitMQ (management UI, ``rabbitmqctl list_connections``)."""
         self.connection: AbstractRobustConnection | None = None
         self.channel: AbstractRobustChannel | None = None
         self.topology: Topology | None = None
@@ -53,7 +57,10 @@ class Broker:
         self.connected = asyncio.Event()
 
     async def _connect_once(self) -> None:
-        connection = await aio_pika.connect_robust(self.url, timeout=5, reconnect_interval=1)
+        properties: FieldTable | None = {"connection_name": self.name} if self.name else None
+        connection = await aio_pika.connect_robust(
+            self.url, timeout=5, reconnect_interval=1, client_properties=properties
+        )
         try:
             channel = await connection.channel(publisher_confirms=True)
             if self.prefetch:

@@ -1,19 +1,26 @@
-"""The API's side of offline mode: publish images as jobs, and learn every job's result.
+"""The API's side of offline mode: publish images as jobs, and learn the results of its jobs.
 
-Each API replica binds its own queue to the results exchange and so sees every result; it keeps
-the latest ``jobs_cache_size`` job states in memory for ``GET /jobs/{id}``. A job is ``pending`` on
-the replica that accepted it until its result arrives; other replicas answer 404 for it until then,
-and every replica answers ``done``/``failed`` once the result is out (see the README).
+Each API replica binds a queue of its own to the results exchange for the API's routing key only
+(``jobs``: never the results of ``gateway ingest`` runs), and keeps job states in memory for
+``GET /jobs/{id}``, bounded in bytes and age. A job is ``pending`` on the replica that accepted it
+until its result arrives; other replicas answer 404 for it until then, and every replica answers
+``done``/``failed`` once the result is out (see the README).
+
+The replica's queue is not exclusive: it outlives a broker reconnect (an exclusive queue is deleted
+with its connection, losing the results published meanwhile, so jobs stayed ``pending`` for ever),
+the robust channel declares and consumes it again, and RabbitMQ deletes it (``x-expires``) once no
+replica has used it for ``RESULTS_QUEUE_EXPIRES_MS``.
 """
 
 from __future__ import annotations
 
 import logging
+import sys
 import uuid
-from collections import OrderedDict
 from dataclasses import dataclass
 
 from aio_pika.abc import AbstractIncomingMessage
+from cachetools import TTLCache
 from pydantic import ValidationError
 
 from service.jobs.broker import Broker
@@ -24,6 +31,10 @@ from service.settings import Settings
 
 logger = logging.getLogger(__name__)
 
+RESULTS_QUEUE_EXPIRES_MS = 10 * 60 * 1000
+PENDING_BYTES = 200
+"""What a pending marker costs, roughly (id, filename, the cache's own entry)."""
+
 
 @dataclass
 class PendingJob:
@@ -31,31 +42,47 @@ class PendingJob:
     filename: str | None
 
 
+def _result_bytes(result: JobResult) -> int:
+    """What a result costs in the store: its JSON size is a fair proxy for the model's (~4-12 KB
+    with top-5 labels and timings)."""
+    return len(result.model_dump_json()) + sys.getsizeof(result.job_id)
+
+
 class JobStore:
-    """Bounded, oldest-forgotten-first map of job id to its pending marker or result."""
+    """Job states by id: pending markers and results in two TTL caches bounded in bytes, so that a
+    burst of results can never evict the markers of jobs still running."""
 
-    def __init__(self, capacity: int) -> None:
-        self.capacity = capacity
-        self._jobs: OrderedDict[str, PendingJob | JobResult] = OrderedDict()
-
-    def _put(self, job_id: str, state: PendingJob | JobResult) -> None:
-        self._jobs[job_id] = state
-        self._jobs.move_to_end(job_id)
-        while len(self._jobs) > self.capacity:
-            self._jobs.popitem(last=False)
+    def __init__(self, max_bytes: int, ttl: float) -> None:
+        self._pending: TTLCache[str, PendingJob] = TTLCache(
+            maxsize=max(1, max_bytes // 4), ttl=ttl, getsizeof=lambda _: PENDING_BYTES
+        )
+        self._results: TTLCache[str, JobResult] = TTLCache(maxsize=max_bytes, ttl=ttl, getsizeof=_result_bytes)
 
     def pending(self, job_id: str, filename: str | None) -> None:
-        if job_id not in self._jobs:
-            self._put(job_id, PendingJob(job_id, filename))
+        if job_id not in self._results:
+            self._pending[job_id] = PendingJob(job_id, filename)
 
     def record(self, result: JobResult) -> None:
-        self._put(result.job_id, result)
+        """Keep the result; a late ``failed`` duplicate (at-least-once delivery) never replaces a
+        ``done``."""
+        known = self._results.get(result.job_id)
+        if known is not None and known.status == "done" and result.status != "done":
+            return
+        try:
+            self._results[result.job_id] = result
+        except ValueError:  # larger than the whole store: keep nothing rather than fail
+            logger.warning("jobs: result of %s is larger than GATEWAY_JOBS_CACHE_BYTES", result.job_id)
+        self._pending.pop(result.job_id, None)
 
     def get(self, job_id: str) -> PendingJob | JobResult | None:
-        return self._jobs.get(job_id)
+        return self._results.get(job_id) or self._pending.get(job_id)
+
+    @property
+    def bytes(self) -> int:
+        return int(self._pending.currsize + self._results.currsize)
 
     def __len__(self) -> int:
-        return len(self._jobs)
+        return len(self._pending) + len(self._results)
 
 
 @dataclass(frozen=True)
@@ -68,19 +95,25 @@ class OfflineImage:
 class JobsClient:
     def __init__(self, settings: Settings, metrics: Metrics) -> None:
         assert settings.broker_url
-        self.store = JobStore(settings.jobs_cache_size)
+        self.store = JobStore(settings.jobs_cache_bytes, settings.jobs_ttl)
         self.metrics = metrics
         self.names = Names(settings.queue_prefix)
         self.listen_queue = f"{self.names.prefix}.api.{uuid.uuid4().hex[:12]}"
         self.broker = Broker(
-            settings.broker_url, self.names, publish_timeout=settings.publish_timeout, on_connect=self._listen
+            settings.broker_url,
+            self.names,
+            publish_timeout=settings.publish_timeout,
+            on_connect=self._listen,
+            name=self.listen_queue,
         )
 
     async def _listen(self, broker: Broker) -> None:
         assert broker.channel is not None
         assert broker.topology is not None
-        queue = await broker.channel.declare_queue(self.listen_queue, exclusive=True, auto_delete=True)
-        await queue.bind(broker.topology.results_exchange, "#")
+        queue = await broker.channel.declare_queue(
+            self.listen_queue, durable=False, arguments={"x-expires": RESULTS_QUEUE_EXPIRES_MS}
+        )
+        await queue.bind(broker.topology.results_exchange, DEFAULT_REPLY_TO)
         await queue.consume(self._on_result, no_ack=True)
 
     async def _on_result(self, message: AbstractIncomingMessage) -> None:

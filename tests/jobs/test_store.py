@@ -1,25 +1,66 @@
 from __future__ import annotations
 
+import time
+
 from service.jobs.broker import redact
 from service.jobs.client import JobStore, PendingJob
 from service.jobs.messages import JobResult
+from service.schemas import Label
 
 
-def test_store_forgets_the_oldest_beyond_capacity() -> None:
-    store = JobStore(capacity=3)
-    for i in range(3):
-        store.pending(f"job-{i}", None)
-    store.record(JobResult(job_id="job-0", status="done"))  # a result refreshes its job
-    store.pending("job-3", "x.jpg")
-    assert len(store) == 3
-    assert store.get("job-1") is None  # the oldest untouched entry went first
-    assert isinstance(store.get("job-0"), JobResult)
-    assert isinstance(store.get("job-3"), PendingJob)
+def _result(job_id: str, status: str = "done", labels: int = 5) -> JobResult:
+    return JobResult(
+        job_id=job_id,
+        status=status,  # type: ignore[arg-type]
+        labels=[Label(index=i, label=f"class number {i}", score=0.1) for i in range(labels)],
+        timings={"queued": 0.01, "processing": 0.02},
+    )
+
+
+def test_store_is_bounded_in_bytes() -> None:
+    """Results fill at most the byte budget, oldest forgotten first, however many there are."""
+    store = JobStore(max_bytes=1024 * 1024, ttl=3600)
+    for i in range(5000):
+        store.record(_result(f"job-{i}"))
+    assert store.bytes <= 1024 * 1024 + 1024 * 1024 // 4
+    assert store.get("job-0") is None
+    assert isinstance(store.get("job-4999"), JobResult)
+
+
+def test_results_never_evict_pending_jobs() -> None:
+    store = JobStore(max_bytes=1024 * 1024, ttl=3600)
+    store.pending("mine", "a.jpg")
+    for i in range(5000):  # another flood of results (other replicas' jobs, say)
+        store.record(_result(f"other-{i}"))
+    assert isinstance(store.get("mine"), PendingJob)
+
+
+def test_states_expire() -> None:
+    store = JobStore(max_bytes=1024 * 1024, ttl=0.05)
+    store.pending("p", None)
+    store.record(_result("r"))
+    time.sleep(0.1)
+    assert store.get("p") is None
+    assert store.get("r") is None
+
+
+def test_a_failed_duplicate_never_overwrites_done() -> None:
+    """At-least-once delivery: a job may be classified, then fail on a redelivery."""
+    store = JobStore(max_bytes=1024 * 1024, ttl=3600)
+    store.pending("j", None)
+    store.record(_result("j"))
+    store.record(_result("j", status="failed", labels=0))
+    state = store.get("j")
+    assert isinstance(state, JobResult)
+    assert state.status == "done"
+    store.record(_result("f", status="failed", labels=0))
+    store.record(_result("f"))  # a later success does replace a failure
+    assert store.get("f").status == "done"  # type: ignore[union-attr]
 
 
 def test_a_late_pending_marker_does_not_hide_a_result() -> None:
     """A fast worker's result may arrive before the API records the job as pending."""
-    store = JobStore(capacity=10)
+    store = JobStore(max_bytes=1024 * 1024, ttl=3600)
     store.record(JobResult(job_id="fast", status="done"))
     store.pending("fast", None)
     assert isinstance(store.get("fast"), JobResult)
