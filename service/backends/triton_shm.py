@@ -1,10 +1,14 @@
 """A pool of system shared-memory regions registered with Triton, reused across batches.
 
 One input and one output region per in-flight batch, each sized for the largest batch, created
-once. Triton forgets registrations when it restarts, so each pair remembers whether it is
-registered and the backend re-registers after such an error. A pair whose call failed or was
+once. Triton forgets registrations when it restarts, so each region remembers whether it is
+registered and the backend re-registers after such an error. Registration is per region and
+idempotent: a region Triton already knows ("already in manager", e.g. after a failure between the
+input's and the output's registration) counts as registered. A pair whose call failed or was
 abandoned may still be written by Triton, so it is never reused: it is replaced by a fresh pair
-under new names.
+under new names; if the replacement cannot be created (``/dev/shm`` full), the pool remembers the
+missing pair and creates it at the next acquire, so it never shrinks, and a half-created pair is
+destroyed, so nothing leaks.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ class Region:
     name: str
     byte_size: int
     handle: Any
+    registered: bool = False
 
     @classmethod
     def create(cls, name: str, byte_size: int) -> Region:
@@ -41,12 +46,25 @@ class Region:
     def key(self) -> str:
         return f"/{self.name}"
 
+    async def register(self, client: ShmClient) -> None:
+        if self.registered:
+            return
+        try:
+            await client.register_system_shared_memory(self.name, self.key, self.byte_size)
+        except Exception as exc:
+            if "already in manager" not in str(exc).lower():
+                raise
+        self.registered = True
+
 
 @dataclass
 class RegionPair:
     input: Region
     output: Region
-    registered: bool = False
+
+    @property
+    def regions(self) -> tuple[Region, Region]:
+        return (self.input, self.output)
 
 
 class SharedMemoryPool:
@@ -55,35 +73,54 @@ class SharedMemoryPool:
         self._serial = 0
         self._sizes = (input_bytes, output_bytes)
         self._free: asyncio.Queue[RegionPair] = asyncio.Queue()
-        self._all: set[int] = set()
+        self.size = count
+        """Pairs the pool holds, free, in use, or owed (see ``missing``)."""
         self.pairs: list[RegionPair] = []
         for _ in range(count):
             self._add(self._new_pair())
 
+    @property
+    def missing(self) -> int:
+        """Pairs that could not be created yet; the next acquire tries again."""
+        return self.size - len(self.pairs)
+
     def _new_pair(self) -> RegionPair:
         self._serial += 1
         name = f"{self._prefix}-{self._serial}"
-        return RegionPair(Region.create(f"{name}-in", self._sizes[0]), Region.create(f"{name}-out", self._sizes[1]))
+        first = Region.create(f"{name}-in", self._sizes[0])
+        try:
+            return RegionPair(first, Region.create(f"{name}-out", self._sizes[1]))
+        except BaseException:
+            shm.destroy_shared_memory_region(first.handle)
+            raise
 
     def _add(self, pair: RegionPair) -> None:
         self.pairs.append(pair)
         self._free.put_nowait(pair)
 
+    def _replenish(self) -> None:
+        while self.missing > 0:
+            try:
+                self._add(self._new_pair())
+            except Exception as exc:
+                logger.error("triton: cannot create a shared-memory region pair (%s); %d missing", exc, self.missing)
+                return
+
     def forget_registrations(self) -> None:
         """Triton restarted or lost our regions: register again before the next use."""
         for pair in self.pairs:
-            pair.registered = False
+            for region in pair.regions:
+                region.registered = False
 
     async def acquire(self, client: ShmClient) -> RegionPair:
+        self._replenish()
         pair = await self._free.get()
-        if not pair.registered:
-            try:
-                for region in (pair.input, pair.output):
-                    await client.register_system_shared_memory(region.name, region.key, region.byte_size)
-            except BaseException:
-                self._free.put_nowait(pair)
-                raise
-            pair.registered = True
+        try:
+            for region in pair.regions:
+                await region.register(client)
+        except BaseException:
+            self._free.put_nowait(pair)
+            raise
         return pair
 
     def release(self, pair: RegionPair) -> None:
@@ -92,12 +129,12 @@ class SharedMemoryPool:
     async def discard(self, pair: RegionPair, client: ShmClient) -> None:
         """Replace a pair that Triton may still write to with a fresh one."""
         self.pairs.remove(pair)
-        self._add(self._new_pair())
+        self._replenish()
         await self._destroy(pair, client)
 
     async def _destroy(self, pair: RegionPair, client: ShmClient | None) -> None:
-        for region in (pair.input, pair.output):
-            if client is not None and pair.registered:
+        for region in pair.regions:
+            if client is not None and region.registered:
                 try:
                     async with asyncio.timeout(2.0):  # a hung Triton must not hold up the batch's cleanup
                         await client.unregister_system_shared_memory(region.name)
