@@ -10,7 +10,10 @@ Two on-disk formats exist:
 
 In both, the object pickle refers to storages through persistent ids and rebuilds tensors with
 ``torch._utils._rebuild_tensor_v2``. A restricted unpickler resolves only the handful of globals a
-state_dict needs, so a checkpoint cannot run arbitrary code.
+state_dict needs, so a checkpoint cannot run arbitrary code, and nothing in the file is trusted:
+every storage's size is checked against the file and ``MAX_STORAGE_BYTES`` before it is read, and
+every tensor's offset, shape and strides against its storage before a view is made (a crafted
+file could otherwise hand back heap memory as weights).
 """
 
 from __future__ import annotations
@@ -25,6 +28,10 @@ from pathlib import Path
 from typing import IO, Any
 
 import numpy as np
+
+MAX_STORAGE_BYTES = 4 * 1024**3
+"""Largest storage read (ResNet-50's largest is 8 MB; a whole ViT-H checkpoint is 2.5 GB)."""
+MAX_PICKLE_BYTES = 64 * 1024**2
 
 LEGACY_MAGIC = 0x1950A86A20F9469CFC6C
 LEGACY_PROTOCOL = 1001
@@ -65,10 +72,16 @@ class _StorageType:
     dtype: np.dtype[Any]
 
 
-def _rebuild_tensor_v2(
-    storage: _StorageRef, offset: int, size: tuple[int, ...], stride: tuple[int, ...], *_: Any
-) -> _TensorRef:
-    return _TensorRef(storage, int(offset), tuple(size), tuple(stride))
+def _ints(values: Any, what: str) -> tuple[int, ...]:
+    if not isinstance(values, tuple | list) or not all(type(v) is int for v in values):
+        raise CheckpointError(f"tensor {what} {values!r} is not a tuple of integers")
+    return tuple(values)
+
+
+def _rebuild_tensor_v2(storage: _StorageRef, offset: Any, size: Any, stride: Any, *_: Any) -> _TensorRef:
+    if not isinstance(storage, _StorageRef) or type(offset) is not int:
+        raise CheckpointError("malformed tensor record")
+    return _TensorRef(storage, offset, _ints(size, "shape"), _ints(stride, "strides"))
 
 
 def _rebuild_parameter(data: _TensorRef, *_: Any) -> _TensorRef:
@@ -109,7 +122,10 @@ def _materialise(obj: Any, storages: dict[str, np.ndarray]) -> dict[str, np.ndar
     for name, ref in obj.items():
         if not isinstance(ref, _TensorRef):
             continue  # e.g. BatchNorm's num_batches_tracked is a tensor too; other values are skipped
-        flat = storages[ref.storage.key]
+        flat = storages.get(ref.storage.key)
+        if flat is None:
+            raise CheckpointError(f"{name}: refers to storage {ref.storage.key!r}, which the file does not hold")
+        _check_view(str(name), ref, len(flat))
         itemsize = flat.dtype.itemsize
         view = np.lib.stride_tricks.as_strided(
             flat[ref.offset :],
@@ -119,6 +135,33 @@ def _materialise(obj: Any, storages: dict[str, np.ndarray]) -> dict[str, np.ndar
         )
         out[str(name)] = np.ascontiguousarray(view)
     return out
+
+
+def _check_view(name: str, ref: _TensorRef, length: int) -> None:
+    """The view must lie inside its storage: offset, shape and strides non-negative, and the last
+    element it reaches before the storage's end."""
+    if len(ref.shape) != len(ref.stride):
+        raise CheckpointError(f"{name}: shape {ref.shape} and strides {ref.stride} differ in length")
+    if ref.offset < 0 or any(d < 0 for d in ref.shape) or any(s < 0 for s in ref.stride):
+        raise CheckpointError(f"{name}: negative offset, size or stride")
+    if 0 in ref.shape:
+        return
+    last = ref.offset + sum((d - 1) * s for d, s in zip(ref.shape, ref.stride, strict=True))
+    if last >= length:
+        raise CheckpointError(
+            f"{name}: offset {ref.offset}, shape {ref.shape} and strides {ref.stride} reach element {last} "
+            f"of a storage of {length}"
+        )
+
+
+def _storage_bytes(count: int, itemsize: int, available: int, key: str) -> int:
+    size = count * itemsize
+    if count < 0 or size > MAX_STORAGE_BYTES or size > available:
+        raise CheckpointError(
+            f"storage {key!r} claims {count} elements ({size} bytes); the file has {available} bytes left "
+            f"and the limit is {MAX_STORAGE_BYTES} (truncated or crafted checkpoint)"
+        )
+    return size
 
 
 def _read_legacy(stream: IO[bytes]) -> dict[str, np.ndarray]:
@@ -141,11 +184,20 @@ def _read_legacy(stream: IO[bytes]) -> dict[str, np.ndarray]:
     keys = [str(k) for k in _load_pickle(stream)]
     dtypes = {r.key: r.dtype for r in refs}
     storages: dict[str, np.ndarray] = {}
+    position = stream.tell()
+    end = stream.seek(0, io.SEEK_END)
+    stream.seek(position)
     for key in keys:
-        (count,) = struct.unpack("<q", stream.read(8))
+        if key not in dtypes:
+            raise CheckpointError(f"storage {key!r} is listed but no tensor uses it")
+        raw_count = stream.read(8)
+        if len(raw_count) != 8:
+            raise CheckpointError("checkpoint is truncated")
+        (count,) = struct.unpack("<q", raw_count)
         dtype = dtypes[key]
-        raw = stream.read(count * dtype.itemsize)
-        if len(raw) != count * dtype.itemsize:
+        size = _storage_bytes(count, dtype.itemsize, end - stream.tell(), key)
+        raw = stream.read(size)
+        if len(raw) != size:
             raise CheckpointError("checkpoint is truncated")
         storages[key] = np.frombuffer(raw, dtype=dtype)
     return _materialise(obj, storages)
@@ -166,8 +218,21 @@ def _read_zip(path: Path) -> dict[str, np.ndarray]:
                 refs[ref.key] = ref
                 return ref
 
+        if archive.getinfo(pkl).file_size > MAX_PICKLE_BYTES:
+            raise CheckpointError(f"data.pkl is over {MAX_PICKLE_BYTES} bytes")
         obj = Collecting(io.BytesIO(archive.read(pkl))).load()
-        storages = {key: np.frombuffer(archive.read(f"{root}data/{key}"), dtype=ref.dtype) for key, ref in refs.items()}
+        storages = {}
+        for key, ref in refs.items():
+            try:
+                info = archive.getinfo(f"{root}data/{key}")
+            except KeyError:
+                raise CheckpointError(f"storage {key!r} is missing from the archive") from None
+            if info.file_size > MAX_STORAGE_BYTES or info.file_size % ref.dtype.itemsize:
+                raise CheckpointError(
+                    f"storage {key!r} is {info.file_size} bytes: over {MAX_STORAGE_BYTES} or not whole "
+                    f"{ref.dtype} elements"
+                )
+            storages[key] = np.frombuffer(archive.read(info), dtype=ref.dtype)
     return _materialise(obj, storages)
 
 

@@ -1,11 +1,13 @@
 from __future__ import annotations
 
 import pickle
+import struct
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from service.models import torch_reader
 from service.models.torch_reader import CheckpointError, read_state_dict
 from tests.torch_files import write_legacy, write_zip
 
@@ -73,4 +75,49 @@ def test_refuses_a_truncated_checkpoint(tmp_path: Path) -> None:
     write_legacy(path, {"w": np.ones(1000, np.float32)})
     path.write_bytes(path.read_bytes()[:-100])
     with pytest.raises(CheckpointError, match="truncated"):
+        read_state_dict(path)
+
+
+@pytest.mark.parametrize("writer", [write_legacy, write_zip], ids=["legacy", "zip"])
+@pytest.mark.parametrize(
+    ("view", "message"),
+    [
+        ((20, (3, 5), (1, 3)), "reach element"),  # 20 + 2 + 12 = 34 > 24 elements
+        ((0, (100,), (1,)), "reach element"),
+        ((-4, (3,), (1,)), "negative"),
+        ((0, (3, 5), (-1, 3)), "negative"),
+        ((0, (3, 5), (1,)), "differ in length"),
+    ],
+    ids=["past-the-end", "too-long", "negative-offset", "negative-stride", "rank-mismatch"],
+)
+def test_views_outside_their_storage_are_refused(
+    tmp_path: Path, writer: object, view: tuple[int, tuple[int, ...], tuple[int, ...]], message: str
+) -> None:
+    """A crafted tensor record whose offset, shape or strides reach outside its 24-element storage
+    is refused; before, as_strided handed back whatever heap memory lay there as weights."""
+    base = np.arange(24, dtype=np.float32)
+    path = tmp_path / "crafted.pth"
+    writer(path, {"w": (base, *view)})  # type: ignore[operator]
+    with pytest.raises(CheckpointError, match=message):
+        read_state_dict(path)
+
+
+def test_a_storage_size_beyond_the_file_is_refused_before_reading(tmp_path: Path) -> None:
+    """The legacy format's element count is read from the file: a crafted count of 2**40 floats is
+    refused at once, not allocated."""
+    path = tmp_path / "crafted.pth"
+    write_legacy(path, {"w": np.ones(24, np.float32)})
+    data = path.read_bytes()
+    count = struct.pack("<q", 24)
+    assert data.count(count) == 1
+    path.write_bytes(data.replace(count, struct.pack("<q", 2**40)))
+    with pytest.raises(CheckpointError, match="claims 1099511627776 elements"):
+        read_state_dict(path)
+
+
+def test_zip_storages_over_the_cap_are_refused_unread(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "big.pth"
+    write_zip(path, {"w": np.ones(1024, np.float32)})
+    monkeypatch.setattr(torch_reader, "MAX_STORAGE_BYTES", 1000)
+    with pytest.raises(CheckpointError, match="4096 bytes: over 1000"):
         read_state_dict(path)
