@@ -51,6 +51,8 @@ async def reject_unknown_query(request: Request) -> None:
 
 router = APIRouter(dependencies=[Depends(reject_unknown_query)])
 
+MAX_FILENAME_BYTES = 255
+"""Longest filename accepted in a multipart part (it is echoed in answers, job states and logs)."""
 IMAGE_TYPES = ("image/jpeg", "image/png", "image/gif", "image/webp", "image/bmp", "image/tiff")
 _BINARY = {"type": "string", "format": "binary"}
 _CLASSIFY_BODY: dict[str, Any] = {
@@ -107,6 +109,8 @@ async def _read_images(request: Request, max_images: int) -> list[ImageInput]:
             for i, part in enumerate(form.getlist("file")):
                 if not isinstance(part, UploadFile):
                     raise BadRequest(f"'file' part {i + 1} is a text field, not a file upload")
+                if part.filename is not None and len(part.filename.encode()) > MAX_FILENAME_BYTES:
+                    raise BadRequest(f"'file' part {i + 1} has a filename over {MAX_FILENAME_BYTES} bytes")
                 part_type = _media_type(part.content_type)
                 _check_image_type(part_type, f"'file' part {i + 1}")
                 images.append(ImageInput(await part.read(), part.filename, part_type or None))

@@ -11,7 +11,7 @@
   batch is already running, its result is dropped and nobody else is affected. Futures are
   completed only if not already done.
 * Every failure of a batch reaches every request in it, and the backend must return one result
-  per image.
+  per image, finite: a row with NaN or inf fails its image with ``BackendError``.
 """
 
 from __future__ import annotations
@@ -191,9 +191,14 @@ class DynamicBatcher:
             scores = await self._infer(np.stack([item.image for item in batch]), timeout=timeout)
             if len(scores) != len(batch):
                 raise BackendError(f"backend returned {len(scores)} results for a batch of {len(batch)} images")
-            for item, row in zip(batch, scores, strict=True):
-                if not item.future.done():
+            finite = np.isfinite(scores).all(axis=tuple(range(1, np.ndim(scores))))
+            for item, row, ok in zip(batch, scores, finite, strict=True):
+                if item.future.done():
+                    continue
+                if ok:
                     item.future.set_result(row)
+                else:  # NaN/inf cannot be answered as JSON, nor ranked: that image failed
+                    item.future.set_exception(BackendError("the backend returned non-finite scores (NaN or inf)"))
         except asyncio.CancelledError:
             error = BackendUnavailable("the gateway shut down before this batch finished")
             raise

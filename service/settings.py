@@ -10,6 +10,8 @@ from typing import Literal
 from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from service.cpus import available_cpus
+
 
 def _default_models_dir() -> Path:
     base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
@@ -144,8 +146,9 @@ class Settings(BaseSettings):
     The default admits a 50-megapixel 8-bit RGB PNG, and JPEGs far larger (decoded at 1/8 scale)."""
     max_images_per_request: int = Field(64, ge=1)
     """Most images in one /classify request."""
-    preprocess_workers: int = Field(default_factory=lambda: os.cpu_count() or 1, ge=1)
-    """Threads that decode and resize images (OpenCV releases the GIL); default one per core."""
+    preprocess_workers: int = Field(default_factory=available_cpus, ge=1)
+    """Threads that decode and resize images (OpenCV releases the GIL); default one per CPU the
+    process may use (its affinity, capped by a cgroup CPU quota)."""
 
     def load_api_keys(self) -> list[bytes]:
         """Every configured key (empty: no authentication)."""
@@ -168,7 +171,7 @@ class Settings(BaseSettings):
     def embedded_threads_per_batch(self) -> int:
         if self.embedded_threads:
             return self.embedded_threads
-        return max(1, (os.cpu_count() or 1) // self.max_inflight_batches)
+        return max(1, available_cpus() // self.max_inflight_batches)
 
     @model_validator(mode="after")
     def _check(self) -> Settings:

@@ -7,6 +7,7 @@ import asyncio
 from collections.abc import Callable
 
 import httpx
+import numpy as np
 import pytest
 
 from service.backends.fake import FakeBackend
@@ -226,3 +227,47 @@ async def test_openapi_documents_both_body_forms_and_errors(gateway_factory: Mak
     assert {"multipart/form-data", "image/jpeg", "image/png"} <= set(post["requestBody"]["content"])
     assert {"200", "400", "413", "415", "422", "429", "503", "504"} <= set(post["responses"])
     assert error_of(missing) == (404, "not_found")
+
+
+class NonFinite(FakeBackend):
+    """Scores NaN for class-13 images and inf for class-14 ones; others as the fake does."""
+
+    async def infer(self, batch: np.ndarray, *, timeout: float | None = None) -> np.ndarray:
+        scores = await super().infer(batch, timeout=timeout)
+        scores[batch[:, 0, 0, 0] == 13] = np.nan
+        scores[batch[:, 0, 0, 0] == 14, 0] = np.inf
+        return scores
+
+
+async def test_non_finite_scores_are_a_json_500_for_that_image_only(gateway_factory: MakeSettings) -> None:
+    """NaN or inf from the backend is a backend_error with the JSON body (before: a plain-text 500
+    from the JSON encoder); requests sharing the batch are answered normally."""
+    backend = NonFinite()
+    backend.gate = asyncio.Event()
+    async with running_gateway(gateway_factory(backend="fake", max_batch_size=8), backend) as client:
+
+        async def post(value: int) -> httpx.Response:
+            return await client.post("/classify", content=png_of_class(value), headers={"content-type": "image/png"})
+
+        first = asyncio.create_task(post(1))
+        await backend.wait_for_batches(1)
+        rest = [asyncio.create_task(post(v)) for v in (13, 14, 5)]
+        await asyncio.sleep(0.2)  # queued together behind the gated batch
+        backend.gate.set()
+        answers = [await first] + [await r for r in rest]
+    assert [a.status_code for a in answers] == [200, 500, 500, 200]
+    for bad in answers[1:3]:
+        assert error_of(bad) == (500, "backend_error")
+        assert "non-finite" in bad.json()["detail"]
+    assert answers[3].json()["results"][0]["labels"][0]["index"] == 5
+    assert max(backend.batches) == 3  # the three shared one batch
+
+
+async def test_filenames_over_255_bytes_are_refused(gateway_factory: MakeSettings) -> None:
+    async with running_gateway(gateway_factory(backend="fake"), FakeBackend()) as client:
+        long_name = "é" * 128 + ".png"  # 260 bytes in UTF-8
+        refused = await client.post("/classify", files=[("file", (long_name, png_of_class(1), "image/png"))])
+        assert error_of(refused) == (400, "bad_request")
+        assert "255 bytes" in refused.json()["detail"]
+        fine = await client.post("/classify", files=[("file", ("a" * 251 + ".png", png_of_class(1), "image/png"))])
+        assert fine.status_code == 200

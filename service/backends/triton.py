@@ -162,7 +162,8 @@ class TritonBackend:
     # -- readiness -------------------------------------------------------------------------------
 
     async def _metadata_problem(self) -> str | None:
-        """Check once per connection that the model takes what the gateway sends."""
+        """Check once per connection that the model takes what the gateway sends, in batches as
+        large as the gateway's."""
         if self._checked_metadata:
             return None
         if self.protocol == "grpc":
@@ -178,6 +179,18 @@ class TritonBackend:
             problem = (
                 f"model {self.model} on Triton takes {inputs} and gives {outputs}; the gateway sends "
                 f"{INPUT_NAME} {want_in} and reads {OUTPUT_NAME} {want_out}"
+            )
+            logger.error("triton: %s", problem)
+            return problem
+        if self.protocol == "grpc":
+            config = (await self._client.get_model_config(self.model, self.version, as_json=True)).get("config", {})
+        else:
+            config = await self._client.get_model_config(self.model, self.version)
+        triton_max = int(config.get("max_batch_size", 0))
+        if triton_max and self.max_batch_size > triton_max:
+            problem = (
+                f"the gateway's max_batch_size {self.max_batch_size} exceeds model {self.model}'s max_batch_size "
+                f"{triton_max} on Triton: every full batch would be refused; set GATEWAY_MAX_BATCH_SIZE <= {triton_max}"
             )
             logger.error("triton: %s", problem)
             return problem

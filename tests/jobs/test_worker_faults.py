@@ -349,3 +349,26 @@ def test_policies_are_applied_through_the_management_api(prefix: str) -> None:
         assert f"{prefix}-results" in listed
     finally:
         _clear_policies(Names(prefix))
+
+
+class NaNScores(FakeBackend):
+    async def infer(self, batch: np.ndarray, *, timeout: float | None = None) -> np.ndarray:
+        scores = await super().infer(batch, timeout=timeout)
+        scores[batch[:, 0, 0, 0] == 13] = np.nan
+        return scores
+
+
+async def test_non_finite_scores_fail_the_job_instead_of_hanging_it(gateway_factory: MakeSettings, prefix: str) -> None:
+    """A NaN row fails its job (backend_error, retried then dead-lettered) and the others finish.
+    Before, the result could not be published and the job never finished."""
+    names = Names(prefix)
+    await publish(names, job(13, "nan"), job(3, "fine"))
+    stop = asyncio.Event()
+    worker = asyncio.create_task(run_worker(settings_for(gateway_factory, prefix, max_retries=1), stop, NaNScores()))
+    done = await results(names, 2)
+    stop.set()
+    await worker
+    assert done["fine"].status == "done"
+    assert done["nan"].status == "failed"
+    assert done["nan"].error is not None
+    assert "non-finite" in done["nan"].error.detail

@@ -116,6 +116,24 @@ async def test_model_with_the_wrong_shape_is_not_ready(gateway_factory: MakeSett
         assert "unexpected shape" in response.json()["detail"]
 
 
+@pytest.mark.parametrize("protocol", ["grpc", "http"])
+async def test_batches_larger_than_the_model_takes_are_not_ready(
+    gateway_factory: MakeSettings, triton: LocalTriton, protocol: str
+) -> None:
+    """The test repository's model takes batches of up to 32: a gateway batching 64 is not ready and
+    says why (before, it was ready and every full batch failed); batching 32 is ready."""
+    settings = triton_settings(gateway_factory, triton, protocol, False, max_batch_size=64)
+    async with running_gateway(settings) as client:
+        readyz = await client.get("/readyz")
+        assert readyz.status_code == 503
+        assert (
+            "max_batch_size 64 exceeds model efficientnet-lite0's max_batch_size 32"
+            in readyz.json()["checks"]["backend"]
+        )
+    async with running_gateway(triton_settings(gateway_factory, triton, protocol, False, max_batch_size=32)) as client:
+        assert (await client.get("/readyz")).status_code == 200
+
+
 @pytest.mark.parametrize(("protocol", "shm"), TRANSPORTS, ids=IDS)
 async def test_triton_killed_then_restarted(
     gateway_factory: MakeSettings,
