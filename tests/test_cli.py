@@ -88,3 +88,20 @@ def test_gateway_command_serves_a_cat_and_stops_on_sigterm(tmp_path: Path, model
     assert proc.returncode in (0, -signal.SIGTERM), output
     assert "gateway ready" in output
     assert "Application shutdown complete" in output
+
+
+def test_several_workers_clear_only_stale_metric_files(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`serve --workers N` with PROMETHEUS_MULTIPROC_DIR set removes the previous run's metric files
+    there and nothing else (it used to delete the whole folder, whatever it named)."""
+    from service.cli import _prepare_multiprocess
+
+    folder = tmp_path / "shared"
+    folder.mkdir()
+    (folder / "counter_123.db").write_bytes(b"stale")
+    (folder / "gauge_livesum_123.db").write_bytes(b"stale")
+    (folder / "notes.txt").write_text("the operator's")
+    monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(folder))
+    monkeypatch.setenv("GATEWAY_WORKERS", "1")  # the call exports the flags: restored after the test
+    _prepare_multiprocess(build_parser().parse_args(["serve", "--workers", "2"]))
+    assert sorted(p.name for p in folder.iterdir()) == ["notes.txt"]
+    assert os.environ["PROMETHEUS_MULTIPROC_DIR"] == str(folder)
