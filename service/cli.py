@@ -67,6 +67,8 @@ def _prepare_multiprocess(args: argparse.Namespace) -> None:
 def _serve(args: argparse.Namespace) -> int:
     import uvicorn
 
+    from service.http_protocol import http_protocol
+
     settings = _settings(args)
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     common: dict[str, Any] = {
@@ -75,6 +77,7 @@ def _serve(args: argparse.Namespace) -> int:
         "log_level": settings.log_level,
         "timeout_graceful_shutdown": int(settings.request_timeout) + 5,
         "limit_concurrency": settings.max_connections,
+        "http": http_protocol(settings.header_timeout),
     }
     if settings.workers > 1:
         _prepare_multiprocess(args)

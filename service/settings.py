@@ -124,6 +124,9 @@ class Settings(BaseSettings):
     inference) before it gets 504; the upload has its own bound, ``body_timeout``."""
     max_body_bytes: int = Field(16 * 1024 * 1024, ge=1024)
     """Largest request body accepted; larger bodies get 413."""
+    header_timeout: float = Field(10.0, gt=0.0)
+    """Seconds a client has to send a request's line and headers (from the connection opening, or
+    from the request's first byte); slower ones get 408 and the connection is closed."""
     body_timeout: float = Field(15.0, gt=0.0)
     """Seconds a client has to send the whole request body once its headers have arrived; slower
     uploads get 408 and the connection is closed (a trickled body holds nothing longer)."""

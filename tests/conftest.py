@@ -19,6 +19,7 @@ from skimage import data as skdata
 from loadtests.http_load import free_port
 from service.app import create_app
 from service.backends.base import Backend
+from service.http_protocol import http_protocol
 from service.models.profiles import get_profile
 from service.models.store import ensure_model
 from service.settings import Settings
@@ -121,7 +122,8 @@ async def running_gateway(settings: Settings, backend: Backend | None = None) ->
     sock = _bound_socket()
     port = sock.getsockname()[1]
     app = create_app(settings, backend=backend)
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
+    config = uvicorn.Config(app, log_level="warning", lifespan="on", http=http_protocol(settings.header_timeout))
+    server = uvicorn.Server(config)
     task = asyncio.create_task(server.serve(sockets=[sock]))
     try:
         async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=30) as client:

@@ -120,3 +120,37 @@ async def test_refusals_before_the_route_are_counted(gateway_factory: MakeSettin
         metrics = (await client.get("/metrics")).text
         assert 'gateway_rejections_total{reason="unauthorized"} 1.0' in metrics
         assert 'gateway_rejections_total{reason="payload_too_large"} 1.0' in metrics
+
+
+async def _slow_headers(port: int) -> tuple[bytes, float]:
+    """Open a connection, send half a request line and headers, then nothing; return what the
+    server sent before closing, and when it closed."""
+    started = time.monotonic()
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(b"POST /classify HTTP/1.1\r\nhost: x\r\n")
+    await writer.drain()
+    answer = await reader.read()  # until the server closes
+    writer.close()
+    return answer, time.monotonic() - started
+
+
+async def test_slow_headers_are_cut_off(gateway_factory: MakeSettings) -> None:
+    """Connections that never finish their headers (or never send any) are answered 408 and closed
+    after GATEWAY_HEADER_TIMEOUT, so they cannot pile up to max_connections; normal clients are
+    served meanwhile. Before, uvicorn held them for as long as the client liked."""
+    settings = gateway_factory(backend="fake", header_timeout=1.0, max_connections=60)
+    async with running_gateway(settings, FakeBackend()) as client:
+        port = _port(client)
+        slow = [asyncio.create_task(_slow_headers(port)) for _ in range(40)]
+        silent_reader, silent_writer = await asyncio.open_connection("127.0.0.1", port)
+        await asyncio.sleep(0.2)
+        ok = await client.post("/classify", content=PNG, headers={"content-type": "image/png"})
+        assert ok.status_code == 200
+        for answer, held in await asyncio.gather(*slow):
+            assert answer.startswith(b"HTTP/1.1 408")
+            assert b'"error": "request_timeout"' in answer
+            assert 0.9 <= held <= 3.0
+        async with asyncio.timeout(3):
+            assert (await silent_reader.read()).startswith(b"HTTP/1.1 408")
+        silent_writer.close()
+        assert (await client.post("/classify", content=PNG, headers={"content-type": "image/png"})).status_code == 200
