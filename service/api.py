@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import asyncio
-from typing import Annotated, Any, Literal
+import json
+from typing import Any
 
-from fastapi import APIRouter, Depends, Query, Request
-from fastapi.responses import JSONResponse, PlainTextResponse
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.datastructures import UploadFile
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -27,11 +28,8 @@ from service.schemas import (
     AcceptedJob,
     ClassifyResponse,
     ErrorBody,
-    ImageResult,
     JobsAccepted,
     JobStatus,
-    Label,
-    ModelInfo,
     Readiness,
 )
 
@@ -49,7 +47,57 @@ async def reject_unknown_query(request: Request) -> None:
         raise InvalidParameters(f"unknown query parameter(s) {unknown}; this route takes: {expected}")
 
 
-router = APIRouter(dependencies=[Depends(reject_unknown_query)])
+router = APIRouter()
+CHECKED_QUERY = [Depends(reject_unknown_query)]
+"""Routes with FastAPI-parsed parameters check for unknown ones this way; /classify parses its two
+itself, on the hot path (see ``_classify_params``)."""
+
+CLASSIFY_PARAMS = ("top_k", "mode")
+_QUERY_DOC: list[dict[str, Any]] = [
+    {
+        "name": "top_k",
+        "in": "query",
+        "required": False,
+        "description": "How many classes to return per image.",
+        "schema": {"type": "integer", "minimum": 1, "maximum": 20, "default": 5, "title": "Top K"},
+    },
+    {
+        "name": "mode",
+        "in": "query",
+        "required": False,
+        "description": "online: answer now; offline: queue and answer 202.",
+        "schema": {"type": "string", "enum": ["online", "offline"], "default": "online", "title": "Mode"},
+    },
+]
+
+
+def _classify_params(request: Request) -> tuple[int, str]:
+    """``top_k`` (1-20, default 5) and ``mode`` (online|offline), with the same 422s FastAPI gives."""
+    query = request.query_params
+    if not query:
+        return 5, "online"
+    unknown = sorted(set(query) - set(CLASSIFY_PARAMS))
+    if unknown:
+        raise InvalidParameters(f"unknown query parameter(s) {unknown}; this route takes: mode, top_k")
+    problems = []
+    top_k, mode = 5, query.get("mode", "online")
+    if "top_k" in query:
+        try:
+            top_k = int(query["top_k"])
+        except ValueError:
+            problems.append("top_k: Input should be a valid integer, unable to parse string as an integer")
+        else:
+            if not 1 <= top_k <= 20:
+                problems.append(
+                    f"top_k: Input should be {'greater' if top_k < 1 else 'less'} than or equal to "
+                    f"{1 if top_k < 1 else 20}"
+                )
+    if mode not in ("online", "offline"):
+        problems.append("mode: Input should be 'online' or 'offline'")
+    if problems:
+        raise InvalidParameters("; ".join(problems))
+    return top_k, mode
+
 
 MAX_FILENAME_BYTES = 255
 """Longest filename accepted in a multipart part (it is echoed in answers, job states and logs)."""
@@ -134,7 +182,7 @@ async def _read_images(request: Request, max_images: int) -> list[ImageInput]:
     "/classify",
     response_model=ClassifyResponse,
     responses={**_ERRORS, 202: {"model": JobsAccepted, "description": "mode=offline: one job per image."}},
-    openapi_extra={"requestBody": _CLASSIFY_BODY},
+    openapi_extra={"requestBody": _CLASSIFY_BODY, "parameters": _QUERY_DOC},
     summary="Classify one or more images",
     description=(
         "Send images as multipart/form-data `file` parts (several are batched together) or as a raw "
@@ -144,13 +192,8 @@ async def _read_images(request: Request, max_images: int) -> list[ImageInput]:
         "is 202 with a job id per image (see GET /jobs/{job_id})."
     ),
 )
-async def classify(
-    request: Request,
-    top_k: Annotated[int, Query(ge=1, le=20, description="How many classes to return per image.")] = 5,
-    mode: Annotated[
-        Literal["online", "offline"], Query(description="online: answer now; offline: queue and answer 202.")
-    ] = "online",
-) -> Any:
+async def classify(request: Request) -> Response:
+    top_k, mode = _classify_params(request)
     gateway = request.app.state.gateway
     limit = gateway.settings.max_concurrent_requests
     if gateway.active_requests >= limit:  # full now: refuse before spending time on the body
@@ -170,17 +213,20 @@ async def classify(
         gateway.active_requests -= 1
 
 
-async def _classify_online(gateway: Any, images: list[ImageInput], top_k: int, deadline: float) -> ClassifyResponse:
+async def _classify_online(gateway: Any, images: list[ImageInput], top_k: int, deadline: float) -> Response:
+    """The answer is built as plain JSON here, in the shape of ``ClassifyResponse`` (which documents
+    it): building and re-validating pydantic models cost more than the rest of the route."""
     classifier: Classifier = gateway.classifier
     results = await classifier.classify(images, k=top_k, deadline=deadline)
-    gateway.metrics.images.labels("online").inc(len(results))
-    return ClassifyResponse(
-        model=ModelInfo(name=classifier.profile.name, version=classifier.profile.version),
-        results=[
-            ImageResult(filename=r.filename, labels=[Label(index=i, label=lab, score=s) for i, lab, s in r.labels])
+    gateway.metrics.images_online.inc(len(results))
+    body = {
+        "model": classifier.model_info,
+        "results": [
+            {"filename": r.filename, "labels": [{"index": i, "label": lab, "score": s} for i, lab, s in r.labels]}
             for r in results
         ],
-    )
+    }
+    return Response(json.dumps(body, separators=(",", ":")), media_type="application/json")
 
 
 async def _classify_offline(request: Request, images: list[ImageInput], top_k: int) -> JSONResponse:
@@ -202,6 +248,7 @@ async def _classify_offline(request: Request, images: list[ImageInput], top_k: i
 
 @router.get(
     "/jobs/{job_id}",
+    dependencies=CHECKED_QUERY,
     response_model=JobStatus,
     responses={404: {"model": ErrorBody, "description": "Unknown job."}},
     summary="State of an offline job: pending, done (with labels) or failed (with the reason)",
@@ -229,13 +276,14 @@ async def job_status(request: Request, job_id: str) -> JobStatus:
     )
 
 
-@router.get("/healthz", summary="Liveness: the process answers")
+@router.get("/healthz", summary="Liveness: the process answers", dependencies=CHECKED_QUERY)
 async def healthz() -> dict[str, str]:
     return {"status": "ok"}
 
 
 @router.get(
     "/readyz",
+    dependencies=CHECKED_QUERY,
     response_model=Readiness,
     responses={503: {"model": Readiness, "description": "Something is not ready; checks say what."}},
     summary="Readiness: the model is loaded and the backend can serve",
@@ -258,7 +306,7 @@ async def readyz(request: Request) -> JSONResponse:
     return JSONResponse(body.model_dump(), status_code=200 if ready else 503)
 
 
-@router.get("/metrics", response_class=PlainTextResponse, summary="Prometheus metrics")
+@router.get("/metrics", response_class=PlainTextResponse, summary="Prometheus metrics", dependencies=CHECKED_QUERY)
 async def metrics(request: Request) -> PlainTextResponse:
     metrics = request.app.state.gateway.metrics
     assert isinstance(metrics, Metrics)

@@ -55,6 +55,7 @@ class Classifier:
         self.executor = executor
         self.metrics = metrics
         self.config = config
+        self.model_info = {"name": profile.name, "version": profile.version}
 
     def _prepare_timed(self, data: bytes) -> np.ndarray:
         start = time.perf_counter()

@@ -78,6 +78,7 @@ def _serve(args: argparse.Namespace) -> int:
         "timeout_graceful_shutdown": int(settings.request_timeout) + 5,
         "limit_concurrency": settings.max_connections,
         "http": http_protocol(settings.header_timeout),
+        "access_log": settings.access_log,
     }
     if settings.workers > 1:
         _prepare_multiprocess(args)

@@ -51,6 +51,7 @@ class Metrics:
             ["mode"],
             registry=r,
         )
+        self.images_online = self.images.labels("online")
         self.postprocess_duration = Histogram(
             "gateway_postprocess_duration_seconds",
             "Top-k selection and response building per request.",

@@ -30,6 +30,9 @@ class Settings(BaseSettings):
     Prometheus multiprocess mode and /metrics sums them over all workers."""
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     """Log level of the gateway's loggers and of uvicorn."""
+    access_log: bool = False
+    """uvicorn's access log, a line per request (off: the request metrics count every request,
+    and a log line per image costs as much as the rest of a cheap request's path)."""
 
     api_keys: SecretStr | None = None
     """Comma-separated API keys; when set (or ``api_keys_file`` is), every route but /healthz and

@@ -88,6 +88,7 @@ def test_gateway_command_serves_a_cat_and_stops_on_sigterm(tmp_path: Path, model
     assert proc.returncode in (0, -signal.SIGTERM), output
     assert "gateway ready" in output
     assert "Application shutdown complete" in output
+    assert "POST /classify" not in output  # no access log by default: metrics count requests
 
 
 def test_several_workers_clear_only_stale_metric_files(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -1,0 +1,180 @@
+"""Per-request cost of the serving path: the gateway (trivial model, every feature on) against the
+minimal FastAPI + OpenCV reference app, on 224 px JPEGs, with wrk (C) as the load generator so the
+client's own CPU does not distort the ratio. Servers are interleaved within each repetition.
+
+    python -m loadtests.serving_path --seconds 10 --repeat 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager, suppress
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
+
+import cv2
+import httpx
+import psutil
+from skimage import data as skdata
+
+from loadtests.http_load import free_port, start_gateway
+
+LUA = """
+wrk.method = "POST"
+wrk.headers["Content-Type"] = "image/jpeg"
+local f = io.open("{path}", "rb")
+wrk.body = f:read("*all")
+f:close()
+"""
+
+
+@dataclass
+class Result:
+    name: str
+    rates: list[float] = field(default_factory=list)
+    server_cpu: list[float] = field(default_factory=list)
+    """Server CPU seconds per 1,000 images."""
+    client_cpu: list[float] = field(default_factory=list)
+    p50_ms: list[float] = field(default_factory=list)
+    errors: int = 0
+
+
+def jpeg_224(folder: Path) -> Path:
+    rgb = cv2.resize(skdata.chelsea(), (224, 224), interpolation=cv2.INTER_AREA)  # type: ignore[no-untyped-call]
+    path = folder / "cat-224.jpg"
+    path.write_bytes(cv2.imencode(".jpg", rgb[:, :, ::-1], [cv2.IMWRITE_JPEG_QUALITY, 90])[1].tobytes())
+    return path
+
+
+@contextmanager
+def reference_server() -> Iterator[tuple[int, str]]:
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "loadtests.reference_app", "--port", str(port)])
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                httpx.get(f"{url}/docs", timeout=1)
+                break
+            except httpx.TransportError:
+                assert time.monotonic() < deadline, "reference app did not start"
+                time.sleep(0.2)
+        yield proc.pid, url
+    finally:
+        proc.terminate()
+        proc.wait()
+
+
+@contextmanager
+def gateway_server(args: list[str], models_dir: Path) -> Iterator[tuple[int, str]]:
+    proc, url = start_gateway(["--model", "trivial", "--backend", "embedded", *args], models_dir)
+    try:
+        yield proc.pid, url
+    finally:
+        proc.terminate()
+        proc.wait()
+
+
+def _cpu(pid: int) -> float:
+    process = psutil.Process(pid)
+    total = sum(process.cpu_times()[:2])
+    for child in process.children(recursive=True):
+        with suppress(psutil.NoSuchProcess):
+            total += sum(child.cpu_times()[:2])
+    return total
+
+
+def _seconds(text: str) -> float:
+    value, unit = re.fullmatch(r"([\d.]+)(us|ms|s|m)", text).groups()  # type: ignore[union-attr]
+    return float(value) * {"us": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0}[unit]
+
+
+def run_wrk(url: str, pid: int, script: Path, seconds: float, connections: int, threads: int, result: Result) -> None:
+    server_before = _cpu(pid)
+    wrk = subprocess.Popen(
+        [
+            "wrk",
+            f"-t{threads}",
+            f"-c{connections}",
+            f"-d{int(seconds)}s",
+            "--latency",
+            "-s",
+            str(script),
+            f"{url}/classify",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    client = psutil.Process(wrk.pid)
+    client_cpu = 0.0
+    while wrk.poll() is None:
+        try:
+            client_cpu = sum(client.cpu_times()[:2])
+        except psutil.NoSuchProcess:
+            break
+        time.sleep(0.2)
+    out = wrk.communicate()[0]
+    server_cpu = _cpu(pid) - server_before
+    requests = int(re.search(r"(\d+) requests in", out).group(1))  # type: ignore[union-attr]
+    rate = float(re.search(r"Requests/sec:\s+([\d.]+)", out).group(1))  # type: ignore[union-attr]
+    bad = re.search(r"Non-2xx or 3xx responses: (\d+)", out)
+    result.errors += int(bad.group(1)) if bad else 0
+    result.rates.append(rate)
+    result.server_cpu.append(1000 * server_cpu / max(requests, 1))
+    result.client_cpu.append(1000 * client_cpu / max(requests, 1))
+    p50 = re.search(r"50%\s+([\d.]+\w+)", out)
+    result.p50_ms.append(1000 * _seconds(p50.group(1)) if p50 else float("nan"))
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--seconds", type=int, default=10)
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--connections", type=int, default=64)
+    parser.add_argument("--threads", type=int, default=1, help="wrk threads")
+    parser.add_argument("--workers", default="1", help="gateway worker counts to measure, e.g. 1,2")
+    parser.add_argument("--models-dir", type=Path, default=Path(tempfile.gettempdir()) / "gateway-bench-models")
+    args = parser.parse_args(argv)
+    with tempfile.TemporaryDirectory() as tmp:
+        script = Path(tmp) / "post.lua"
+        script.write_text(LUA.format(path=jpeg_224(Path(tmp))))
+        servers: dict[str, Callable[[], AbstractContextManager[tuple[int, str]]]] = {
+            "reference (FastAPI + OpenCV)": reference_server
+        }
+        for n in (int(w) for w in args.workers.split(",")):
+            servers[f"gateway, {n} worker{'s' if n > 1 else ''}"] = partial(
+                gateway_server, ["--workers", str(n)], args.models_dir
+            )
+        results = {name: Result(name) for name in servers}
+        for _ in range(args.repeat):
+            for name, start in servers.items():
+                with start() as (pid, url):
+                    run_wrk(url, pid, script, 2, args.connections, args.threads, Result("warm-up"))
+                    run_wrk(url, pid, script, args.seconds, args.connections, args.threads, results[name])
+    reference = statistics.median(next(iter(results.values())).rates)
+    print(
+        f"\n{os.cpu_count()} cores, wrk -t{args.threads} -c{args.connections} -d{args.seconds:g}s, 224 px JPEG, "
+        f"trivial model, medians of {args.repeat} interleaved runs\n"
+    )
+    print("| server | img/s | vs reference | p50 ms | server CPU ms/img | wrk CPU ms/img | non-2xx |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    for r in results.values():
+        rate = statistics.median(r.rates)
+        print(
+            f"| {r.name} | {rate:,.0f} | {rate / reference:.2f} | {statistics.median(r.p50_ms):.1f} "
+            f"| {statistics.median(r.server_cpu):.2f} | {statistics.median(r.client_cpu):.2f} | {r.errors} |"
+        )
+
+
+if __name__ == "__main__":
+    main()
