@@ -63,12 +63,17 @@ def free_port() -> int:
 
 
 def start_gateway(
-    args: list[str], models_dir: Path, timeout: float = 180, env: dict[str, str] | None = None
+    args: list[str],
+    models_dir: Path,
+    timeout: float = 180,
+    env: dict[str, str] | None = None,
+    cwd: Path | None = None,
 ) -> tuple[subprocess.Popen[bytes], str]:
-    """A gateway process (``gateway serve ARGS``) on a free port, returned once /readyz is 200."""
+    """A gateway process (``gateway serve ARGS``) on a free port, returned once /readyz is 200;
+    ``cwd`` runs the ``service`` package of another checkout (a baseline to compare with)."""
     port = free_port()
     env = {**os.environ, "GATEWAY_MODELS_DIR": str(models_dir), "GATEWAY_LOG_LEVEL": "warning", **(env or {})}
-    proc = subprocess.Popen([sys.executable, "-m", "service", "serve", "--port", str(port), *args], env=env)
+    proc = subprocess.Popen([sys.executable, "-m", "service", "serve", "--port", str(port), *args], env=env, cwd=cwd)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

@@ -76,8 +76,8 @@ def reference_server() -> Iterator[tuple[int, str]]:
 
 
 @contextmanager
-def gateway_server(args: list[str], models_dir: Path) -> Iterator[tuple[int, str]]:
-    proc, url = start_gateway(["--model", "trivial", "--backend", "embedded", *args], models_dir)
+def gateway_server(args: list[str], models_dir: Path, cwd: Path | None = None) -> Iterator[tuple[int, str]]:
+    proc, url = start_gateway(["--model", "trivial", "--backend", "embedded", *args], models_dir, cwd=cwd)
     try:
         yield proc.pid, url
     finally:
@@ -143,6 +143,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--connections", type=int, default=64)
     parser.add_argument("--threads", type=int, default=1, help="wrk threads")
     parser.add_argument("--workers", default="1", help="gateway worker counts to measure, e.g. 1,2")
+    parser.add_argument(
+        "--baseline",
+        type=Path,
+        help="another checkout (e.g. a git worktree of main) whose gateway is measured in the same run",
+    )
     parser.add_argument("--models-dir", type=Path, default=Path(tempfile.gettempdir()) / "gateway-bench-models")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
@@ -151,6 +156,10 @@ def main(argv: list[str] | None = None) -> None:
         servers: dict[str, Callable[[], AbstractContextManager[tuple[int, str]]]] = {
             "reference (FastAPI + OpenCV)": reference_server
         }
+        if args.baseline is not None:
+            servers[f"baseline gateway ({args.baseline.name}), 1 worker"] = partial(
+                gateway_server, [], args.models_dir, args.baseline.resolve()
+            )
         for n in (int(w) for w in args.workers.split(",")):
             servers[f"gateway, {n} worker{'s' if n > 1 else ''}"] = partial(
                 gateway_server, ["--workers", str(n)], args.models_dir

@@ -15,7 +15,7 @@ from prometheus_client import CollectorRegistry
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from service import __version__
-from service.api import router
+from service.api import ClassifyFastPath, router
 from service.backends.base import Backend
 from service.classifier import Classifier
 from service.errors import GatewayError, error_response
@@ -107,6 +107,8 @@ def create_app(
             {"error": code, "detail": str(exc.detail)}, status_code=exc.status_code, headers=exc.headers
         )
 
+    classify_route = next(r for r in router.routes if getattr(r, "path", None) == "/classify")
+    app.add_middleware(ClassifyFastPath, route=classify_route, metrics=metrics)
     app.add_middleware(
         BodyLimitMiddleware,
         max_bytes=settings.max_body_bytes,

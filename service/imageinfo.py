@@ -21,6 +21,8 @@ from service.errors import BadImage
 FORMATS = ("jpeg", "png", "gif", "webp", "bmp", "tiff")
 _JPEG_SOF = {0xC0, 0xC1, 0xC2, 0xC3, 0xC5, 0xC6, 0xC7, 0xC9, 0xCA, 0xCB, 0xCD, 0xCE, 0xCF}
 _JPEG_PROGRESSIVE = {0xC2, 0xC6, 0xCA, 0xCE}
+_NO_LENGTH = frozenset({0x01, *range(0xD0, 0xD8)})
+"""JPEG markers without a length field (TEM, RSTn)."""
 _ORIENTATION_TAG = 0x0112
 _TIFF_WIDTH, _TIFF_HEIGHT, _TIFF_BITS, _TIFF_SAMPLES, _TIFF_EXTRA = 256, 257, 258, 277, 338
 _TIFF_PHOTOMETRIC = 262
@@ -129,7 +131,7 @@ def _jpeg(data: bytes) -> ImageInfo:
         segments += 1
         if segments > MAX_SEGMENTS:
             raise BadImage(f"corrupt JPEG: more than {MAX_SEGMENTS} segments before the frame header")
-        if marker in (0x01, *range(0xD0, 0xD8)):  # markers without a length
+        if marker in _NO_LENGTH:
             pos += 2
             continue
         (length,) = struct.unpack_from(">H", window, pos + 2)
