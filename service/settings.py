@@ -144,7 +144,7 @@ class Settings(BaseSettings):
     max_concurrent_requests: int = Field(64, ge=1)
     """/classify requests decoding or waiting for their batch at once; beyond it the answer is 429.
     A request takes its slot once its body has arrived, so slow uploads never hold one. Memory:
-    baseline + max_buffered_body_bytes + preprocess_workers x (max_image_bytes + 16 MB)
+    baseline + max_buffered_body_bytes + preprocess_workers x (max_image_bytes + 24 MB)
     + max_queue_size x 150 KB + open connections x ~0.3 MiB."""
     max_image_bytes: int = Field(300_000_000, ge=1_000_000)
     """Decoder memory one image may take, reckoned from its header before decoding (width x height

@@ -166,7 +166,7 @@ def test_decoding_stays_within_the_bytes_budget(case: decode_memory.Case, tmp_pa
     fresh process) stays within what the header reckons: the budget GATEWAY_MAX_IMAGE_BYTES is
     compared with. Full-resolution float conversions (1.7 GB for a 7000x7000 RGBA PNG) broke this."""
     measured = decode_memory.measure(decode_memory.make(case, tmp_path, scale=0.45))
-    assert measured["peak"] <= measured["estimate"] + 16e6, measured  # + decoder buffers, code pages
+    assert measured["peak"] <= measured["estimate"] + 24e6, measured  # + decoder working buffers (WebP: ~12 MB)
 
 
 def test_an_rgba_png_over_the_budget_is_refused_before_decoding() -> None:
