@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 from typing import Any
 
 from fastapi import APIRouter, Depends, Request
@@ -57,6 +58,7 @@ CHECKED_QUERY = [Depends(reject_unknown_query)]
 itself, on the hot path (see ``_classify_params``)."""
 
 CLASSIFY_PARAMS = ("top_k", "mode")
+_INTEGER = re.compile(r"[+-]?[0-9]+")
 _QUERY_DOC: list[dict[str, Any]] = [
     {
         "name": "top_k",
@@ -86,11 +88,11 @@ def _classify_params(request: Request) -> tuple[int, str]:
     problems = []
     top_k, mode = 5, query.get("mode", "online")
     if "top_k" in query:
-        try:
-            top_k = int(query["top_k"])
-        except ValueError:
+        raw = query["top_k"].strip()
+        if not _INTEGER.fullmatch(raw):  # not int(): it takes "1_0" and non-ASCII digits
             problems.append("top_k: Input should be a valid integer, unable to parse string as an integer")
         else:
+            top_k = int(raw)
             if not 1 <= top_k <= 20:
                 problems.append(
                     f"top_k: Input should be {'greater' if top_k < 1 else 'less'} than or equal to "

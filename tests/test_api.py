@@ -100,7 +100,7 @@ async def test_bad_input_gets_a_clear_error(
             assert "text field" in response.json()["detail"]
 
 
-@pytest.mark.parametrize("top_k", ["0", "21", "five"])
+@pytest.mark.parametrize("top_k", ["0", "21", "five", "1_0", "٣", ""])
 async def test_invalid_top_k_is_422(gateway_factory: MakeSettings, top_k: str) -> None:
     async with running_gateway(gateway_factory(backend="fake"), FakeBackend()) as client:
         response = await client.post(
