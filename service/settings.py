@@ -18,6 +18,14 @@ def _default_models_dir() -> Path:
     return Path(base) / "inference-gateway" / "models"
 
 
+RENAMED = {
+    "GATEWAY_MAX_IMAGE_PIXELS": "GATEWAY_MAX_IMAGE_BYTES (decoder memory per image: an 8-bit RGB PNG takes "
+    "6 bytes per pixel, a JPEG far less)",
+    "GATEWAY_JOBS_CACHE_SIZE": "GATEWAY_JOBS_CACHE_BYTES and GATEWAY_JOBS_TTL",
+}
+"""Settings of earlier versions: still set, they would be ignored without a word."""
+
+
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="GATEWAY_", extra="forbid", use_attribute_docstrings=True)
 
@@ -182,6 +190,10 @@ class Settings(BaseSettings):
     @model_validator(mode="after")
     def _check(self) -> Settings:
         from service.models.profiles import PROFILES
+
+        stale = [f"{old} is replaced by {new}" for old, new in RENAMED.items() if old in os.environ]
+        if stale:
+            raise ValueError("; ".join(stale))
 
         if self.model not in PROFILES:
             raise ValueError(f"unknown model {self.model!r}; known: {', '.join(PROFILES)}")

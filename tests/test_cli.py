@@ -106,3 +106,10 @@ def test_several_workers_clear_only_stale_metric_files(tmp_path: Path, monkeypat
     _prepare_multiprocess(build_parser().parse_args(["serve", "--workers", "2"]))
     assert sorted(p.name for p in folder.iterdir()) == ["notes.txt"]
     assert os.environ["PROMETHEUS_MULTIPROC_DIR"] == str(folder)
+
+
+def test_settings_of_earlier_versions_are_refused_by_name(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A deployment still setting GATEWAY_MAX_IMAGE_PIXELS is told what replaced it, not ignored."""
+    monkeypatch.setenv("GATEWAY_MAX_IMAGE_PIXELS", "50000000")
+    with pytest.raises(ValueError, match="GATEWAY_MAX_IMAGE_PIXELS is replaced by GATEWAY_MAX_IMAGE_BYTES"):
+        Settings()
