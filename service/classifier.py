@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from concurrent.futures import Executor
 from dataclasses import dataclass
 
 import numpy as np
@@ -17,7 +18,6 @@ from service.imageinfo import probe
 from service.metrics import Metrics
 from service.models.profiles import ModelProfile, top_k
 from service.preprocess import PreprocessConfig, check_limits, prepare
-from service.threadpool import ThreadPool
 
 
 @dataclass(frozen=True)
@@ -46,13 +46,13 @@ class Classifier:
         self,
         profile: ModelProfile,
         batcher: DynamicBatcher,
-        pool: ThreadPool,
+        executor: Executor,
         metrics: Metrics,
         config: PreprocessConfig,
     ) -> None:
         self.profile = profile
         self.batcher = batcher
-        self.pool = pool
+        self.executor = executor
         self.metrics = metrics
         self.config = config
         self.model_info = {"name": profile.name, "version": profile.version}
@@ -68,10 +68,12 @@ class Classifier:
         """Decode every image in the pool; if any is bad, raise its error naming which image.
 
         A request whose images are not all valid is refused whole, before anything is queued."""
+        loop = asyncio.get_running_loop()
         if len(images) == 1:  # no gather: a lone image needs no name either
-            return [await self.pool.submit(self._prepare_timed, images[0].data)]
+            return [await loop.run_in_executor(self.executor, self._prepare_timed, images[0].data)]
         outcomes = await asyncio.gather(
-            *(self.pool.submit(self._prepare_timed, image.data) for image in images), return_exceptions=True
+            *(loop.run_in_executor(self.executor, self._prepare_timed, image.data) for image in images),
+            return_exceptions=True,
         )
         arrays: list[np.ndarray] = []
         for i, outcome in enumerate(outcomes):
@@ -92,7 +94,7 @@ class Classifier:
 
         In the thread pool, like decoding: even a bounded header walk is CPU the event loop must not
         spend."""
-        await self.pool.submit(self._check, images)
+        await asyncio.get_running_loop().run_in_executor(self.executor, self._check, images)
 
     async def classify(self, images: list[ImageInput], *, k: int, deadline: float | None) -> list[Classification]:
         try:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 
 from service.backends.base import Backend
 from service.metrics import Metrics
@@ -26,9 +25,6 @@ class BackendHealth:
         self.interval = interval
         self.problem: str | None = "not checked yet"
         """None when the backend was ready at the last check, otherwise why not."""
-        self.checked_at = 0.0
-        """``time.monotonic()`` of the last check."""
-        self.checks = 0
 
     async def refresh(self) -> str | None:
         try:
@@ -38,8 +34,7 @@ class BackendHealth:
             problem = f"readiness check failed: {type(exc).__name__}: {exc}"
         if problem != self.problem:
             logger.info("backend %s: %s", self.backend.name, problem or "ready")
-        self.problem, self.checked_at = problem, time.monotonic()
-        self.checks += 1
+        self.problem = problem
         self.metrics.backend_ready.labels(self.backend.name).set(0 if problem else 1)
         return problem
 

@@ -117,8 +117,23 @@ def _jpeg_samples(sof: bytes, width: int, height: int) -> int:
     return total
 
 
+def _jpeg_scans(data: bytes, sos: int, progressive: bool, components: int, scan_components: int) -> int:
+    """How many scans the decoder will run. Progressive files are counted: every scan starts with an
+    SOS marker, and in entropy-coded data 0xFF is always followed by 0x00 or a restart marker, so the
+    pair counts scans (in C; only progressive files pay for it). A sequential file puts each
+    component in exactly one scan, so its first scan says it all: all components at once, one scan."""
+    if not progressive:
+        return 1 if scan_components >= components else components
+    scans = data.count(b"\xff\xda", sos)
+    if scans > MAX_SCANS:
+        raise BadImage(f"JPEG has {scans} scans; at most {MAX_SCANS} are accepted")
+    return max(scans, 2)  # a progressive decode always buffers the coefficients
+
+
 def _jpeg(data: bytes) -> ImageInfo:
     pos, orientation, segments = 2, 1, 0
+    frame: tuple[int, bytes] | None = None
+    """(SOF marker, its segment), once seen."""
     window = data[:HEADER_WINDOW]
     n = len(window)
     while pos + 4 <= n:
@@ -130,7 +145,7 @@ def _jpeg(data: bytes) -> ImageInfo:
         marker = window[pos + 1]
         segments += 1
         if segments > MAX_SEGMENTS:
-            raise BadImage(f"corrupt JPEG: more than {MAX_SEGMENTS} segments before the frame header")
+            raise BadImage(f"corrupt JPEG: more than {MAX_SEGMENTS} segments before the first scan")
         if marker in _NO_LENGTH:
             pos += 2
             continue
@@ -140,35 +155,39 @@ def _jpeg(data: bytes) -> ImageInfo:
         segment = window[pos + 4 : pos + 2 + length]
         if marker == 0xE1 and segment.startswith(b"Exif\x00\x00"):
             orientation = _tiff_tags(segment[6:], {_ORIENTATION_TAG}).get(_ORIENTATION_TAG, 1)
-        elif marker in _JPEG_SOF and len(segment) >= 6:
-            bits = segment[0]
-            height, width = struct.unpack_from(">HH", segment, 1)
-            components = segment[5]
-            samples = _jpeg_samples(segment, width, height)
-            # Every scan starts with an SOS marker; in entropy-coded data 0xFF is always followed by
-            # 0x00 or a restart marker, so counting the pair (in C, over the whole file) counts scans.
-            scans = data.count(b"\xff\xda", pos)
-            if scans > MAX_SCANS:
-                raise BadImage(f"JPEG has {scans} scans; at most {MAX_SCANS} are accepted")
-            if marker in _JPEG_PROGRESSIVE:
-                scans = max(scans, 2)  # a progressive decode always buffers the coefficients
-            return ImageInfo(
-                "jpeg",
-                width,
-                height,
-                orientation if 1 <= orientation <= 8 else 1,
-                channels=max(1, components),
-                bits=16 if bits > 8 else 8,
-                grey=components == 1,
-                scans=max(scans, 1),
-                samples=samples,
-            )
+        elif marker in _JPEG_SOF and len(segment) >= 6 and frame is None:
+            frame = (marker, segment)
         elif marker == 0xDA:
-            break
+            if frame is None:
+                break
+            return _jpeg_info(frame, orientation, data, pos, segment[0] if segment else 0)
         pos += 2 + length
+    if frame is not None:  # no scan within the window (or truncated): assume the costly case
+        return _jpeg_info(frame, orientation, data, None, 0)
     if n == HEADER_WINDOW and pos + 4 > n:
         raise BadImage(f"JPEG frame header not within the first {HEADER_WINDOW} bytes")
     raise BadImage("corrupt JPEG: no frame header found")
+
+
+def _jpeg_info(
+    frame: tuple[int, bytes], orientation: int, data: bytes, sos: int | None, scan_components: int
+) -> ImageInfo:
+    marker, segment = frame
+    height, width = struct.unpack_from(">HH", segment, 1)
+    components = segment[5]
+    progressive = marker in _JPEG_PROGRESSIVE
+    scans = 2 if sos is None else _jpeg_scans(data, sos, progressive, components, scan_components)
+    return ImageInfo(
+        "jpeg",
+        width,
+        height,
+        orientation if 1 <= orientation <= 8 else 1,
+        channels=max(1, components),
+        bits=16 if segment[0] > 8 else 8,
+        grey=components == 1,
+        scans=scans,
+        samples=_jpeg_samples(segment, width, height),
+    )
 
 
 def _png(data: bytes) -> ImageInfo:

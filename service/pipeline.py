@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
@@ -26,7 +27,6 @@ from service.models.profiles import ModelProfile, get_profile
 from service.models.store import ensure_model
 from service.preprocess import PreprocessConfig
 from service.settings import Settings
-from service.threadpool import ThreadPool
 
 logger = logging.getLogger(__name__)
 
@@ -88,7 +88,7 @@ async def open_pipeline(
         on_batch=metrics.observe_batch,
     )
     metrics.bind_batcher(batcher, chosen.name)
-    pool = ThreadPool(settings.preprocess_workers, "preprocess")
+    pool = ThreadPoolExecutor(max_workers=settings.preprocess_workers, thread_name_prefix="preprocess")
     config = PreprocessConfig(profile.image_size, profile.crop_fraction, settings.max_image_bytes)
     batcher.start()
     gpu = start_gpu_sampler(metrics.registry)
@@ -109,7 +109,7 @@ async def open_pipeline(
             gpu.stop()
         await batcher.aclose(drain_timeout=settings.request_timeout)
         await chosen.aclose()
-        pool.shutdown()
+        pool.shutdown(wait=True, cancel_futures=True)
 
 
 async def _sample(metrics: Metrics) -> None:

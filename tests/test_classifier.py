@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -15,7 +16,6 @@ from service.imageinfo import ImageInfo, probe
 from service.metrics import Metrics
 from service.models.profiles import get_profile
 from service.preprocess import PreprocessConfig
-from service.threadpool import ThreadPool
 
 
 async def test_offline_validation_runs_in_the_thread_pool(monkeypatch: pytest.MonkeyPatch, cat_jpeg: bytes) -> None:
@@ -28,7 +28,7 @@ async def test_offline_validation_runs_in_the_thread_pool(monkeypatch: pytest.Mo
         return probe(data)
 
     monkeypatch.setattr(classifier_module, "probe", recording_probe)
-    pool = ThreadPool(1, "preprocess")
+    pool = ThreadPoolExecutor(1, thread_name_prefix="preprocess")
     batcher = DynamicBatcher(
         lambda batch, timeout=None: asyncio.sleep(0),
         max_batch_size=1,

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -13,7 +14,6 @@ import onnxruntime as ort
 
 from service.errors import BackendError, BackendUnavailable
 from service.models.graph import INPUT_NAME, OUTPUT_NAME
-from service.threadpool import ThreadPool
 
 logger = logging.getLogger(__name__)
 
@@ -24,7 +24,7 @@ class EmbeddedBackend:
     def __init__(self, model_path: Path, *, intra_op_threads: int = 0, max_concurrency: int = 1) -> None:
         self._model_path = model_path
         self._intra_op_threads = intra_op_threads
-        self._pool = ThreadPool(max_concurrency, "onnxruntime")
+        self._executor = ThreadPoolExecutor(max_workers=max_concurrency, thread_name_prefix="onnxruntime")
         self._session: ort.InferenceSession | None = None
         self._load_error: str | None = None
 
@@ -36,8 +36,9 @@ class EmbeddedBackend:
         return ort.InferenceSession(str(self._model_path), options, providers=["CPUExecutionProvider"])
 
     async def start(self) -> None:
+        loop = asyncio.get_running_loop()
         try:
-            self._session = await self._pool.submit(self._load)
+            self._session = await loop.run_in_executor(self._executor, self._load)
         except Exception as exc:  # a broken model file keeps the process up but not ready
             self._load_error = f"model {self._model_path} failed to load: {exc}"
             logger.exception("embedded backend: could not load %s", self._model_path)
@@ -52,8 +53,9 @@ class EmbeddedBackend:
     async def infer(self, batch: np.ndarray, *, timeout: float | None = None) -> np.ndarray:
         if self._session is None:
             raise BackendUnavailable(self._load_error or "embedded model is not loaded")
+        loop = asyncio.get_running_loop()
         try:
-            return await self._pool.submit(self._run, batch)
+            return await loop.run_in_executor(self._executor, self._run, batch)
         except (ort.capi.onnxruntime_pybind11_state.Fail, ort.capi.onnxruntime_pybind11_state.InvalidArgument) as exc:
             raise BackendError(f"ONNX Runtime failed: {exc}") from exc
 
@@ -63,5 +65,5 @@ class EmbeddedBackend:
         return None
 
     async def aclose(self) -> None:
-        await asyncio.to_thread(self._pool.shutdown)
+        self._executor.shutdown(wait=True, cancel_futures=True)
         self._session = None

@@ -164,18 +164,19 @@ class Worker:
         await self._dead_letter(message, error)
         self.metrics.queue_messages.labels("acked").inc()
 
-    async def _retry(self, message: AbstractIncomingMessage, retries: int, top_k: int, filename: str | None) -> None:
+    async def _republish(self, message: AbstractIncomingMessage, top_k: int, *, retries: int, requeues: int) -> None:
+        """Put a copy of the job at the tail of the queue (the input is then acked)."""
         again = request_message(
             message.body,
             job_id=message.message_id or new_job_id(),
             content_type=message.content_type or "application/octet-stream",
-            filename=filename,
+            filename=_filename(message.headers or {}),
             top_k=top_k,
             reply_to=message.reply_to or DEFAULT_REPLY_TO,
-            retries=retries + 1,
+            retries=retries,
+            requeues=requeues,
         )
         await self._publish("requests", again, REQUEST_KEY)
-        self.metrics.queue_messages.labels("retried").inc()
 
     async def _requeue_later(self, message: AbstractIncomingMessage, error: GatewayError, top_k: int) -> None:
         """Overload or an outage is not the message's fault: wait (backing off with each requeue),
@@ -189,17 +190,7 @@ class Worker:
         )
         if not self.closing:
             await asyncio.sleep(pause)
-        again = request_message(
-            message.body,
-            job_id=message.message_id or new_job_id(),
-            content_type=message.content_type or "application/octet-stream",
-            filename=_filename(headers),
-            top_k=top_k,
-            reply_to=message.reply_to or DEFAULT_REPLY_TO,
-            retries=_int_header(headers, RETRIES_HEADER),
-            requeues=requeues + 1,
-        )
-        await self._publish("requests", again, REQUEST_KEY)
+        await self._republish(message, top_k, retries=_int_header(headers, RETRIES_HEADER), requeues=requeues + 1)
         self.metrics.queue_messages.labels("requeued").inc()
 
     async def _handle(self, message: AbstractIncomingMessage) -> None:
@@ -272,7 +263,10 @@ class Worker:
         except GatewayError as exc:
             if retries < self.settings.max_retries:
                 logger.warning("worker: job %s failed (%s), retry %d", job_id, exc.detail, retries + 1)
-                await self._retry(message, retries, top_k, filename)
+                await self._republish(
+                    message, top_k, retries=retries + 1, requeues=_int_header(headers, REQUEUES_HEADER)
+                )
+                self.metrics.queue_messages.labels("retried").inc()
             else:
                 await self._fail(message, base, exc, reply_to)
 
