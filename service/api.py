@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import re
 from typing import Any
 
@@ -12,6 +11,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.datastructures import UploadFile
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 from starlette.routing import BaseRoute
 from starlette.types import ASGIApp, Receive, Scope, Send
 
@@ -23,9 +23,11 @@ from service.errors import (
     InvalidParameters,
     NotFound,
     QueueFull,
+    RequestTimeout,
     UnsupportedMediaType,
     error_response,
 )
+from service.http_protocol import TIMED_OUT
 from service.jobs.client import OfflineImage, PendingJob
 from service.metrics import Metrics
 from service.middleware import AUTHENTICATED
@@ -226,19 +228,10 @@ async def handle_classify(request: Request) -> Response:
 
 
 async def _classify_online(gateway: Any, images: list[ImageInput], top_k: int, deadline: float) -> Response:
-    """The answer is built as plain JSON here, in the shape of ``ClassifyResponse`` (which documents
-    it): building and re-validating pydantic models cost more than the rest of the route."""
     classifier: Classifier = gateway.classifier
     results = await classifier.classify(images, k=top_k, deadline=deadline)
     gateway.metrics.images_online.inc(len(results))
-    body = {
-        "model": classifier.model_info,
-        "results": [
-            {"filename": r.filename, "labels": [{"index": i, "label": lab, "score": s} for i, lab, s in r.labels]}
-            for r in results
-        ],
-    }
-    return Response(json.dumps(body, separators=(",", ":")), media_type="application/json")
+    return Response(classifier.answer_json(results), media_type="application/json")
 
 
 async def _classify_offline(request: Request, images: list[ImageInput], top_k: int) -> JSONResponse:
@@ -344,7 +337,16 @@ class ClassifyFastPath:
         request = Request(scope, receive)
         try:
             response = await handle_classify(request)
+        except ClientDisconnect:
+            timed_out = scope.get(TIMED_OUT)
+            if timed_out is None:
+                return  # the client left: nobody to answer
+            # The protocol has answered 408 and closed; this (dropped) answer tells the metrics.
+            response = self._refusal(RequestTimeout(timed_out))
         except GatewayError as exc:
-            self.metrics.rejections.labels(exc.error).inc()
-            response = error_response(exc)
+            response = self._refusal(exc)
         await response(scope, receive, send)
+
+    def _refusal(self, exc: GatewayError) -> Response:
+        self.metrics.rejections.labels(exc.error).inc()
+        return error_response(exc)

@@ -113,7 +113,6 @@ def create_app(
         BodyLimitMiddleware,
         max_bytes=settings.max_body_bytes,
         max_buffered_bytes=settings.max_buffered_body_bytes_effective,
-        timeout=settings.body_timeout,
         metrics=metrics,
     )
     open_paths = OPEN_PATHS | ({"/metrics"} if settings.metrics_public else set())

@@ -42,6 +42,12 @@ class _Item:
     enqueued: float
 
 
+def _expire(items: list[_Item]) -> None:
+    for item in items:
+        if not item.future.done():
+            item.future.set_exception(DeadlineExceeded("the request deadline passed before inference finished"))
+
+
 @dataclass(frozen=True)
 class BatchReport:
     """What happened to one batch, for metrics."""
@@ -75,6 +81,9 @@ class DynamicBatcher:
         self._on_batch = on_batch
         self._queue: deque[_Item] = deque()
         self._wake = asyncio.Event()
+        self._wanted = 1
+        """Queued images at which ``submit`` wakes the batcher: 1 when it waits for work, a full
+        batch while it fills one."""
         self._idle = asyncio.Event()
         self._idle.set()
         self._slots = asyncio.Semaphore(max_inflight_batches)
@@ -110,13 +119,17 @@ class DynamicBatcher:
         items = [_Item(img, loop.create_future(), deadline, now) for img in images]
         self._queue.extend(items)
         self._idle.clear()
-        self._wake.set()
+        if len(self._queue) >= self._wanted:
+            self._wake.set()
+        # One timer per request (not an asyncio.timeout: this is the serving path's hottest code)
+        expiry = None if deadline is None else loop.call_at(deadline, _expire, items)
         try:
-            async with asyncio.timeout_at(deadline):
-                return list(await asyncio.gather(*(item.future for item in items)))
-        except TimeoutError:
-            raise DeadlineExceeded("the request deadline passed before inference finished") from None
+            if len(items) == 1:
+                return [await items[0].future]
+            return list(await asyncio.gather(*(item.future for item in items)))
         finally:
+            if expiry is not None:
+                expiry.cancel()
             self._forget(items)
 
     def _forget(self, items: list[_Item]) -> None:
@@ -155,20 +168,25 @@ class DynamicBatcher:
             task.add_done_callback(self._tasks.discard)
 
     async def _fill(self, loop: asyncio.AbstractEventLoop) -> None:
-        """While the backend is busy, wait for a full batch or until the oldest image's delay is up."""
+        """While the backend is busy, wait for a full batch or until the oldest image's delay is up.
+
+        Woken once per batch, not per request: ``submit`` sets the event only when the queue reaches
+        ``_wanted`` images, a finished batch sets it (the backend may be idle now), and one timer
+        sets it when the delay is up."""
         if not self._queue:
             return
         flush_at = self._queue[0].enqueued + self.max_delay
-        while True:
-            self._wake.clear()
-            remaining = flush_at - loop.time()
-            if self._inflight == 0 or len(self._queue) >= self.max_batch_size or remaining <= 0:
-                return
-            try:
-                async with asyncio.timeout(remaining):
-                    await self._wake.wait()
-            except TimeoutError:
-                return
+        if self._inflight == 0 or len(self._queue) >= self.max_batch_size or flush_at <= loop.time():
+            return
+        self._wanted = self.max_batch_size
+        timer = loop.call_at(flush_at, self._wake.set)
+        try:
+            while self._inflight and len(self._queue) < self.max_batch_size and loop.time() < flush_at:
+                self._wake.clear()
+                await self._wake.wait()
+        finally:
+            timer.cancel()
+            self._wanted = 1
 
     def _take(self, now: float) -> list[_Item]:
         batch: list[_Item] = []

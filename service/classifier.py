@@ -6,6 +6,7 @@ Shared by the HTTP API and (later) the offline queue worker.
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from concurrent.futures import Executor
 from dataclasses import dataclass
@@ -56,6 +57,8 @@ class Classifier:
         self.metrics = metrics
         self.config = config
         self.model_info = {"name": profile.name, "version": profile.version}
+        self._model_json = json.dumps(self.model_info, separators=(",", ":"))
+        self._labels_json = [json.dumps(label) for label in profile.labels]
 
     def _prepare_timed(self, data: bytes) -> np.ndarray:
         start = time.perf_counter()
@@ -111,3 +114,15 @@ class Classifier:
         ]
         self.metrics.postprocess_duration.observe(time.perf_counter() - started)
         return out
+
+    def answer_json(self, results: list[Classification]) -> bytes:
+        """The online answer, in the shape of ``schemas.ClassifyResponse`` (which documents it), as
+        compact JSON. Written out here with the labels encoded once: building and validating the
+        pydantic models, or ``json.dumps`` of the nested dicts, cost more than the rest of the route.
+        Scores are finite (the batcher fails NaN/inf rows) and ``repr`` is how ``json`` writes floats."""
+        labels = self._labels_json
+        parts = []
+        for result in results:
+            ranked = ",".join(f'{{"index":{i},"label":{labels[i]},"score":{s!r}}}' for i, _, s in result.labels)
+            parts.append(f'{{"filename":{json.dumps(result.filename)},"labels":[{ranked}]}}')
+        return f'{{"model":{self._model_json},"results":[{",".join(parts)}]}}'.encode()

@@ -77,7 +77,7 @@ def _serve(args: argparse.Namespace) -> int:
         "log_level": settings.log_level,
         "timeout_graceful_shutdown": int(settings.request_timeout) + 5,
         "limit_concurrency": settings.max_connections,
-        "http": http_protocol(settings.header_timeout),
+        "http": http_protocol(settings.header_timeout, settings.body_timeout),
         "access_log": settings.access_log,
     }
     if settings.workers > 1:

@@ -2,33 +2,31 @@
 
 from __future__ import annotations
 
-import asyncio
 import hmac
 import time
 
+from prometheus_client import Counter, Histogram
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from service.errors import PayloadTooLarge, QueueFull, RequestTimeout, Unauthorized, error_response
+from service.errors import PayloadTooLarge, QueueFull, Unauthorized, error_response
 from service.metrics import Metrics
 
 
 class BodyLimitMiddleware:
-    """Bound what receiving request bodies may cost, in bytes and in time.
+    """Bound what receiving request bodies may cost in bytes (their time is bounded by the HTTP
+    protocol, ``service.http_protocol``).
 
     * A body over ``max_bytes`` is refused (413): at once from Content-Length, or as soon as a
       streamed (chunked) body passes the limit, so no more than the limit is ever buffered.
     * The bodies of all requests being handled together may hold at most ``max_buffered_bytes``;
       a chunk that would pass it gets 429. Memory is bounded by bytes actually received, so slow
       senders, who hold few, cannot lock out everyone else the way a count of uploads would.
-    * The whole body must arrive within ``timeout`` seconds of the request's headers (408); a
-      client trickling a body holds its connection no longer than that.
     """
 
-    def __init__(self, app: ASGIApp, max_bytes: int, max_buffered_bytes: int, timeout: float, metrics: Metrics) -> None:
+    def __init__(self, app: ASGIApp, max_bytes: int, max_buffered_bytes: int, metrics: Metrics) -> None:
         self.app = app
         self.max_bytes = max_bytes
         self.max_buffered_bytes = max_buffered_bytes
-        self.timeout = timeout
         self.metrics = metrics
         self.buffered = 0
         """Body bytes received by the requests being handled now."""
@@ -51,30 +49,20 @@ class BodyLimitMiddleware:
                 break
         received = 0
         complete = False
-        deadline = asyncio.get_running_loop().time() + self.timeout
 
         async def limited_receive() -> Message:
             nonlocal received, complete
-            if complete:  # after the body, receive() only waits for a disconnect
-                return await receive()
-            try:
-                async with asyncio.timeout_at(deadline):
-                    message = await receive()
-            except TimeoutError:
-                raise RequestTimeout(
-                    f"the request body did not arrive within {self.timeout:g} s ({received} bytes received)"
-                ) from None
-            if message["type"] == "http.request":
-                size = len(message.get("body", b""))
-                received += size
-                self.buffered += size
-                complete = not message.get("more_body", False)
-                if received > self.max_bytes:
-                    raise PayloadTooLarge(f"request body is over the limit of {self.max_bytes} bytes")
-                if self.buffered > self.max_buffered_bytes:
-                    raise QueueFull(
-                        f"request bodies being handled hold over {self.max_buffered_bytes} bytes; retry later"
-                    )
+            message = await receive()
+            if complete or message["type"] != "http.request":
+                return message
+            size = len(message.get("body", b""))
+            received += size
+            self.buffered += size
+            complete = not message.get("more_body", False)
+            if received > self.max_bytes:
+                raise PayloadTooLarge(f"request body is over the limit of {self.max_bytes} bytes")
+            if self.buffered > self.max_buffered_bytes:
+                raise QueueFull(f"request bodies being handled hold over {self.max_buffered_bytes} bytes; retry later")
             return message
 
         try:
@@ -89,6 +77,20 @@ class MetricsMiddleware:
     def __init__(self, app: ASGIApp, metrics: Metrics) -> None:
         self.app = app
         self.metrics = metrics
+        self._series: dict[tuple[str, str, int], tuple[Counter, Histogram]] = {}
+        """Label children by (route, method, status): ``labels()`` costs a lock and a validation."""
+
+    def _record(self, route: str, method: str, status: int, seconds: float) -> None:
+        series = self._series.get((route, method, status))
+        if series is None:
+            series = (
+                self.metrics.http_requests.labels(route, method, str(status)),
+                self.metrics.http_duration.labels(route, f"{status // 100}xx"),
+            )
+            if len(self._series) < 1024:  # methods and statuses are few, but a client chooses them
+                self._series[(route, method, status)] = series
+        series[0].inc()
+        series[1].observe(seconds)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -107,8 +109,7 @@ class MetricsMiddleware:
             await self.app(scope, receive, send_wrapper)
         finally:
             route = getattr(scope.get("route"), "path", None) or "unmatched"
-            self.metrics.http_requests.labels(route, scope["method"], str(status)).inc()
-            self.metrics.http_duration.labels(route, f"{status // 100}xx").observe(time.perf_counter() - start)
+            self._record(route, scope["method"], status, time.perf_counter() - start)
 
 
 OPEN_PATHS = frozenset({"/healthz", "/readyz"})

@@ -122,7 +122,8 @@ async def running_gateway(settings: Settings, backend: Backend | None = None) ->
     sock = _bound_socket()
     port = sock.getsockname()[1]
     app = create_app(settings, backend=backend)
-    config = uvicorn.Config(app, log_level="warning", lifespan="on", http=http_protocol(settings.header_timeout))
+    protocol = http_protocol(settings.header_timeout, settings.body_timeout)
+    config = uvicorn.Config(app, log_level="warning", lifespan="on", http=protocol)
     server = uvicorn.Server(config)
     task = asyncio.create_task(server.serve(sockets=[sock]))
     try:

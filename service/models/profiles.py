@@ -65,7 +65,7 @@ PROFILES: dict[str, ModelProfile] = {
     for p in (
         ModelProfile("efficientnet-lite0", "1", 224, 0.875, 1, _build_efficientnet_lite0),
         ModelProfile("resnet50", "1", 224, 0.875, 1, _build_resnet50),
-        ModelProfile("trivial", "1", 224, 0.875, 1, _build_trivial),
+        ModelProfile("trivial", "1", 224, 0.875, 2, _build_trivial),
     )
 }
 
@@ -78,8 +78,9 @@ def get_profile(name: str) -> ModelProfile:
 
 
 def top_k(scores: np.ndarray, k: int) -> list[tuple[int, float]]:
-    """The k best (class index, score) pairs of one score row, best first."""
+    """The k best (class index, score) pairs of one score row, best first (ties: lower index first)."""
     k = min(k, scores.shape[0])
-    idx = np.argpartition(-scores, k - 1)[:k]
-    idx = idx[np.argsort(-scores[idx], kind="stable")]
-    return [(int(i), float(scores[i])) for i in idx]
+    idx = np.argpartition(scores, scores.shape[0] - k)[-k:]
+    best = scores[idx]
+    order = np.lexsort((idx, -best))
+    return list(zip(idx[order].tolist(), best[order].tolist(), strict=True))
