@@ -21,6 +21,17 @@ from service.preprocess import PreprocessConfig
 from service.schemas import ClassifyResponse
 
 
+def _unused_batcher() -> DynamicBatcher:
+    """A batcher these tests never start (they check decoding and encoding only)."""
+    return DynamicBatcher(
+        lambda batch, timeout=None: asyncio.sleep(0),
+        max_batch_size=1,
+        max_delay=0,
+        max_queue_size=1,
+        max_inflight_batches=1,
+    )
+
+
 async def test_offline_validation_runs_in_the_thread_pool(monkeypatch: pytest.MonkeyPatch, cat_jpeg: bytes) -> None:
     """mode=offline probes headers in the preprocessing pool: a hostile header must never hold the
     event loop (it used to, freezing /healthz for the whole walk)."""
@@ -32,13 +43,7 @@ async def test_offline_validation_runs_in_the_thread_pool(monkeypatch: pytest.Mo
 
     monkeypatch.setattr(classifier_module, "probe", recording_probe)
     pool = ThreadPoolExecutor(1, thread_name_prefix="preprocess")
-    batcher = DynamicBatcher(
-        lambda batch, timeout=None: asyncio.sleep(0),
-        max_batch_size=1,
-        max_delay=0,
-        max_queue_size=1,
-        max_inflight_batches=1,
-    )
+    batcher = _unused_batcher()
     classifier = Classifier(get_profile("trivial"), batcher, pool, Metrics(), PreprocessConfig())
     try:
         await classifier.validate([ImageInput(cat_jpeg), ImageInput(cat_jpeg)])
@@ -56,13 +61,7 @@ def test_the_online_answer_is_the_documented_json(filename: str | None) -> None:
     """The answer written by hand (for speed) is exactly what the documented response model, or
     ``json.dumps`` of the same values, would give: quoting, escapes and float digits included."""
     profile = get_profile("resnet50")  # real ImageNet labels, some with quotes and commas
-    batcher = DynamicBatcher(
-        lambda batch, timeout=None: asyncio.sleep(0),
-        max_batch_size=1,
-        max_delay=0,
-        max_queue_size=1,
-        max_inflight_batches=1,
-    )
+    batcher = _unused_batcher()
     classifier = Classifier(profile, batcher, ThreadPoolExecutor(1), Metrics(), PreprocessConfig())
     rng = np.random.default_rng(3)
     results = []
