@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import re
 from typing import Any
 
@@ -54,6 +55,7 @@ async def reject_unknown_query(request: Request) -> None:
         raise InvalidParameters(f"unknown query parameter(s) {unknown}; this route takes: {expected}")
 
 
+logger = logging.getLogger(__name__)
 router = APIRouter()
 CHECKED_QUERY = [Depends(reject_unknown_query)]
 """Routes with FastAPI-parsed parameters check for unknown ones this way; /classify parses its two
@@ -345,6 +347,9 @@ class ClassifyFastPath:
             response = self._refusal(RequestTimeout(timed_out))
         except GatewayError as exc:
             response = self._refusal(exc)
+        except Exception:  # outside FastAPI's error layer: answer 500 in the gateway's shape
+            logger.exception("POST /classify failed")
+            response = self._refusal(GatewayError("the gateway failed on this request; see its log"))
         await response(scope, receive, send)
 
     def _refusal(self, exc: GatewayError) -> Response:

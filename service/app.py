@@ -3,8 +3,9 @@ and closes them in order."""
 
 from __future__ import annotations
 
+import gc
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
@@ -13,6 +14,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from prometheus_client import CollectorRegistry
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp
 
 from service import __version__
 from service.api import ClassifyFastPath, router
@@ -45,6 +47,18 @@ class Gateway:
     """/classify requests being handled now (admission control)."""
 
 
+class GatewayApp(FastAPI):
+    """FastAPI with the gateway's own layers (metrics, keys, body bounds, the /classify fast path)
+    outermost, around the framework's whole stack rather than inside it: /classify then skips
+    FastAPI's error, telemetry and body-limit layers, which it does not need (``ClassifyFastPath``
+    answers every error itself)."""
+
+    edge: Callable[[ASGIApp], ASGIApp] = staticmethod(lambda inner: inner)
+
+    def build_middleware_stack(self) -> ASGIApp:
+        return self.edge(super().build_middleware_stack())
+
+
 def _validation_detail(exc: RequestValidationError) -> str:
     parts = []
     for err in exc.errors():
@@ -72,6 +86,9 @@ def create_app(
                 jobs.start()  # in the background: online mode must not wait for the broker
             gateway = Gateway(settings, pipeline.backend, pipeline.classifier, metrics, pipeline.health, jobs)
             app.state.gateway = gateway
+            # What exists now (modules, the model, the label tables) lives as long as the process:
+            # keep it out of the collector's full passes, which otherwise rescan it under load.
+            gc.freeze()
             logger.info(
                 "gateway ready: model %s v%s on the %s backend", profile.name, profile.version, pipeline.backend.name
             )
@@ -82,7 +99,7 @@ def create_app(
                 if jobs is not None:
                     await jobs.aclose()
 
-    app = FastAPI(
+    app = GatewayApp(
         title="Inference gateway",
         version=__version__,
         description="Image classification with dynamic batching in front of an inference backend.",
@@ -108,16 +125,20 @@ def create_app(
         )
 
     classify_route = next(r for r in router.routes if getattr(r, "path", None) == "/classify")
-    app.add_middleware(ClassifyFastPath, route=classify_route, metrics=metrics)
-    app.add_middleware(
-        BodyLimitMiddleware,
-        max_bytes=settings.max_body_bytes,
-        max_buffered_bytes=settings.max_buffered_body_bytes_effective,
-        metrics=metrics,
-    )
     open_paths = OPEN_PATHS | ({"/metrics"} if settings.metrics_public else set())
-    app.add_middleware(ApiKeyMiddleware, keys=settings.load_api_keys(), open_paths=open_paths, metrics=metrics)
-    app.add_middleware(MetricsMiddleware, metrics=metrics)
+
+    def edge(inner: ASGIApp) -> ASGIApp:
+        app: ASGIApp = ClassifyFastPath(inner, route=classify_route, metrics=metrics)
+        app = BodyLimitMiddleware(
+            app,
+            max_bytes=settings.max_body_bytes,
+            max_buffered_bytes=settings.max_buffered_body_bytes_effective,
+            metrics=metrics,
+        )
+        app = ApiKeyMiddleware(app, keys=settings.load_api_keys(), open_paths=open_paths, metrics=metrics)
+        return MetricsMiddleware(app, metrics=metrics)
+
+    app.edge = edge
     return app
 
 

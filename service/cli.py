@@ -79,6 +79,9 @@ def _serve(args: argparse.Namespace) -> int:
         "limit_concurrency": settings.max_connections,
         "http": http_protocol(settings.header_timeout, settings.body_timeout),
         "access_log": settings.access_log,
+        # X-Forwarded-For is read only to log the client behind a proxy: without the access log,
+        # nothing reads the client address, and the header walk is a layer on every request.
+        "proxy_headers": settings.access_log,
     }
     if settings.workers > 1:
         _prepare_multiprocess(args)
