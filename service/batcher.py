@@ -20,8 +20,10 @@ import asyncio
 import logging
 from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
+from concurrent.futures import Executor
+from contextlib import suppress
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -40,6 +42,15 @@ class _Item:
     future: asyncio.Future[np.ndarray]
     deadline: float | None
     enqueued: float
+
+
+_NO_IMAGE = np.empty(0, np.uint8)
+"""An item's image until it is prepared."""
+
+
+def _fail(item: _Item, exc: Exception) -> None:
+    if not item.future.done():
+        item.future.set_exception(exc)
 
 
 def _expire(items: list[_Item]) -> None:
@@ -104,12 +115,69 @@ class DynamicBatcher:
         if self._loop_task is None:
             self._loop_task = asyncio.create_task(self._run(), name="batcher")
 
+    def _check_open(self) -> None:
+        if self._closing or self._loop_task is None:
+            raise BackendUnavailable("the gateway is shutting down" if self._closing else "batcher not started")
+
+    async def submit_prepared(
+        self, prepare: Callable[[], np.ndarray], executor: Executor, *, deadline: float | None = None
+    ) -> np.ndarray:
+        """Run ``prepare`` (decoding one image) in ``executor`` and queue its image from there, as a
+        request of one image; return its score row. ``prepare``'s error is the request's error.
+
+        The caller's task wakes once, for the result, where ``run_in_executor`` then ``submit``
+        would wake it for the image too: on the serving path that wake-up and its futures cost more
+        than the batching itself. The deadline covers both stages."""
+        self._check_open()
+        loop = asyncio.get_running_loop()
+        item = _Item(_NO_IMAGE, loop.create_future(), deadline, 0.0)
+
+        def work() -> None:
+            try:
+                image = prepare()
+            except Exception as exc:
+                outcome: tuple[Callable[..., None], Any] = (_fail, exc)
+            else:
+                outcome = (self._admit, image)
+            with suppress(RuntimeError):  # the loop has closed: nobody waits any more
+                loop.call_soon_threadsafe(outcome[0], item, outcome[1])
+
+        expiry = None if deadline is None else loop.call_at(deadline, _expire, [item])
+        try:
+            try:
+                executor.submit(work)
+            except RuntimeError:  # the pool has shut down
+                raise BackendUnavailable("the gateway is shutting down") from None
+            return await item.future
+        finally:
+            if expiry is not None:
+                expiry.cancel()
+            self._forget([item])
+
+    def _admit(self, item: _Item, image: np.ndarray) -> None:
+        """Queue a prepared image (on the loop), unless its request is over or there is no room."""
+        if item.future.done():
+            return
+        if self._closing:
+            item.future.set_exception(BackendUnavailable("the gateway is shutting down"))
+            return
+        if len(self._queue) >= self.max_queue_size:
+            item.future.set_exception(
+                QueueFull(f"{len(self._queue)} images are queued and the limit is {self.max_queue_size}; retry later")
+            )
+            return
+        item.image = image
+        item.enqueued = item.future.get_loop().time()
+        self._queue.append(item)
+        self._idle.clear()
+        if len(self._queue) >= self._wanted:
+            self._wake.set()
+
     async def submit(self, images: Sequence[np.ndarray], *, deadline: float | None = None) -> list[np.ndarray]:
         """Queue the images as one request and return their score rows in order.
 
         ``deadline`` is on the event loop's clock (``loop.time()``)."""
-        if self._closing or self._loop_task is None:
-            raise BackendUnavailable("the gateway is shutting down" if self._closing else "batcher not started")
+        self._check_open()
         if not images:
             return []
         if len(self._queue) + len(images) > self.max_queue_size:

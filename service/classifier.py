@@ -10,6 +10,7 @@ import json
 import time
 from concurrent.futures import Executor
 from dataclasses import dataclass
+from functools import partial
 
 import numpy as np
 
@@ -100,12 +101,16 @@ class Classifier:
         await asyncio.get_running_loop().run_in_executor(self.executor, self._check, images)
 
     async def classify(self, images: list[ImageInput], *, k: int, deadline: float | None) -> list[Classification]:
-        try:
-            async with asyncio.timeout_at(deadline):
-                arrays = await self.preprocess(images)
-        except TimeoutError:
-            raise DeadlineExceeded("the request deadline passed while decoding its images") from None
-        rows = await self.batcher.submit(arrays, deadline=deadline)
+        if len(images) == 1:  # the common case, decoded and queued from the pool in one step
+            prepare = partial(self._prepare_timed, images[0].data)
+            rows = [await self.batcher.submit_prepared(prepare, self.executor, deadline=deadline)]
+        else:  # all decoded before any is queued: a bad image refuses its request whole
+            try:
+                async with asyncio.timeout_at(deadline):
+                    arrays = await self.preprocess(images)
+            except TimeoutError:
+                raise DeadlineExceeded("the request deadline passed while decoding its images") from None
+            rows = await self.batcher.submit(arrays, deadline=deadline)
         started = time.perf_counter()
         labels = self.profile.labels
         out = [

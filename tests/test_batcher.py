@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
 
 from service.backends.fake import FakeBackend
 from service.batcher import BatchReport, DynamicBatcher
-from service.errors import BackendError, BackendUnavailable, DeadlineExceeded, QueueFull
+from service.errors import BackendError, BackendUnavailable, BadImage, DeadlineExceeded, QueueFull
 from tests.conftest import solid_image
 
 Factory = Callable[..., DynamicBatcher]
@@ -258,3 +260,72 @@ async def test_reports_batches_for_metrics(fake: FakeBackend) -> None:
     assert [r.size for r in reports] == [3]
     assert reports[0].error is None
     assert len(reports[0].queue_waits) == 3
+
+
+async def test_prepared_images_join_batches_with_submitted_ones(make: Factory, fake: FakeBackend) -> None:
+    """``submit_prepared`` decodes in the pool and queues from there: its image shares a batch with
+    other requests', and gets its own row."""
+    batcher = make(max_batch_size=3)
+    first = submit(batcher, 1)
+    await fake.wait_for_batches(1)
+    with ThreadPoolExecutor(1) as pool:
+        prepared = asyncio.create_task(batcher.submit_prepared(lambda: solid_image(2, 8), pool))
+        second = submit(batcher, 3, 4)
+        while batcher.queue_depth < 3:  # noqa: ASYNC110 (the depth has no event to wait on)
+            await asyncio.sleep(0.01)
+        assert fake.gate is not None
+        fake.gate.set()
+        assert classes([await prepared]) == [2]
+    assert classes(await first) == [1]
+    assert classes(await second) == [3, 4]
+    assert fake.batches == [1, 3]
+
+
+async def test_a_prepare_error_fails_its_request_only(make: Factory, fake: FakeBackend) -> None:
+    fake.gate = None
+    batcher = make()
+
+    def broken() -> np.ndarray:
+        raise BadImage("not an image")
+
+    with ThreadPoolExecutor(2) as pool:
+        bad = asyncio.create_task(batcher.submit_prepared(broken, pool))
+        good = asyncio.create_task(batcher.submit_prepared(lambda: solid_image(5, 8), pool))
+        with pytest.raises(BadImage):
+            await bad
+        assert classes([await good]) == [5]
+    assert fake.batches == [1]
+
+
+async def test_the_deadline_covers_preparing(make: Factory, fake: FakeBackend) -> None:
+    """A request whose image is still being decoded at its deadline gets 504 then; the image, once
+    decoded, is not queued."""
+    fake.gate = None
+    batcher = make()
+    release = threading.Event()
+
+    def slow() -> np.ndarray:
+        release.wait(5)
+        return solid_image(6, 8)
+
+    loop = asyncio.get_running_loop()
+    with ThreadPoolExecutor(1) as pool:
+        with pytest.raises(DeadlineExceeded):
+            await batcher.submit_prepared(slow, pool, deadline=loop.time() + 0.05)
+        release.set()
+    await asyncio.sleep(0.05)  # the late image's hand-back has run
+    assert batcher.queue_depth == 0
+    assert fake.batches == []
+
+
+async def test_prepared_images_respect_the_queue_limit(make: Factory, fake: FakeBackend) -> None:
+    batcher = make(max_queue_size=2)
+    running = submit(batcher, 1)
+    await fake.wait_for_batches(1)
+    queued = submit(batcher, 2, 3)
+    with ThreadPoolExecutor(1) as pool, pytest.raises(QueueFull):
+        await batcher.submit_prepared(lambda: solid_image(4, 8), pool)
+    assert fake.gate is not None
+    fake.gate.set()
+    assert classes(await running) == [1]
+    assert classes(await queued) == [2, 3]
