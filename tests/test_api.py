@@ -271,3 +271,32 @@ async def test_filenames_over_255_bytes_are_refused(gateway_factory: MakeSetting
         assert "255 bytes" in refused.json()["detail"]
         fine = await client.post("/classify", files=[("file", ("a" * 251 + ".png", png_of_class(1), "image/png"))])
         assert fine.status_code == 200
+
+
+async def test_an_unexpected_failure_is_a_json_500_and_the_gateway_goes_on(
+    gateway_factory: MakeSettings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """/classify is served outside FastAPI's error layer: a bug in it still answers the gateway's
+    JSON 500 (not uvicorn's plain text), counts it, and the next request is served."""
+    import service.classifier as classifier_module
+
+    real = classifier_module.Classifier.answer_json
+    calls = 0
+
+    def once_broken(self: object, results: list[object]) -> bytes:
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            raise KeyError("a bug")
+        return real(self, results)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(classifier_module.Classifier, "answer_json", once_broken)
+    async with running_gateway(gateway_factory(backend="fake", metrics_public=True), FakeBackend()) as client:
+        broken = await client.post("/classify", content=png_of_class(3), headers={"content-type": "image/png"})
+        assert error_of(broken) == (500, "internal_error")
+        served = await client.post("/classify", content=png_of_class(3), headers={"content-type": "image/png"})
+        assert served.status_code == 200
+        assert served.json()["results"][0]["labels"][0]["index"] == 3
+        metrics = (await client.get("/metrics")).text
+        assert 'gateway_http_requests_total{method="POST",route="/classify",status="500"} 1.0' in metrics
+        assert 'gateway_rejections_total{reason="internal_error"} 1.0' in metrics
