@@ -55,6 +55,8 @@ class TimeoutProtocol(HttpToolsProtocol):
     def on_headers_complete(self) -> None:
         self._disarm()
         super().on_headers_complete()
+        if self.parser.should_upgrade():  # the connection is handed to another protocol
+            return
         self._body_bytes = 0
         self._arm(self.body_timeout, self._body_too_slow)  # disarmed at once by a bodiless message
 
