@@ -23,7 +23,8 @@ from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import Executor
 from contextlib import suppress
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from functools import partial
+from typing import Protocol
 
 import numpy as np
 
@@ -119,6 +120,44 @@ class DynamicBatcher:
         if self._closing or self._loop_task is None:
             raise BackendUnavailable("the gateway is shutting down" if self._closing else "batcher not started")
 
+    def _check_room(self, count: int) -> None:
+        if len(self._queue) + count > self.max_queue_size:
+            raise QueueFull(f"{len(self._queue)} images are queued and the limit is {self.max_queue_size}; retry later")
+
+    def _enqueue(self, items: list[_Item]) -> None:
+        self._queue.extend(items)
+        self._idle.clear()
+        if len(self._queue) >= self._wanted:
+            self._wake.set()
+
+    async def _results(self, items: list[_Item], deadline: float | None) -> list[np.ndarray]:
+        """Wait for the items' rows; at the deadline (one timer per request, not an asyncio
+        timeout: this is the serving path's hottest code) the unfinished ones fail."""
+        loop = asyncio.get_running_loop()
+        expiry = None if deadline is None else loop.call_at(deadline, _expire, items)
+        try:
+            if len(items) == 1:  # the common case: no gathering future
+                return [await items[0].future]
+            return list(await asyncio.gather(*(item.future for item in items)))
+        finally:
+            if expiry is not None:
+                expiry.cancel()
+            self._forget(items)
+
+    async def submit(self, images: Sequence[np.ndarray], *, deadline: float | None = None) -> list[np.ndarray]:
+        """Queue the images as one request and return their score rows in order.
+
+        ``deadline`` is on the event loop's clock (``loop.time()``)."""
+        self._check_open()
+        if not images:
+            return []
+        self._check_room(len(images))
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        items = [_Item(img, loop.create_future(), deadline, now) for img in images]
+        self._enqueue(items)
+        return await self._results(items, deadline)
+
     async def submit_prepared(
         self, prepare: Callable[[], np.ndarray], executor: Executor, *, deadline: float | None = None
     ) -> np.ndarray:
@@ -134,71 +173,32 @@ class DynamicBatcher:
 
         def work() -> None:
             try:
-                image = prepare()
+                done = partial(self._admit, item, prepare())
             except Exception as exc:
-                outcome: tuple[Callable[..., None], Any] = (_fail, exc)
-            else:
-                outcome = (self._admit, image)
+                done = partial(_fail, item, exc)
             with suppress(RuntimeError):  # the loop has closed: nobody waits any more
-                loop.call_soon_threadsafe(outcome[0], item, outcome[1])
+                loop.call_soon_threadsafe(done)
 
-        expiry = None if deadline is None else loop.call_at(deadline, _expire, [item])
         try:
-            try:
-                executor.submit(work)
-            except RuntimeError:  # the pool has shut down
-                raise BackendUnavailable("the gateway is shutting down") from None
-            return await item.future
-        finally:
-            if expiry is not None:
-                expiry.cancel()
-            self._forget([item])
+            executor.submit(work)
+        except RuntimeError:  # the pool has shut down
+            raise BackendUnavailable("the gateway is shutting down") from None
+        (row,) = await self._results([item], deadline)
+        return row
 
     def _admit(self, item: _Item, image: np.ndarray) -> None:
         """Queue a prepared image (on the loop), unless its request is over or there is no room."""
         if item.future.done():
             return
-        if self._closing:
-            item.future.set_exception(BackendUnavailable("the gateway is shutting down"))
-            return
-        if len(self._queue) >= self.max_queue_size:
-            item.future.set_exception(
-                QueueFull(f"{len(self._queue)} images are queued and the limit is {self.max_queue_size}; retry later")
-            )
+        try:
+            self._check_open()
+            self._check_room(1)
+        except GatewayError as exc:
+            item.future.set_exception(exc)
             return
         item.image = image
         item.enqueued = item.future.get_loop().time()
-        self._queue.append(item)
-        self._idle.clear()
-        if len(self._queue) >= self._wanted:
-            self._wake.set()
-
-    async def submit(self, images: Sequence[np.ndarray], *, deadline: float | None = None) -> list[np.ndarray]:
-        """Queue the images as one request and return their score rows in order.
-
-        ``deadline`` is on the event loop's clock (``loop.time()``)."""
-        self._check_open()
-        if not images:
-            return []
-        if len(self._queue) + len(images) > self.max_queue_size:
-            raise QueueFull(f"{len(self._queue)} images are queued and the limit is {self.max_queue_size}; retry later")
-        loop = asyncio.get_running_loop()
-        now = loop.time()
-        items = [_Item(img, loop.create_future(), deadline, now) for img in images]
-        self._queue.extend(items)
-        self._idle.clear()
-        if len(self._queue) >= self._wanted:
-            self._wake.set()
-        # One timer per request (not an asyncio.timeout: this is the serving path's hottest code)
-        expiry = None if deadline is None else loop.call_at(deadline, _expire, items)
-        try:
-            if len(items) == 1:
-                return [await items[0].future]
-            return list(await asyncio.gather(*(item.future for item in items)))
-        finally:
-            if expiry is not None:
-                expiry.cancel()
-            self._forget(items)
+        self._enqueue([item])
 
     def _forget(self, items: list[_Item]) -> None:
         """Drop a finished, failed or cancelled request's items that are still waiting."""

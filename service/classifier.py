@@ -73,8 +73,6 @@ class Classifier:
 
         A request whose images are not all valid is refused whole, before anything is queued."""
         loop = asyncio.get_running_loop()
-        if len(images) == 1:  # no gather: a lone image needs no name either
-            return [await loop.run_in_executor(self.executor, self._prepare_timed, images[0].data)]
         outcomes = await asyncio.gather(
             *(loop.run_in_executor(self.executor, self._prepare_timed, image.data) for image in images),
             return_exceptions=True,
