@@ -34,7 +34,7 @@ logger = logging.getLogger(__name__)
 
 
 class InferFn(Protocol):
-    def __call__(self, batch: np.ndarray, *, timeout: float | None = None) -> Awaitable[np.ndarray]: ...
+    def __call__(self, images: list[np.ndarray], *, timeout: float | None = None) -> Awaitable[np.ndarray]: ...
 
 
 @dataclass(eq=False)
@@ -274,7 +274,8 @@ class DynamicBatcher:
         try:
             deadlines = [item.deadline for item in batch]
             timeout = None if None in deadlines else max(d for d in deadlines if d is not None) - started
-            scores = await self._infer(np.stack([item.image for item in batch]), timeout=timeout)
+            # the images as they are: the backend lays out its input off the loop (``BatchBuffer``)
+            scores = await self._infer([item.image for item in batch], timeout=timeout)
             if len(scores) != len(batch):
                 raise BackendError(f"backend returned {len(scores)} results for a batch of {len(batch)} images")
             finite = np.isfinite(scores).all(axis=tuple(range(1, np.ndim(scores))))

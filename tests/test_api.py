@@ -10,6 +10,7 @@ import httpx
 import numpy as np
 import pytest
 
+from service.backends.base import Images
 from service.backends.fake import FakeBackend
 from service.settings import Settings
 from tests.conftest import (
@@ -232,10 +233,11 @@ async def test_openapi_documents_both_body_forms_and_errors(gateway_factory: Mak
 class NonFinite(FakeBackend):
     """Scores NaN for class-13 images and inf for class-14 ones; others as the fake does."""
 
-    async def infer(self, batch: np.ndarray, *, timeout: float | None = None) -> np.ndarray:
-        scores = await super().infer(batch, timeout=timeout)
-        scores[batch[:, 0, 0, 0] == 13] = np.nan
-        scores[batch[:, 0, 0, 0] == 14, 0] = np.inf
+    async def infer(self, images: Images, *, timeout: float | None = None) -> np.ndarray:
+        scores = await super().infer(images, timeout=timeout)
+        red = np.array([image[0, 0, 0] for image in images])
+        scores[red == 13] = np.nan
+        scores[red == 14, 0] = np.inf
         return scores
 
 

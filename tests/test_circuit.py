@@ -6,6 +6,7 @@ from collections.abc import Callable
 import numpy as np
 import pytest
 
+from service.backends.base import Images
 from service.backends.circuit import CircuitBreaker
 from service.backends.fake import FakeBackend
 from service.errors import BackendError, BackendUnavailable, DeadlineExceeded
@@ -30,11 +31,11 @@ class Flaky(FakeBackend):
         super().__init__()
         self.broken = True
 
-    async def infer(self, batch: np.ndarray, *, timeout: float | None = None) -> np.ndarray:
+    async def infer(self, images: Images, *, timeout: float | None = None) -> np.ndarray:
         if self.broken:
-            self.batches.append(int(batch.shape[0]))
+            self.batches.append(len(images))
             raise BackendError("device lost")
-        return await super().infer(batch, timeout=timeout)
+        return await super().infer(images, timeout=timeout)
 
 
 async def test_opens_after_consecutive_failures_then_half_opens_and_closes() -> None:

@@ -1,5 +1,5 @@
-"""Inference backends: where a batch of uint8 NHWC images becomes a batch of class scores."""
+"""Inference backends: where a batch of uint8 HWC images becomes a batch of class scores."""
 
-from service.backends.base import Backend
+from service.backends.base import Backend, BatchBuffer, Images
 
-__all__ = ["Backend"]
+__all__ = ["Backend", "BatchBuffer", "Images"]

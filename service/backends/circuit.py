@@ -20,7 +20,7 @@ from typing import Literal
 
 import numpy as np
 
-from service.backends.base import Backend
+from service.backends.base import Backend, Images
 from service.errors import BackendUnavailable, DeadlineExceeded, QueueFull
 
 logger = logging.getLogger(__name__)
@@ -79,12 +79,12 @@ class CircuitBreaker:
             f"not sending it work for {max(remaining, 0):.1f} s"
         )
 
-    async def infer(self, batch: np.ndarray, *, timeout: float | None = None) -> np.ndarray:
+    async def infer(self, images: Images, *, timeout: float | None = None) -> np.ndarray:
         self._refuse_if_open()
         trial = self.state == "half_open"
         self._trial_running = trial
         try:
-            scores = await self.inner.infer(batch, timeout=timeout)
+            scores = await self.inner.infer(images, timeout=timeout)
         except (DeadlineExceeded, QueueFull):
             raise
         except Exception as exc:

@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 
+from service.backends.base import BatchBuffer, Images
 from service.errors import BackendError, BackendUnavailable
 from service.models.graph import INPUT_NAME, OUTPUT_NAME
 
@@ -27,6 +28,7 @@ class EmbeddedBackend:
         self._executor = ThreadPoolExecutor(max_workers=max_concurrency, thread_name_prefix="onnxruntime")
         self._session: ort.InferenceSession | None = None
         self._load_error: str | None = None
+        self._buffer = BatchBuffer()
 
     def _load(self) -> ort.InferenceSession:
         options = ort.SessionOptions()
@@ -45,17 +47,18 @@ class EmbeddedBackend:
             return
         logger.info("embedded backend: loaded %s", self._model_path)
 
-    def _run(self, batch: np.ndarray) -> np.ndarray:
+    def _run(self, images: Images) -> np.ndarray:
+        """In the backend's thread: the batch is assembled here, not on the event loop."""
         assert self._session is not None
-        (scores,) = self._session.run([OUTPUT_NAME], {INPUT_NAME: batch})
+        (scores,) = self._session.run([OUTPUT_NAME], {INPUT_NAME: self._buffer.assemble(images)})
         return np.asarray(scores)
 
-    async def infer(self, batch: np.ndarray, *, timeout: float | None = None) -> np.ndarray:
+    async def infer(self, images: Images, *, timeout: float | None = None) -> np.ndarray:
         if self._session is None:
             raise BackendUnavailable(self._load_error or "embedded model is not loaded")
         loop = asyncio.get_running_loop()
         try:
-            return await loop.run_in_executor(self._executor, self._run, batch)
+            return await loop.run_in_executor(self._executor, self._run, images)
         except (ort.capi.onnxruntime_pybind11_state.Fail, ort.capi.onnxruntime_pybind11_state.InvalidArgument) as exc:
             raise BackendError(f"ONNX Runtime failed: {exc}") from exc
 

@@ -11,6 +11,7 @@ import asyncio
 
 import numpy as np
 
+from service.backends.base import Images
 from service.errors import BackendError
 
 
@@ -35,10 +36,10 @@ class FakeBackend:
     async def start(self) -> None:
         self.started = True
 
-    async def infer(self, batch: np.ndarray, *, timeout: float | None = None) -> np.ndarray:
+    async def infer(self, images: Images, *, timeout: float | None = None) -> np.ndarray:
         failure, self.fail_next = self.fail_next, None  # the batch entering now takes the failure
         async with self.entered:
-            self.batches.append(int(batch.shape[0]))
+            self.batches.append(len(images))
             self.entered.notify_all()
         if self.gate is not None:
             await self.gate.wait()
@@ -48,8 +49,8 @@ class FakeBackend:
             raise failure
         if not self.is_ready:
             raise BackendError("fake backend is down")
-        scores = np.zeros((batch.shape[0], self.classes), np.float32)
-        scores[np.arange(batch.shape[0]), batch[:, 0, 0, 0].astype(np.int64) % self.classes] = 1.0
+        scores = np.zeros((len(images), self.classes), np.float32)
+        scores[np.arange(len(images)), [int(image[0, 0, 0]) % self.classes for image in images]] = 1.0
         return scores[:-1] if self.drop_one_row else scores
 
     async def wait_for_batches(self, count: int) -> None:

@@ -18,6 +18,7 @@ import aiohttp
 import numpy as np
 from tritonclient.utils import InferenceServerException
 
+from service.backends.base import BatchBuffer, Images
 from service.backends.triton_shm import SharedMemoryPool
 from service.errors import BackendError, BackendUnavailable, DeadlineExceeded, GatewayError, QueueFull
 from service.models.graph import INPUT_NAME, OUTPUT_NAME
@@ -60,6 +61,7 @@ class TritonBackend:
         self._mod: Any = None
         self._shm: SharedMemoryPool | None = None
         self._checked_metadata = False
+        self._buffer = BatchBuffer()
 
     async def start(self) -> None:
         if self.protocol == "grpc":
@@ -97,23 +99,25 @@ class TritonBackend:
             kwargs["client_timeout"] = timeout
         return await self._client.infer(self.model, inputs, **kwargs)
 
-    async def _infer_socket(self, batch: np.ndarray, timeout: float | None) -> np.ndarray:
-        inp, out = self._tensors(batch)
+    async def _infer_socket(self, images: Images, timeout: float | None) -> np.ndarray:
+        # Serialised into the request at once (one copy), so one buffer serves every call
+        inp, out = self._tensors(self._buffer.assemble(images))
         result = await self._call([inp], [out], timeout)
         return np.asarray(result.as_numpy(OUTPUT_NAME))
 
-    async def _infer_shm(self, batch: np.ndarray, timeout: float | None) -> np.ndarray:
+    async def _infer_shm(self, images: Images, timeout: float | None) -> np.ndarray:
         assert self._shm is not None
         pair = await self._shm.acquire(self._client)
         try:
-            self._shm.write(pair.input, batch)
-            inp = self._mod.InferInput(INPUT_NAME, list(batch.shape), "UINT8")
-            inp.set_shared_memory(pair.input.name, batch.nbytes)
+            shape = [len(images), *images[0].shape]
+            written = self._shm.write(pair.input, images)  # each image straight into the region
+            inp = self._mod.InferInput(INPUT_NAME, shape, "UINT8")
+            inp.set_shared_memory(pair.input.name, written)
             out = self._mod.InferRequestedOutput(OUTPUT_NAME)
-            out_bytes = batch.shape[0] * self.classes * 4
+            out_bytes = len(images) * self.classes * 4
             out.set_shared_memory(pair.output.name, out_bytes)
             await self._call([inp], [out], timeout)
-            scores = self._shm.read(pair.output, (batch.shape[0], self.classes))
+            scores = self._shm.read(pair.output, (len(images), self.classes))
         except BaseException as exc:
             await self._shm.discard(pair, self._client)
             if isinstance(exc, InferenceServerException) and "shared memory region" in str(exc).lower():
@@ -123,7 +127,7 @@ class TritonBackend:
         self._shm.release(pair)
         return scores
 
-    async def infer(self, batch: np.ndarray, *, timeout: float | None = None) -> np.ndarray:
+    async def infer(self, images: Images, *, timeout: float | None = None) -> np.ndarray:
         if self._client is None:
             raise BackendUnavailable("triton backend is not started")
         if timeout is not None and timeout <= 0:
@@ -131,12 +135,12 @@ class TritonBackend:
         try:
             async with asyncio.timeout(timeout):
                 if self._shm is None:
-                    return await self._infer_socket(batch, timeout)
+                    return await self._infer_socket(images, timeout)
                 try:
-                    return await self._infer_shm(batch, timeout)
+                    return await self._infer_shm(images, timeout)
                 except _RegionsLost:
                     logger.warning("triton: shared-memory regions were lost (Triton restarted?); registering again")
-                    return await self._infer_shm(batch, timeout)
+                    return await self._infer_shm(images, timeout)
         except TimeoutError:
             raise DeadlineExceeded(f"Triton did not answer within the request deadline ({timeout:.3f} s)") from None
         except InferenceServerException as exc:

@@ -17,6 +17,7 @@ import asyncio
 import logging
 import os
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -143,8 +144,17 @@ class SharedMemoryPool:
             shm.destroy_shared_memory_region(region.handle)
 
     @staticmethod
-    def write(region: Region, array: np.ndarray) -> None:
-        shm.set_shared_memory_region(region.handle, [np.ascontiguousarray(array)])
+    def write(region: Region, images: Sequence[np.ndarray] | np.ndarray) -> int:
+        """Copy the images one after another into the region (no batch array in between); return
+        the bytes written."""
+        arrays = [np.ascontiguousarray(image) for image in images]
+        if len({a.shape for a in arrays}) > 1:
+            raise ValueError(f"the images of a batch differ in shape: {sorted({a.shape for a in arrays})}")
+        size = sum(a.nbytes for a in arrays)
+        if size > region.byte_size:
+            raise ValueError(f"a batch of {size} bytes does not fit the {region.byte_size}-byte region {region.name}")
+        shm.set_shared_memory_region(region.handle, arrays)
+        return size
 
     @staticmethod
     def read(region: Region, shape: tuple[int, ...]) -> np.ndarray:

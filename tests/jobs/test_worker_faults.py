@@ -17,6 +17,7 @@ import aio_pika
 import numpy as np
 import pytest
 
+from service.backends.base import Images
 from service.backends.fake import FakeBackend
 from service.errors import DeadlineExceeded, QueueFull
 from service.jobs.broker import Broker
@@ -92,11 +93,11 @@ class Overloaded(FakeBackend):
         super().__init__()
         self.refusals: list[Exception] = [QueueFull("Triton's queue is full"), DeadlineExceeded("too slow")]
 
-    async def infer(self, batch: np.ndarray, *, timeout: float | None = None) -> np.ndarray:
+    async def infer(self, images: Images, *, timeout: float | None = None) -> np.ndarray:
         if self.refusals:
-            self.batches.append(int(batch.shape[0]))
+            self.batches.append(len(images))
             raise self.refusals.pop(0)
-        return await super().infer(batch, timeout=timeout)
+        return await super().infer(images, timeout=timeout)
 
 
 async def test_overload_is_requeued_after_a_backoff_without_using_a_retry(
@@ -352,9 +353,10 @@ def test_policies_are_applied_through_the_management_api(prefix: str) -> None:
 
 
 class NaNScores(FakeBackend):
-    async def infer(self, batch: np.ndarray, *, timeout: float | None = None) -> np.ndarray:
-        scores = await super().infer(batch, timeout=timeout)
-        scores[batch[:, 0, 0, 0] == 13] = np.nan
+    async def infer(self, images: Images, *, timeout: float | None = None) -> np.ndarray:
+        scores = await super().infer(images, timeout=timeout)
+        red = np.array([image[0, 0, 0] for image in images])
+        scores[red == 13] = np.nan
         return scores
 
 

@@ -50,19 +50,24 @@ async def test_real_photos_through_triton(
 async def test_scores_match_embedded_and_shared_memory(
     models_dir: Path, triton: LocalTriton, cat_jpeg: bytes, coffee_jpeg: bytes
 ) -> None:
-    """Embedded, Triton over the socket and Triton through shared memory give the same scores."""
-    batch = np.stack([prepare(cat_jpeg, PreprocessConfig()), prepare(coffee_jpeg, PreprocessConfig())] * 3)
+    """Embedded, Triton over the socket and Triton through shared memory give the same scores, for
+    a batch handed over as the batcher does (a list of images, laid out by each backend) and as one
+    stacked array."""
+    images = [prepare(cat_jpeg, PreprocessConfig()), prepare(coffee_jpeg, PreprocessConfig())] * 3
+    batch = np.stack(images)
     embedded = EmbeddedBackend(model_path(models_dir, get_profile("efficientnet-lite0")))
     await embedded.start()
     reference = await embedded.infer(batch)
+    assert np.array_equal(await embedded.infer(images), reference)
     await embedded.aclose()
     results = {}
     for protocol, shm in TRANSPORTS:
         url = triton.grpc_url if protocol == "grpc" else triton.http_url
         backend = TritonBackend(url=url, model="efficientnet-lite0", protocol=protocol, shared_memory=shm)  # type: ignore[arg-type]
         await backend.start()
-        for _ in range(3):  # regions are reused across batches
-            results[(protocol, shm)] = await backend.infer(batch, timeout=30)
+        for _ in range(3):  # regions and buffers are reused across batches
+            results[(protocol, shm)] = await backend.infer(images, timeout=30)
+        assert np.array_equal(await backend.infer(batch, timeout=30), results[(protocol, shm)])
         await backend.aclose()
     assert np.array_equal(results[("grpc", False)], results[("grpc", True)])
     assert np.array_equal(results[("http", False)], results[("http", True)])
