@@ -33,6 +33,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from urllib.parse import urlsplit
 
+import psutil
+
 from loadtests import clients, network
 from loadtests.dataset import build
 from loadtests.deployment import (
@@ -427,4 +429,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def _memory_gib() -> float:
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    return float(psutil.virtual_memory().total) / 2**30

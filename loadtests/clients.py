@@ -13,7 +13,6 @@ import asyncio
 import contextlib
 import io
 import json
-import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +20,7 @@ from typing import Protocol
 
 import aiohttp
 import numpy as np
+from prometheus_client.parser import text_string_to_metric_families
 
 from service.backends.embedded import EmbeddedBackend
 from service.jobs.ingest import run_ingest
@@ -74,14 +74,20 @@ class Measurement:
         return ordered[min(len(ordered) - 1, int(q * len(ordered)))] * 1000
 
 
-_BATCH_SUM = re.compile(r"^gateway_batch_size_(sum|count) ([0-9.e+]+)$", re.M)
-
-
 async def _batch_totals(session: aiohttp.ClientSession) -> dict[str, float]:
+    """The batch-size histogram's ``sum`` and ``count`` from the gateway's /metrics."""
     async with session.get("/metrics") as r:
         if r.status != 200:  # a gateway given by URL may key its metrics
             return {}
-        return {kind: float(value) for kind, value in _BATCH_SUM.findall(await r.text())}
+        text = await r.text()
+    totals: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        if family.name == "gateway_batch_size":
+            for sample in family.samples:
+                kind = sample.name.removeprefix("gateway_batch_size_")
+                if kind in ("sum", "count"):
+                    totals[kind] = totals.get(kind, 0.0) + sample.value
+    return totals
 
 
 def _mean_batch(before: dict[str, float], after: dict[str, float]) -> float | None:

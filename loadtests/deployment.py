@@ -13,6 +13,8 @@ from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+import psutil
+
 from loadtests.http_load import free_port, start_gateway
 from loadtests.network import LinkedNamespace, Shaping
 from service.models.profiles import get_profile
@@ -147,11 +149,7 @@ def worker(env: dict[str, str]) -> Iterator[tuple[subprocess.Popen[str], Setting
 
 def broker_pid() -> int | None:
     """RabbitMQ's Erlang VM on this host, if there is one (for resource sampling)."""
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                if (entry / "comm").read_text().strip() == "beam.smp":
-                    return int(entry.name)
-            except OSError:
-                continue
+    for process in psutil.process_iter(["name"]):
+        if process.info["name"] == "beam.smp":
+            return int(process.pid)
     return None

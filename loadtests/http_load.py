@@ -26,7 +26,13 @@ class Row:
     client_cpu: float | None = None
     """CPU seconds the client process used for the row."""
     server_cpu: float | None = None
-    """CPU seconds the gateway process used for the row."""
+    """CPU seconds the gateway process (or the queue worker) used for the row."""
+    broker_cpu: float | None = None
+    """CPU seconds RabbitMQ used for the row, when it took part."""
+
+    def per_image_ms(self, seconds: float | None) -> str:
+        """CPU seconds of the row as milliseconds per image, for a table cell."""
+        return "n/a" if seconds is None else f"{1000 * seconds / max(self.images, 1):.2f}"
 
     @property
     def rate(self) -> float:

@@ -14,7 +14,8 @@ import re
 import shutil
 import subprocess
 from dataclasses import dataclass
-from pathlib import Path
+
+import psutil
 
 PREFIX = "gwb"
 _UNITS = {"bit": 1, "kbit": 10**3, "mbit": 10**6, "gbit": 10**9}
@@ -68,7 +69,7 @@ def _remove_stale() -> None:
     for line in listing.splitlines():
         name = line.split()[0] if line.strip() else ""
         match = re.fullmatch(rf"{PREFIX}(\d+)", name)
-        if match and not Path(f"/proc/{match.group(1)}").exists():
+        if match and not psutil.pid_exists(int(match.group(1))):
             _ip("netns", "delete", name)
 
 

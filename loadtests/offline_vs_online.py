@@ -6,7 +6,9 @@
   written: publish with confirm, queue, decode, batch, infer, result publish with confirm, ack, and
   the result back to the ingest client.
 
-Rows alternate and repeat; the median run of each is shown.
+Rows alternate and repeat; the median run of each is shown, with the CPU each process spent per
+image: on a small host the load generator and the broker share the cores with the gateway, so
+where the offline path's time goes is part of the answer.
 
     python -m loadtests.offline_vs_online --images 480 --repeat 3
 """
@@ -18,12 +20,14 @@ import asyncio
 import os
 import signal
 import tempfile
+import time
 from pathlib import Path
 
 from loadtests.clients import offline
-from loadtests.deployment import gateway, worker
+from loadtests.deployment import broker_pid, gateway, worker
 from loadtests.http_load import Row, http_load, median_row
 from loadtests.photos import sample_photos
+from loadtests.resources import cpu_seconds
 
 
 def write_images(folder: Path, photos: list[bytes], count: int) -> list[bytes]:
@@ -43,10 +47,21 @@ def offline_row(args: argparse.Namespace, folder: Path, models_dir: Path, images
         "GATEWAY_MODEL": args.model,
         "GATEWAY_MAX_BATCH_SIZE": str(args.batch_size),
     }
-    with worker(env) as (_, settings), tempfile.TemporaryDirectory() as tmp:
+    broker = broker_pid()
+    with worker(env) as (proc, settings), tempfile.TemporaryDirectory() as tmp:
+        before = (cpu_seconds(proc.pid), cpu_seconds(broker) if broker else 0.0, time.process_time())
         measurement = asyncio.run(offline(settings, sorted(folder.iterdir()), Path(tmp)))
+        after = (cpu_seconds(proc.pid), cpu_seconds(broker) if broker else 0.0, time.process_time())
     assert measurement.images == images, f"{measurement.images} results for {images} images"
-    return Row("offline: ingest -> RabbitMQ -> worker", images, measurement.seconds, [measurement.seconds])
+    return Row(
+        "offline: ingest -> RabbitMQ -> worker",
+        images,
+        measurement.seconds,
+        [measurement.seconds],
+        client_cpu=after[2] - before[2],
+        server_cpu=after[0] - before[0],
+        broker_cpu=after[1] - before[1] if broker else None,
+    )
 
 
 def main() -> None:
@@ -83,10 +98,13 @@ def main() -> None:
         f"model {args.model}, batch size {args.batch_size}, {args.images} images, {os.cpu_count()} cores, "
         f"median of {args.repeat} alternated runs"
     )
-    print("| mode | img/s | ratio to online |")
-    print("|---|---:|---:|")
+    print("| mode | img/s | ratio to online | gateway or worker CPU ms/img | client CPU ms/img | broker CPU ms/img |")
+    print("|---|---:|---:|---:|---:|---:|")
     for r in rows:
-        print(f"| {r.mode} | {r.rate:.1f} | {r.rate / rows[0].rate:.2f} |")
+        print(
+            f"| {r.mode} | {r.rate:.1f} | {r.rate / rows[0].rate:.2f} | {r.per_image_ms(r.server_cpu)} "
+            f"| {r.per_image_ms(r.client_cpu)} | {r.per_image_ms(r.broker_cpu)} |"
+        )
 
 
 if __name__ == "__main__":

@@ -5,46 +5,37 @@ utilisation and memory through NVML when a GPU is visible."""
 from __future__ import annotations
 
 import functools
-import os
 import statistics
 import threading
 import time
 from collections.abc import Collection
 from dataclasses import dataclass, field
-from pathlib import Path
 
-TICKS = os.sysconf("SC_CLK_TCK")
-PAGE = os.sysconf("SC_PAGE_SIZE")
+import psutil
+
+GONE = (OSError, psutil.Error)
+"""What reading a process that has ended raises."""
 
 
 def cpu_seconds(pid: int) -> float:
     """User + system CPU seconds a process has used."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / TICKS
+    times = psutil.Process(pid).cpu_times()
+    return float(times.user + times.system)
 
 
 def rss_bytes(pid: int) -> int:
     """A process's resident memory."""
-    return int(Path(f"/proc/{pid}/statm").read_text().split()[1]) * PAGE
+    return int(psutil.Process(pid).memory_info().rss)
 
 
 def children(pids: set[int]) -> set[int]:
-    """``pids`` and all their descendants."""
-    parents: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
+    """``pids`` and all their descendants (that still run)."""
+    found = set(pids)
+    for pid in pids:
         try:
-            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):
+            found.update(child.pid for child in psutil.Process(pid).children(recursive=True))
+        except psutil.Error:
             continue
-        parents.setdefault(ppid, []).append(int(entry.name))
-    found, todo = set(pids), list(pids)
-    while todo:
-        for child in parents.get(todo.pop(), []):
-            if child not in found:
-                found.add(child)
-                todo.append(child)
     return found
 
 
@@ -107,8 +98,8 @@ class ResourceSampler:
             self.rss.setdefault(name, Series())
 
     def _usage(self, name: str, pid: int) -> tuple[float, int]:
-        """CPU seconds and resident bytes of a process (and its children where asked); OSError once
-        it has ended."""
+        """CPU seconds and resident bytes of a process (and its children where asked); one of
+        ``GONE`` once it has ended."""
         cpu, rss = cpu_seconds(pid), rss_bytes(pid)
         if name not in self.with_children:
             return cpu, rss
@@ -121,7 +112,7 @@ class ResourceSampler:
         for child in found:
             try:
                 child_cpu, child_rss = cpu_seconds(child), rss_bytes(child)
-            except OSError:  # it ended meanwhile
+            except GONE:  # it ended meanwhile
                 continue
             cpu, rss = cpu + child_cpu, rss + child_rss
         return cpu, rss
@@ -142,7 +133,7 @@ class ResourceSampler:
         for name, pid in processes.items():
             try:
                 now, (cpu, rss) = time.monotonic(), self._usage(name, pid)
-            except OSError:  # the process ended
+            except GONE:  # the process ended
                 continue
             self.rss[name].values.append(float(rss))
             if name in last:
