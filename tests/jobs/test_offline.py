@@ -16,6 +16,7 @@ import httpx
 import numpy as np
 import pytest
 
+from service.backends.base import Images
 from service.backends.fake import FakeBackend
 from service.errors import BackendError
 from service.jobs.messages import DETAIL_HEADER, ERROR_HEADER, request_message
@@ -342,8 +343,8 @@ async def test_poison_message_is_dead_lettered_once_and_the_rest_flow_on(
 
 
 class AlwaysFailing(FakeBackend):
-    async def infer(self, batch: np.ndarray, *, timeout: float | None = None) -> np.ndarray:
-        self.batches.append(int(batch.shape[0]))
+    async def infer(self, images: Images, *, timeout: float | None = None) -> np.ndarray:
+        self.batches.append(len(images))
         raise BackendError("simulated device error")
 
 
