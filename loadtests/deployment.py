@@ -102,9 +102,10 @@ def gateway_args(model: str, batch: int, in_flight: int, triton: Triton | None, 
 
 
 @contextmanager
-def gateway(args: list[str], models_dir: Path) -> Iterator[tuple[int, str]]:
-    """(pid, URL) of a ready gateway process, stopped with SIGTERM on exit."""
-    proc, url = start_gateway(args, models_dir)
+def gateway(args: list[str], models_dir: Path, cwd: Path | None = None) -> Iterator[tuple[int, str]]:
+    """(pid, URL) of a ready gateway process, stopped with SIGTERM on exit; ``cwd`` runs another
+    checkout's gateway (see ``start_gateway``)."""
+    proc, url = start_gateway(args, models_dir, cwd=cwd)
     try:
         yield proc.pid, url
     finally:

@@ -81,15 +81,22 @@ def start_gateway(
     env = {**os.environ, "GATEWAY_MODELS_DIR": str(models_dir), "GATEWAY_LOG_LEVEL": "warning", **(env or {})}
     proc = subprocess.Popen([sys.executable, "-m", "service", "serve", "--port", str(port), *args], env=env, cwd=cwd)
     url = f"http://127.0.0.1:{port}"
+    wait_ready(proc, f"{url}/readyz", timeout, "gateway")
+    return proc, url
+
+
+def wait_ready(proc: subprocess.Popen[bytes], url: str, timeout: float, what: str) -> None:
+    """Return once ``url`` answers 200; if ``proc`` exits first or ``timeout`` passes, kill it and
+    stop the benchmark."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise SystemExit(f"gateway exited with status {proc.returncode}")
+            raise SystemExit(f"{what} exited with status {proc.returncode}")
         try:
-            if httpx.get(f"{url}/readyz", timeout=1).status_code == 200:
-                return proc, url
+            if httpx.get(url, timeout=1).status_code == 200:
+                return
         except httpx.TransportError:
             pass
         time.sleep(0.2)
     proc.kill()
-    raise SystemExit("gateway did not become ready")
+    raise SystemExit(f"{what} did not become ready")

@@ -49,18 +49,22 @@ def offline_row(args: argparse.Namespace, folder: Path, models_dir: Path, images
     }
     broker = broker_pid()
     with worker(env) as (proc, settings), tempfile.TemporaryDirectory() as tmp:
-        before = (cpu_seconds(proc.pid), cpu_seconds(broker) if broker else 0.0, time.process_time())
+
+        def cpu() -> tuple[float, float, float]:  # worker, client (this process), broker
+            return cpu_seconds(proc.pid), time.process_time(), cpu_seconds(broker) if broker else float("nan")
+
+        before = cpu()
         measurement = asyncio.run(offline(settings, sorted(folder.iterdir()), Path(tmp)))
-        after = (cpu_seconds(proc.pid), cpu_seconds(broker) if broker else 0.0, time.process_time())
+        server, client, broker_cpu = (b - a for a, b in zip(before, cpu(), strict=True))
     assert measurement.images == images, f"{measurement.images} results for {images} images"
     return Row(
         "offline: ingest -> RabbitMQ -> worker",
         images,
         measurement.seconds,
         [measurement.seconds],
-        client_cpu=after[2] - before[2],
-        server_cpu=after[0] - before[0],
-        broker_cpu=after[1] - before[1] if broker else None,
+        client_cpu=client,
+        server_cpu=server,
+        broker_cpu=broker_cpu if broker else None,
     )
 
 

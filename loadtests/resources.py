@@ -13,9 +13,6 @@ from dataclasses import dataclass, field
 
 import psutil
 
-GONE = (OSError, psutil.Error)
-"""What reading a process that has ended raises."""
-
 
 def cpu_seconds(pid: int) -> float:
     """User + system CPU seconds a process has used."""
@@ -98,8 +95,8 @@ class ResourceSampler:
             self.rss.setdefault(name, Series())
 
     def _usage(self, name: str, pid: int) -> tuple[float, int]:
-        """CPU seconds and resident bytes of a process (and its children where asked); one of
-        ``GONE`` once it has ended."""
+        """CPU seconds and resident bytes of a process (and its children where asked); ``psutil.Error``
+        once it has ended."""
         cpu, rss = cpu_seconds(pid), rss_bytes(pid)
         if name not in self.with_children:
             return cpu, rss
@@ -112,7 +109,7 @@ class ResourceSampler:
         for child in found:
             try:
                 child_cpu, child_rss = cpu_seconds(child), rss_bytes(child)
-            except GONE:  # it ended meanwhile
+            except psutil.Error:  # it ended meanwhile
                 continue
             cpu, rss = cpu + child_cpu, rss + child_rss
         return cpu, rss
@@ -133,7 +130,7 @@ class ResourceSampler:
         for name, pid in processes.items():
             try:
                 now, (cpu, rss) = time.monotonic(), self._usage(name, pid)
-            except GONE:  # the process ended
+            except psutil.Error:  # the process ended
                 continue
             self.rss[name].values.append(float(rss))
             if name in last:

@@ -22,11 +22,12 @@ from functools import partial
 from pathlib import Path
 
 import cv2
-import httpx
 import psutil
 from skimage import data as skdata
 
-from loadtests.http_load import free_port, start_gateway
+from loadtests.deployment import gateway
+from loadtests.http_load import free_port, wait_ready
+from loadtests.resources import children, cpu_seconds
 
 LUA = """
 wrk.method = "POST"
@@ -61,36 +62,25 @@ def reference_server() -> Iterator[tuple[int, str]]:
     proc = subprocess.Popen([sys.executable, "-m", "loadtests.reference_app", "--port", str(port)])
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                httpx.get(f"{url}/docs", timeout=1)
-                break
-            except httpx.TransportError:
-                assert time.monotonic() < deadline, "reference app did not start"
-                time.sleep(0.2)
+        wait_ready(proc, f"{url}/docs", 60, "reference app")
         yield proc.pid, url
     finally:
         proc.terminate()
         proc.wait()
 
 
-@contextmanager
-def gateway_server(args: list[str], models_dir: Path, cwd: Path | None = None) -> Iterator[tuple[int, str]]:
-    proc, url = start_gateway(["--model", "trivial", "--backend", "embedded", *args], models_dir, cwd=cwd)
-    try:
-        yield proc.pid, url
-    finally:
-        proc.terminate()
-        proc.wait()
+def gateway_server(
+    args: list[str], models_dir: Path, cwd: Path | None = None
+) -> AbstractContextManager[tuple[int, str]]:
+    return gateway(["--model", "trivial", "--backend", "embedded", *args], models_dir, cwd)
 
 
 def _cpu(pid: int) -> float:
-    process = psutil.Process(pid)
-    total = sum(process.cpu_times()[:2])
-    for child in process.children(recursive=True):
-        with suppress(psutil.NoSuchProcess):
-            total += sum(child.cpu_times()[:2])
+    """CPU seconds of the server and its worker processes (those still running)."""
+    total = 0.0
+    for process in children({pid}):
+        with suppress(psutil.Error):
+            total += cpu_seconds(process)
     return total
 
 
