@@ -127,7 +127,8 @@ def histogram_quantile(metrics: str, q: float) -> float:
 def run(seconds: float = 30.0, admitted: int = 32, factor: int = 10, fake_delay: float = 0.1) -> Report:
     max_body = 1024 * 1024
     max_image_bytes = 3 * 1024 * 1024
-    workers, queue = 2, 16
+    max_decode_bytes = 2 * max_image_bytes
+    workers, queue = 8, 16
     args = [
         "--backend",
         "fake",
@@ -145,6 +146,8 @@ def run(seconds: float = 30.0, admitted: int = 32, factor: int = 10, fake_delay:
         str(max_body),
         "--max-image-bytes",
         str(max_image_bytes),
+        "--max-decode-bytes",
+        str(max_decode_bytes),
         "--preprocess-workers",
         str(workers),
         "--request-timeout",
@@ -158,7 +161,7 @@ def run(seconds: float = 30.0, admitted: int = 32, factor: int = 10, fake_delay:
         bound = (
             baseline
             + admitted * max_body
-            + workers * max_image_bytes
+            + max_decode_bytes  # shared by the decode threads, however many
             + queue * 224 * 224 * 3
             + clients * PER_CONNECTION
         )

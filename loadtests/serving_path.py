@@ -3,6 +3,7 @@ minimal FastAPI + OpenCV reference app, on 224 px JPEGs, with wrk (C) as the loa
 client's own CPU does not distort the ratio. Servers are interleaved within each repetition.
 
     python -m loadtests.serving_path --seconds 10 --repeat 3
+    python -m loadtests.serving_path --decode-threads 2,4,8   # the decode pool's size, side by side
 """
 
 from __future__ import annotations
@@ -134,6 +135,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--threads", type=int, default=1, help="wrk threads")
     parser.add_argument("--workers", default="1", help="gateway worker counts to measure, e.g. 1,2")
     parser.add_argument(
+        "--decode-threads",
+        default="",
+        help="also measure one worker with each of these decode thread counts, e.g. 2,4,8",
+    )
+    parser.add_argument(
         "--baseline",
         type=Path,
         help="another checkout (e.g. a git worktree of main) whose gateway is measured in the same run",
@@ -154,6 +160,10 @@ def main(argv: list[str] | None = None) -> None:
             servers[f"gateway, {n} worker{'s' if n > 1 else ''}"] = partial(
                 gateway_server, ["--workers", str(n)], args.models_dir
             )
+        for n in (int(t) for t in args.decode_threads.split(",") if t):
+            servers[f"gateway, 1 worker, {n} decode threads"] = partial(
+                gateway_server, ["--preprocess-workers", str(n)], args.models_dir
+            )
         results = {name: Result(name) for name in servers}
         for _ in range(args.repeat):
             for name, start in servers.items():
@@ -165,12 +175,13 @@ def main(argv: list[str] | None = None) -> None:
         f"\n{os.cpu_count()} cores, wrk -t{args.threads} -c{args.connections} -d{args.seconds:g}s, 224 px JPEG, "
         f"trivial model, medians of {args.repeat} interleaved runs\n"
     )
-    print("| server | img/s | vs reference | p50 ms | server CPU ms/img | wrk CPU ms/img | non-2xx |")
-    print("|---|---:|---:|---:|---:|---:|---:|")
+    print("| server | img/s | vs reference | each run | p50 ms | server CPU ms/img | wrk CPU ms/img | non-2xx |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
     for r in results.values():
         rate = statistics.median(r.rates)
         print(
-            f"| {r.name} | {rate:,.0f} | {rate / reference:.2f} | {statistics.median(r.p50_ms):.1f} "
+            f"| {r.name} | {rate:,.0f} | {rate / reference:.2f} | {' '.join(f'{x:,.0f}' for x in r.rates)} "
+            f"| {statistics.median(r.p50_ms):.1f} "
             f"| {statistics.median(r.server_cpu):.2f} | {statistics.median(r.client_cpu):.2f} | {r.errors} |"
         )
 

@@ -172,6 +172,8 @@ class DynamicBatcher:
         item = _Item(_NO_IMAGE, loop.create_future(), deadline, 0.0)
 
         def work() -> None:
+            if item.future.done():  # cancelled or timed out while waiting for a thread: no decode
+                return
             try:
                 done = partial(self._admit, item, prepare())
             except Exception as exc:

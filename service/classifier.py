@@ -15,6 +15,7 @@ from functools import partial
 import numpy as np
 
 from service.batcher import DynamicBatcher
+from service.budget import ByteBudget
 from service.errors import DeadlineExceeded, GatewayError
 from service.imageinfo import probe
 from service.metrics import Metrics
@@ -51,30 +52,33 @@ class Classifier:
         executor: Executor,
         metrics: Metrics,
         config: PreprocessConfig,
+        budget: ByteBudget | None = None,
     ) -> None:
         self.profile = profile
         self.batcher = batcher
         self.executor = executor
         self.metrics = metrics
         self.config = config
+        self.budget = budget
+        """Decoder memory shared by the pool's threads (None: each thread bounded by the config alone)."""
         self.model_info = {"name": profile.name, "version": profile.version}
         self._model_json = json.dumps(self.model_info, separators=(",", ":"))
         self._labels_json = [json.dumps(label) for label in profile.labels]
 
-    def _prepare_timed(self, data: bytes) -> np.ndarray:
+    def _prepare_timed(self, data: bytes, deadline: float | None) -> np.ndarray:
         start = time.perf_counter()
         try:
-            return prepare(data, self.config)
+            return prepare(data, self.config, self.budget, deadline)
         finally:
             self.metrics.preprocess_duration.observe(time.perf_counter() - start)
 
-    async def preprocess(self, images: list[ImageInput]) -> list[np.ndarray]:
+    async def preprocess(self, images: list[ImageInput], deadline: float | None = None) -> list[np.ndarray]:
         """Decode every image in the pool; if any is bad, raise its error naming which image.
 
         A request whose images are not all valid is refused whole, before anything is queued."""
         loop = asyncio.get_running_loop()
         outcomes = await asyncio.gather(
-            *(loop.run_in_executor(self.executor, self._prepare_timed, image.data) for image in images),
+            *(loop.run_in_executor(self.executor, self._prepare_timed, image.data, deadline) for image in images),
             return_exceptions=True,
         )
         arrays: list[np.ndarray] = []
@@ -100,12 +104,12 @@ class Classifier:
 
     async def classify(self, images: list[ImageInput], *, k: int, deadline: float | None) -> list[Classification]:
         if len(images) == 1:  # the common case, decoded and queued from the pool in one step
-            prepare = partial(self._prepare_timed, images[0].data)
+            prepare = partial(self._prepare_timed, images[0].data, deadline)
             rows = [await self.batcher.submit_prepared(prepare, self.executor, deadline=deadline)]
         else:  # all decoded before any is queued: a bad image refuses its request whole
             try:
                 async with asyncio.timeout_at(deadline):
-                    arrays = await self.preprocess(images)
+                    arrays = await self.preprocess(images, deadline)
             except TimeoutError:
                 raise DeadlineExceeded("the request deadline passed while decoding its images") from None
             rows = await self.batcher.submit(arrays, deadline=deadline)

@@ -15,6 +15,7 @@ from prometheus_client import (
 )
 
 from service.batcher import BatchReport, DynamicBatcher
+from service.budget import ByteBudget
 
 # 1 ms to 10 s, roughly x2.5 per step
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
@@ -105,6 +106,17 @@ class Metrics:
             registry=r,
             multiprocess_mode="livesum",
         )
+        self.decode_bytes_reserved = Gauge(
+            "gateway_decode_bytes_reserved",
+            "Decoder memory reserved by the images being decoded (GATEWAY_MAX_DECODE_BYTES bounds it).",
+            registry=r,
+            multiprocess_mode="livesum",
+        )
+        self.decode_budget_waits = Counter(
+            "gateway_decode_budget_waits",
+            "Images that waited for decoder memory held by others (raise GATEWAY_MAX_DECODE_BYTES if it grows).",
+            registry=r,
+        )
         self.rejections = Counter(
             "gateway_rejections_total",
             "Requests refused, by reason (the error code in the body).",
@@ -157,11 +169,18 @@ class Metrics:
         self._backend = backend
         self.sample()
 
+    def bind_decode_budget(self, budget: ByteBudget) -> None:
+        self._budget = budget
+        self.sample()
+
     def sample(self) -> None:
         batcher = getattr(self, "_batcher", None)
         if batcher is not None:
             self.queue_depth.set(batcher.queue_depth)
             self.inflight_batches.set(batcher.inflight_batches)
+        budget = getattr(self, "_budget", None)
+        if budget is not None:
+            self.decode_bytes_reserved.set(budget.reserved)
 
     def exposition(self) -> bytes:
         """The Prometheus text for /metrics: this registry, or with several uvicorn workers the

@@ -19,6 +19,7 @@ import numpy as np
 from service.backends.base import Backend
 from service.backends.circuit import CircuitBreaker
 from service.batcher import DynamicBatcher
+from service.budget import ByteBudget
 from service.classifier import Classifier
 from service.gpu import start_gpu_sampler
 from service.health import BackendHealth
@@ -90,6 +91,8 @@ async def open_pipeline(
     metrics.bind_batcher(batcher, chosen.name)
     pool = ThreadPoolExecutor(max_workers=settings.preprocess_workers, thread_name_prefix="preprocess")
     config = PreprocessConfig(profile.image_size, profile.crop_fraction, settings.max_image_bytes)
+    budget = ByteBudget(settings.max_decode_bytes_effective, on_wait=metrics.decode_budget_waits.inc)
+    metrics.bind_decode_budget(budget)
     batcher.start()
     gpu = start_gpu_sampler(metrics.registry)
     metrics.gpus_visible = gpu.count if gpu is not None else 0
@@ -101,7 +104,7 @@ async def open_pipeline(
     ]
     logger.info("pipeline ready: model %s v%s on the %s backend", profile.name, profile.version, chosen.name)
     try:
-        yield Pipeline(Classifier(profile, batcher, pool, metrics, config), chosen, health)
+        yield Pipeline(Classifier(profile, batcher, pool, metrics, config, budget), chosen, health)
     finally:
         for watcher in watchers:
             watcher.cancel()

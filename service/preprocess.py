@@ -7,7 +7,8 @@ libjpeg itself, which is several times faster than decoding the full image and r
 
 Memory is bounded by bytes, not pixels: ``decoded_bytes`` reckons from the header what the decoder
 will hold (channels, bit depth, a progressive JPEG's coefficients), and ``check_limits`` refuses an
-image over the budget before decoding. Images without alpha are decoded straight to 8-bit BGR
+image over the budget before decoding (and ``prepare`` reserves that much from a budget shared by
+the decode threads). Images without alpha are decoded straight to 8-bit BGR
 (16-bit ones too); images with alpha or float samples keep their samples, and every conversion
 (depth, alpha over white, grey to colour) happens after the crop and resize, on 224 x 224 pixels.
 """
@@ -19,6 +20,7 @@ from dataclasses import dataclass
 import cv2
 import numpy as np
 
+from service.budget import ByteBudget
 from service.errors import BadImage, PayloadTooLarge
 from service.imageinfo import ImageInfo, probe
 
@@ -169,7 +171,8 @@ def orient(img: np.ndarray, orientation: int) -> np.ndarray:
     return img
 
 
-def check_limits(info: ImageInfo, config: PreprocessConfig) -> None:
+def check_limits(info: ImageInfo, config: PreprocessConfig) -> int:
+    """Refuse an image the header says is empty or over the budget; return the bytes decoding takes."""
     if info.width == 0 or info.height == 0:
         raise BadImage(f"{info.format.upper()} header says the image is {info.width}x{info.height}")
     needed = decoded_bytes(info, config.needed_short_side)
@@ -179,12 +182,25 @@ def check_limits(info: ImageInfo, config: PreprocessConfig) -> None:
             f"{info.bits} bits{', ' + str(info.scans) + ' scans' if info.scans > 1 else ''}): decoding it "
             f"takes {needed / 1e6:.0f} MB; the limit is {config.max_image_bytes / 1e6:.0f} MB per image"
         )
+    return needed
 
 
-def prepare(data: bytes, config: PreprocessConfig) -> np.ndarray:
-    """Encoded image bytes to the model input: uint8 RGB ``(size, size, 3)``."""
+def prepare(
+    data: bytes, config: PreprocessConfig, budget: ByteBudget | None = None, deadline: float | None = None
+) -> np.ndarray:
+    """Encoded image bytes to the model input: uint8 RGB ``(size, size, 3)``.
+
+    With a ``budget``, the decoder memory the header promises is reserved from it first (waiting,
+    until ``deadline`` at most, while other threads hold it) and given back once the image is small."""
     info = probe(data)
-    check_limits(info, config)
+    needed = check_limits(info, config)
+    if budget is None:
+        return _prepare(data, info, config)
+    with budget.hold(needed, deadline):
+        return _prepare(data, info, config)
+
+
+def _prepare(data: bytes, info: ImageInfo, config: PreprocessConfig) -> np.ndarray:
     img = decode(data, info, config.needed_short_side)
     if img.ndim == 3 and img.shape[2] in (2, 4):
         _premultiply(img)

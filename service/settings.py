@@ -18,6 +18,9 @@ def _default_models_dir() -> Path:
     return Path(base) / "inference-gateway" / "models"
 
 
+DECODE_THREADS_PER_CPU = 2
+"""Default decode threads per usable CPU (measured: ``python -m loadtests.serving_path --threads``)."""
+
 RENAMED = {
     "GATEWAY_MAX_IMAGE_PIXELS": "GATEWAY_MAX_IMAGE_BYTES (decoder memory per image: an 8-bit RGB PNG takes "
     "6 bytes per pixel, a JPEG far less)",
@@ -152,17 +155,23 @@ class Settings(BaseSettings):
     max_concurrent_requests: int = Field(64, ge=1)
     """/classify requests decoding or waiting for their batch at once; beyond it the answer is 429.
     A request takes its slot once its body has arrived, so slow uploads never hold one. Memory:
-    baseline + max_buffered_body_bytes + preprocess_workers x (max_image_bytes + 24 MB)
+    baseline + max_buffered_body_bytes + max_decode_bytes + preprocess_workers x 24 MB
     + max_queue_size x 150 KB + open connections x ~0.3 MiB."""
     max_image_bytes: int = Field(300_000_000, ge=1_000_000)
     """Decoder memory one image may take, reckoned from its header before decoding (width x height
     x channels x bytes per sample, twice, plus a progressive JPEG's coefficients); larger get 413.
     The default admits a 50-megapixel 8-bit RGB PNG, and JPEGs far larger (decoded at 1/8 scale)."""
+    max_decode_bytes: int = Field(0, ge=0)
+    """Decoder memory all images being decoded at once may take together, reckoned the same way; an
+    image whose share is not free waits for it, first come first served (0: twice
+    ``max_image_bytes``). This, not the number of decode threads, bounds decoding's memory."""
     max_images_per_request: int = Field(64, ge=1)
     """Most images in one /classify request."""
-    preprocess_workers: int = Field(default_factory=available_cpus, ge=1)
-    """Threads that decode and resize images (OpenCV releases the GIL); default one per CPU the
-    process may use (its affinity, capped by a cgroup CPU quota)."""
+    preprocess_workers: int = Field(default_factory=lambda: DECODE_THREADS_PER_CPU * available_cpus(), ge=1)
+    """Threads that decode and resize images (OpenCV releases the GIL); default two per CPU the
+    process may use (its affinity, capped by a cgroup CPU quota): a thread also waits for the GIL
+    and for its turn on a core, so one per CPU leaves cores idle (see the README's performance
+    section). Their memory is bounded by ``max_decode_bytes``, not by their number."""
 
     def load_api_keys(self) -> list[bytes]:
         """Every configured key (empty: no authentication)."""
@@ -176,6 +185,10 @@ class Settings(BaseSettings):
     @property
     def max_buffered_body_bytes_effective(self) -> int:
         return self.max_buffered_body_bytes or self.max_concurrent_requests * self.max_body_bytes
+
+    @property
+    def max_decode_bytes_effective(self) -> int:
+        return self.max_decode_bytes or 2 * self.max_image_bytes
 
     @property
     def prefetch(self) -> int:
@@ -199,6 +212,8 @@ class Settings(BaseSettings):
             raise ValueError(f"unknown model {self.model!r}; known: {', '.join(PROFILES)}")
         if self.max_buffered_body_bytes and self.max_buffered_body_bytes < self.max_body_bytes:
             raise ValueError("max_buffered_body_bytes must be at least max_body_bytes (or 0)")
+        if self.max_decode_bytes and self.max_decode_bytes < self.max_image_bytes:
+            raise ValueError("max_decode_bytes must be at least max_image_bytes (or 0): one image must fit")
         if self.worker_prefetch and self.worker_prefetch > self.max_queue_size:
             raise ValueError(
                 "worker_prefetch must not exceed max_queue_size: a worker's batcher must hold every message it takes"

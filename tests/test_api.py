@@ -4,8 +4,10 @@ path through the fake backend."""
 from __future__ import annotations
 
 import asyncio
+import re
 from collections.abc import Callable
 
+import cv2
 import httpx
 import numpy as np
 import pytest
@@ -302,3 +304,25 @@ async def test_an_unexpected_failure_is_a_json_500_and_the_gateway_goes_on(
         metrics = (await client.get("/metrics")).text
         assert 'gateway_http_requests_total{method="POST",route="/classify",status="500"} 1.0' in metrics
         assert 'gateway_rejections_total{reason="internal_error"} 1.0' in metrics
+
+
+async def test_large_images_take_turns_for_decoder_memory(gateway_factory: MakeSettings) -> None:
+    """Eight decode threads, decoder memory for one of these images: concurrent requests are all
+    served (none refused or failed for memory), the waits are counted, and nothing stays reserved."""
+    pixels = np.random.default_rng(5).integers(0, 256, (1200, 1200, 3), dtype=np.uint8)
+    png = bytes(cv2.imencode(".png", pixels)[1])  # reckoned at 2 x 1200 x 1200 x 3 = 8.6 MB
+    settings = gateway_factory(
+        backend="fake", preprocess_workers=8, max_image_bytes=9_000_000, max_decode_bytes=9_000_000
+    )
+    async with running_gateway(settings, FakeBackend()) as client:
+        responses = await asyncio.gather(
+            *(client.post("/classify", content=png, headers={"content-type": "image/png"}) for _ in range(8))
+        )
+        assert [r.status_code for r in responses] == [200] * 8
+        metrics = (await client.get("/metrics")).text
+    waits = re.search(r"^gateway_decode_budget_waits_total (\S+)$", metrics, re.M)
+    reserved = re.search(r"^gateway_decode_bytes_reserved (\S+)$", metrics, re.M)
+    assert waits is not None
+    assert float(waits.group(1)) >= 1
+    assert reserved is not None
+    assert float(reserved.group(1)) == 0

@@ -42,6 +42,9 @@ def test_invalid_settings_are_refused_with_a_message(monkeypatch: pytest.MonkeyP
         Settings(model="vgg16")
     with pytest.raises(ValueError, match="max_queue_size"):
         Settings(max_queue_size=4, max_images_per_request=8)
+    with pytest.raises(ValueError, match="one image must fit"):
+        Settings(max_image_bytes=10_000_000, max_decode_bytes=5_000_000)
+    assert Settings(max_image_bytes=10_000_000).max_decode_bytes_effective == 20_000_000
 
 
 def test_models_build_then_list(tmp_path: Path) -> None:

@@ -6,7 +6,7 @@ import os
 from pathlib import Path
 
 from service.cpus import available_cpus, cgroup_quota
-from service.settings import Settings
+from service.settings import DECODE_THREADS_PER_CPU, Settings
 
 
 def test_cgroup_v2_quota(tmp_path: Path) -> None:
@@ -31,4 +31,4 @@ def test_cgroup_v1_quota(tmp_path: Path) -> None:
 
 def test_settings_size_pools_from_the_usable_cpus() -> None:
     """Not os.cpu_count(): this process's affinity (and quota) is what it can use."""
-    assert Settings().preprocess_workers == available_cpus()
+    assert Settings().preprocess_workers == DECODE_THREADS_PER_CPU * available_cpus()
