@@ -11,7 +11,7 @@ ENV PATH=/opt/venv/bin:$PATH
 WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY service ./service
-RUN pip install .
+RUN pip install ".[openvino]"
 # Models baked into the image (space-separated profile names): the embedded default, plus the
 # trivial model for measuring the serving path. Add resnet50 (100 MB) if you serve it embedded.
 ARG MODELS="efficientnet-lite0 trivial"

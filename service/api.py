@@ -299,6 +299,9 @@ async def readyz(request: Request) -> JSONResponse:
     gateway = request.app.state.gateway
     problem = gateway.health.problem  # the background check's latest answer: no backend call here
     checks = {"backend": f"{gateway.backend.name}: {problem or 'ok'}"}
+    runtime = getattr(gateway.backend, "detail", None)
+    if runtime:  # informational: what runs the model, and any fallback it took (e.g. no bf16 kernels)
+        checks["runtime"] = runtime
     checks["batcher"] = "shutting down" if gateway.closing else "ok"
     gpus = gateway.metrics.gpus_visible
     checks["gpu"] = f"ok: {gpus} visible" if gpus else "none visible: no GPU metrics from this process"
@@ -307,7 +310,9 @@ async def readyz(request: Request) -> JSONResponse:
     ready = problem is None and not gateway.closing
     if not request.scope.get(AUTHENTICATED, True):  # details name internal endpoints: keys holders only
         checks = {
-            name: "ok" if value.endswith("ok") else "not ready" for name, value in checks.items() if name != "gpu"
+            name: "ok" if value.endswith("ok") else "not ready"
+            for name, value in checks.items()
+            if name not in ("gpu", "runtime")
         }
     body = Readiness(ready=ready, checks=checks)
     return JSONResponse(body.model_dump(), status_code=200 if ready else 503)

@@ -123,6 +123,7 @@ def _models_triton_repo(args: argparse.Namespace) -> int:
         instances=args.triton_instances,
         kind={"gpu": "KIND_GPU", "cpu": "KIND_CPU", None: None}[args.triton_kind],
         intra_op_threads=args.triton_intra_op_threads,
+        bf16=not args.triton_no_bf16,
     )
     for name in list(PROFILES) if args.all else [settings.model]:
         profile = get_profile(name)
@@ -131,6 +132,25 @@ def _models_triton_repo(args: argparse.Namespace) -> int:
             weights = settings.model_weights if name == settings.model else None
             onnx = ensure_model(settings.models_dir, profile, weights)
         print(write_model(args.out, profile, options, onnx))
+    return 0
+
+
+def _models_quantize(args: argparse.Namespace) -> int:
+    from service.models.profiles import get_profile
+    from service.models.quantize import QuantizationRefused, ensure_int8
+    from service.models.store import ensure_model
+
+    logging.basicConfig(level="INFO", format="%(levelname)s %(name)s: %(message)s")
+    settings = _settings(args)
+    profile = get_profile(settings.model)
+    onnx = ensure_model(settings.models_dir, profile, settings.model_weights)
+    try:
+        path = ensure_int8(settings.models_dir, profile, onnx, args.photos, force=args.force)
+    except QuantizationRefused as exc:
+        print(f"gateway models quantize: {exc}", file=sys.stderr)
+        return 1
+    print(path)
+    print(path.with_name("build.json").read_text())
     return 0
 
 
@@ -255,9 +275,10 @@ def build_parser() -> argparse.ArgumentParser:
     repo.add_argument("--out", type=Path, required=True, help="repository folder to write into")
     repo.add_argument(
         "--variant",
-        choices=["tensorrt", "onnxruntime", "python"],
+        choices=["tensorrt", "onnxruntime", "openvino", "python"],
         default="python",
-        help="tensorrt (GPU; plan built by build_plan.sh), onnxruntime, or python (CPU hosts)",
+        help="tensorrt (GPU; plan built by build_plan.sh), onnxruntime, openvino (CPU hosts), or python (CPU hosts, "
+        "and the tritonserver of PyPI's pytriton wheel)",
     )
     repo.add_argument("--all", action="store_true", help="every known model")
     repo.add_argument("--config-only", action="store_true", help="write configuration files, not the ONNX file")
@@ -272,8 +293,23 @@ def build_parser() -> argparse.ArgumentParser:
     )
     repo.add_argument("--triton-instances", type=int, default=1, help="model instances (per GPU)")
     repo.add_argument("--triton-kind", choices=["gpu", "cpu"], default=None)
-    repo.add_argument("--triton-intra-op-threads", type=int, default=0, help="python variant: ORT threads")
+    repo.add_argument(
+        "--triton-intra-op-threads", type=int, default=0, help="python and openvino variants: runtime threads"
+    )
+    repo.add_argument("--triton-no-bf16", action="store_true", help="openvino variant: fp32 kernels only")
     repo.set_defaults(func=_models_triton_repo)
+    quantize = model_commands.add_parser(
+        "quantize", help="build the model's INT8 version for the openvino backend, calibrated on photos"
+    )
+    _add_setting_flags(quantize)
+    quantize.add_argument(
+        "--photos",
+        type=Path,
+        required=True,
+        help="folder of photos like the traffic (at least 32; searched recursively)",
+    )
+    quantize.add_argument("--force", action="store_true", help="quantize again even when the cached model is current")
+    quantize.set_defaults(func=_models_quantize)
     listing = model_commands.add_parser("list", help="list the known models and their cache state")
     _add_setting_flags(listing)
     listing.set_defaults(func=_models_list)

@@ -51,9 +51,22 @@ async def build_backend(settings: Settings, profile: ModelProfile) -> Backend:
             shared_memory=settings.triton_shared_memory,
             shared_memory_regions=settings.max_inflight_batches,
         )
+    path = await asyncio.to_thread(ensure_model, settings.models_dir, profile, settings.model_weights)
+    if settings.backend == "openvino":
+        from service.backends.openvino import OpenVINOBackend
+
+        if settings.openvino_precision == "int8":
+            from service.models.quantize import ensure_int8
+
+            path = await asyncio.to_thread(ensure_int8, settings.models_dir, profile, path, settings.calibration_dir)
+        return OpenVINOBackend(
+            path,
+            precision=settings.openvino_precision,
+            threads=settings.embedded_threads_per_batch,
+            max_concurrency=settings.max_inflight_batches,
+        )
     from service.backends.embedded import EmbeddedBackend
 
-    path = await asyncio.to_thread(ensure_model, settings.models_dir, profile, settings.model_weights)
     return EmbeddedBackend(
         path, intra_op_threads=settings.embedded_threads_per_batch, max_concurrency=settings.max_inflight_batches
     )

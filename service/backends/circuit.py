@@ -54,6 +54,12 @@ class CircuitBreaker:
     async def start(self) -> None:
         await self.inner.start()
 
+    @property
+    def detail(self) -> str | None:
+        """The wrapped backend's description of what runs the model, if it gives one."""
+        detail: str | None = getattr(self.inner, "detail", None)
+        return detail
+
     def _open(self) -> None:
         if self.state != "open":
             logger.error(

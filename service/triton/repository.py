@@ -7,6 +7,9 @@ output (``scores``, FP32 ``[N, 1000]``, softmax), with normalisation inside the 
   the ONNX file by the generated ``build_plan.sh`` (``trtexec``, FP16, dynamic batch).
 * ``onnxruntime``: the ONNX file on Triton's ONNX Runtime backend (GPU or CPU), for Triton builds
   without TensorRT.
+* ``openvino``: the ONNX file on Triton's OpenVINO backend, for CPU hosts (the model converted for
+  the CPU at load; bfloat16 kernels where the CPU has them, ``HINT_BF16``). One stream per instance:
+  instances give the parallelism, as with the other variants.
 * ``python``: the ONNX file run by ONNX Runtime inside Triton's Python backend, for CPU hosts and for
   the ``tritonserver`` binary that PyPI's pytriton wheel ships (which has only that backend).
 """
@@ -22,8 +25,9 @@ from typing import Literal
 from service.models.graph import INPUT_NAME, OUTPUT_NAME
 from service.models.profiles import ModelProfile
 
-Variant = Literal["tensorrt", "onnxruntime", "python"]
-VARIANTS: tuple[Variant, ...] = ("tensorrt", "onnxruntime", "python")
+Variant = Literal["tensorrt", "onnxruntime", "openvino", "python"]
+VARIANTS: tuple[Variant, ...] = ("tensorrt", "onnxruntime", "openvino", "python")
+CPU_VARIANTS = ("openvino", "python")
 PYTHON_MODEL = Path(__file__).with_name("python_model.py")
 
 
@@ -44,14 +48,16 @@ class TritonOptions:
     instances: int = 1
     """Model instances (per GPU for GPU variants): PAPER.md runs several per GPU."""
     kind: Literal["KIND_GPU", "KIND_CPU"] | None = None
-    """Default: GPU for tensorrt and onnxruntime, CPU for python."""
+    """Default: GPU for tensorrt and onnxruntime, CPU for openvino and python."""
     intra_op_threads: int = 0
-    """ONNX Runtime threads per execution (python variant)."""
+    """Runtime threads per execution (python variant: ONNX Runtime's; openvino: OpenVINO's; 0: its default)."""
+    bf16: bool = True
+    """openvino variant: ask for bfloat16 kernels (used where the CPU has them)."""
     extra_parameters: dict[str, str] = field(default_factory=dict)
 
     @property
     def instance_kind(self) -> str:
-        return self.kind or ("KIND_CPU" if self.variant == "python" else "KIND_GPU")
+        return self.kind or ("KIND_CPU" if self.variant in CPU_VARIANTS else "KIND_GPU")
 
 
 def render_config(name: str, profile: ModelProfile, options: TritonOptions) -> str:
@@ -60,12 +66,20 @@ def render_config(name: str, profile: ModelProfile, options: TritonOptions) -> s
     header = {
         "tensorrt": 'platform: "tensorrt_plan"\ndefault_model_filename: "model.plan"',
         "onnxruntime": 'platform: "onnxruntime_onnx"\ndefault_model_filename: "model.onnx"',
+        "openvino": 'backend: "openvino"\ndefault_model_filename: "model.onnx"',
         "python": 'backend: "python"',
     }[options.variant]
     preferred = ", ".join(str(n) for n in options.preferred_batch_sizes if n <= options.max_batch_size)
     parameters = dict(options.extra_parameters)
     if options.variant == "python":
         parameters.setdefault("intra_op_threads", str(options.intra_op_threads))
+    if options.variant == "openvino":
+        parameters.setdefault("NUM_STREAMS", "1")
+        parameters.setdefault("PERFORMANCE_HINT", "LATENCY")
+        if options.intra_op_threads:
+            parameters.setdefault("INFERENCE_NUM_THREADS", str(options.intra_op_threads))
+        if options.bf16:
+            parameters.setdefault("HINT_BF16", "YES")
     params = "".join(
         f'parameters {{ key: "{k}" value: {{ string_value: "{v}" }} }}\n' for k, v in sorted(parameters.items())
     )

@@ -12,7 +12,7 @@ from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2 as mc
 
 from service.models.profiles import get_profile
-from service.triton.repository import VARIANTS, TritonOptions, write_model
+from service.triton.repository import CPU_VARIANTS, VARIANTS, TritonOptions, write_model
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -50,7 +50,7 @@ def test_every_variant_takes_uint8_nhwc_and_gives_scores(tmp_path: Path, variant
     assert batching.default_queue_policy.max_queue_size == 256
     (group,) = config.instance_group
     assert group.count == 3
-    expected_kind = mc.ModelInstanceGroup.KIND_CPU if variant == "python" else mc.ModelInstanceGroup.KIND_GPU
+    expected_kind = mc.ModelInstanceGroup.KIND_CPU if variant in CPU_VARIANTS else mc.ModelInstanceGroup.KIND_GPU
     assert group.kind == expected_kind
 
 
@@ -102,6 +102,24 @@ def test_onnxruntime_and_python_variants_place_the_onnx_file(tmp_path: Path) -> 
     assert "class TritonPythonModel" in (py_dir / "1" / "model.py").read_text()
 
 
+def test_openvino_variant_runs_the_onnx_file_on_cpu_in_bf16(tmp_path: Path) -> None:
+    profile = get_profile("efficientnet-lite0")
+    onnx = tmp_path / "m.onnx"
+    onnx.write_bytes(b"x")
+    model_dir = write_model(tmp_path / "a", profile, TritonOptions(variant="openvino", instances=2), onnx)
+    config = parse(model_dir / "config.pbtxt")
+    assert (config.backend, config.default_model_filename) == ("openvino", "model.onnx")
+    assert (model_dir / "1" / "model.onnx").read_bytes() == b"x"
+    assert config.instance_group[0].kind == mc.ModelInstanceGroup.KIND_CPU
+    assert not config.instance_group[0].gpus
+    parameters = {k: v.string_value for k, v in config.parameters.items()}
+    assert parameters == {"NUM_STREAMS": "1", "PERFORMANCE_HINT": "LATENCY", "HINT_BF16": "YES"}
+    fp32 = TritonOptions(variant="openvino", bf16=False, intra_op_threads=4)
+    config = parse(write_model(tmp_path / "b", profile, fp32, None) / "config.pbtxt")
+    assert "HINT_BF16" not in config.parameters
+    assert config.parameters["INFERENCE_NUM_THREADS"].string_value == "4"
+
+
 def test_committed_deploy_repositories_match_the_generator(tmp_path: Path) -> None:
     """deploy/triton is what `deploy/triton/generate.sh` writes: nobody edited it by hand."""
     committed = ROOT / "deploy" / "triton"
@@ -109,6 +127,7 @@ def test_committed_deploy_repositories_match_the_generator(tmp_path: Path) -> No
     for variant, extra in (
         ("tensorrt", ["--triton-instances", "2"]),
         ("onnxruntime", ["--triton-instances", "2"]),
+        ("openvino", ["--triton-instances", "2"]),
         ("python", []),
     ):
         subprocess.run(
