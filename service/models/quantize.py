@@ -105,10 +105,10 @@ def _digest(paths: list[Path]) -> str:
     return h.hexdigest()
 
 
-def _run(model: object, images: np.ndarray, batch: int = 16) -> np.ndarray:
+def _run(model: object, images: np.ndarray, hint: str = "f32", batch: int = 16) -> np.ndarray:
     import openvino as ov
 
-    compiled = ov.Core().compile_model(model, "CPU", {"INFERENCE_PRECISION_HINT": "f32"})
+    compiled = ov.Core().compile_model(model, "CPU", {"INFERENCE_PRECISION_HINT": hint})
     request = compiled.create_infer_request()
     return np.concatenate(
         [np.array(request.infer({0: images[i : i + batch]})[0]) for i in range(0, len(images), batch)]
@@ -133,6 +133,8 @@ def quantize(onnx_path: Path, inputs: list[np.ndarray], out: Path, metadata: dic
     import openvino as ov
     from nncf.quantization.advanced_parameters import AdvancedQuantizationParameters, OverflowFix
 
+    from service.backends.openvino import has_bf16
+
     if len(inputs) < MIN_PHOTOS:
         raise QuantizationRefused(f"{len(inputs)} usable photos; calibration needs at least {MIN_PHOTOS}")
     held_out = np.stack(inputs[HOLDOUT_EVERY - 1 :: HOLDOUT_EVERY])
@@ -145,7 +147,8 @@ def quantize(onnx_path: Path, inputs: list[np.ndarray], out: Path, metadata: dic
         subset_size=len(calibration),
         advanced_parameters=AdvancedQuantizationParameters(overflow_fix=overflow),
     )
-    reference, scores = _run(model, held_out), _run(quantized, held_out)
+    served_hint = "bf16" if has_bf16(ov.Core()) else "f32"  # as the backend will run it
+    reference, scores = _run(model, held_out), _run(quantized, held_out, served_hint)
     clear = clear_answers(reference)
     if clear.sum() < MIN_CLEAR:
         raise QuantizationRefused(
