@@ -64,7 +64,7 @@ async def scores_of(backend: InProcessBackend, images: np.ndarray) -> np.ndarray
     await backend.start()
     try:
         if problem := await backend.ready():
-            raise SystemExit(f"{backend.name}: {problem}")
+            raise RuntimeError(f"{backend.name} backend not ready: {problem}")
         return np.concatenate([await backend.infer(images[i : i + 16]) for i in range(0, len(images), 16)])
     finally:
         await backend.aclose()

@@ -7,7 +7,6 @@ flags override the environment.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import re
@@ -156,13 +155,12 @@ def _models_quantize(args: argparse.Namespace) -> int:
 
 def _models_list(args: argparse.Namespace) -> int:
     from service.models.profiles import PROFILES
-    from service.models.store import model_path
+    from service.models.store import model_path, recorded_sha256
 
     settings = _settings(args)
     for profile in PROFILES.values():
         path = model_path(settings.models_dir, profile)
-        meta = path.with_name("build.json")
-        state = json.loads(meta.read_text()).get("sha256", "")[:12] if meta.exists() else "not built"
+        state = (recorded_sha256(path) or "not built")[:12]
         print(f"{profile.name:20} v{profile.version}  {profile.image_size}px  {state}  {path}")
     return 0
 

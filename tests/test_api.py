@@ -7,11 +7,11 @@ import asyncio
 import re
 from collections.abc import Callable
 
-import cv2
 import httpx
 import numpy as np
 import pytest
 
+from loadtests.overload import noise_png
 from service.backends.base import Images
 from service.backends.fake import FakeBackend
 from service.settings import Settings
@@ -309,8 +309,7 @@ async def test_an_unexpected_failure_is_a_json_500_and_the_gateway_goes_on(
 async def test_large_images_take_turns_for_decoder_memory(gateway_factory: MakeSettings) -> None:
     """Eight decode threads, decoder memory for one of these images: concurrent requests are all
     served (none refused or failed for memory), the waits are counted, and nothing stays reserved."""
-    pixels = np.random.default_rng(5).integers(0, 256, (1200, 1200, 3), dtype=np.uint8)
-    png = bytes(cv2.imencode(".png", pixels)[1])  # reckoned at 2 x 1200 x 1200 x 3 = 8.6 MB
+    png = noise_png(1200, 5)  # reckoned at 2 x 1200 x 1200 x 3 = 8.6 MB
     settings = gateway_factory(
         backend="fake", preprocess_workers=8, max_image_bytes=9_000_000, max_decode_bytes=9_000_000
     )

@@ -8,10 +8,10 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-import cv2
 import numpy as np
 import pytest
 
+from loadtests.overload import noise_png
 from service.batcher import DynamicBatcher
 from service.budget import ByteBudget
 from service.classifier import Classifier, ImageInput
@@ -120,15 +120,10 @@ def test_the_budget_is_given_back_when_decoding_fails(cat_jpeg: bytes) -> None:
     assert budget.reserved == 0
 
 
-def _noise_png(side: int, seed: int) -> bytes:
-    pixels = np.random.default_rng(seed).integers(0, 256, (side, side, 3), dtype=np.uint8)
-    return bytes(cv2.imencode(".png", pixels)[1])
-
-
 async def test_many_threads_decode_within_the_shared_budget() -> None:
     """Eight threads and a budget for two of these images at a time: every image is decoded right,
     the reserved bytes never pass the budget, and images waited their turn."""
-    images = [_noise_png(900, seed) for seed in range(12)]
+    images = [noise_png(900, seed) for seed in range(12)]
     config = PreprocessConfig()
     each = decoded_bytes(probe(images[0]), config.needed_short_side)
     waits: list[int] = []

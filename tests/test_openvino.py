@@ -13,6 +13,7 @@ import pytest
 import service.backends.openvino as openvino_module
 import service.models.quantize as quantize_module
 from loadtests.dataset import build
+from loadtests.precision import scores_of
 from service.backends.embedded import EmbeddedBackend
 from service.backends.openvino import OpenVINOBackend, Precision
 from service.models.profiles import get_profile
@@ -48,27 +49,18 @@ def int8_model(models_dir: Path, photo_sets: tuple[Path, Path]) -> Path:
     return ensure_int8(models_dir, PROFILE, model_path(models_dir, PROFILE), photo_sets[0])
 
 
-async def _scores(backend: EmbeddedBackend | OpenVINOBackend, images: np.ndarray) -> np.ndarray:
-    await backend.start()
-    try:
-        assert await backend.ready() is None
-        return np.concatenate([await backend.infer(images[i : i + 16]) for i in range(0, len(images), 16)])
-    finally:
-        await backend.aclose()
-
-
 @pytest.mark.parametrize("precision", ["fp32", "bf16", "int8"])
 async def test_each_precision_answers_like_fp32_on_photos_with_a_clear_answer(
     precision: Precision, models_dir: Path, photo_sets: tuple[Path, Path], int8_model: Path
 ) -> None:
     images = np.stack(model_inputs(photos_in(photo_sets[1]), PROFILE))
     onnx = model_path(models_dir, PROFILE)
-    reference = await _scores(EmbeddedBackend(onnx), images)
+    reference = await scores_of(EmbeddedBackend(onnx), images)
     clear = clear_answers(reference)
     assert clear.sum() >= 150, "the evaluation set needs photos with a clear answer"
     assert len(set(reference[clear].argmax(axis=1))) >= 10, "and more than a few classes"
     path = int8_model if precision == "int8" else onnx
-    scores = await _scores(OpenVINOBackend(path, precision=precision, threads=2), images)
+    scores = await scores_of(OpenVINOBackend(path, precision=precision, threads=2), images)
     result = agreement(reference[clear], scores[clear])
     print(f"\n{precision}: {result} with a clear answer; {agreement(reference, scores)} in all")
     assert result.top1 >= MIN_AGREEMENT

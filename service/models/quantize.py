@@ -25,6 +25,7 @@ import numpy as np
 
 from service.errors import GatewayError
 from service.models.profiles import ModelProfile
+from service.models.store import recorded_sha256
 from service.preprocess import PreprocessConfig, prepare
 
 logger = logging.getLogger(__name__)
@@ -185,7 +186,7 @@ def ensure_int8(
     ``QuantizationRefused`` says how to get one."""
     path = int8_path(models_dir, profile)
     meta_path = path.parent / "build.json"
-    onnx_sha = hashlib.sha256(onnx_path.read_bytes()).hexdigest()
+    onnx_sha = recorded_sha256(onnx_path) or hashlib.sha256(onnx_path.read_bytes()).hexdigest()
     stored = json.loads(meta_path.read_text()) if meta_path.exists() and path.exists() else None
     if photos is None:
         if stored is not None and stored.get("onnx_sha256") == onnx_sha:

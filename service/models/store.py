@@ -62,3 +62,12 @@ def ensure_model(models_dir: Path, profile: ModelProfile, weights: Path | None =
     meta = dict(fingerprint, sha256=hashlib.sha256(data).hexdigest())
     _atomic_write(meta_path, json.dumps(meta, indent=2).encode())
     return path
+
+
+def recorded_sha256(path: Path) -> str | None:
+    """The SHA-256 of a model file ``ensure_model`` built, as its ``build.json`` recorded it."""
+    try:
+        sha = json.loads(path.with_name("build.json").read_text()).get("sha256")
+    except (OSError, json.JSONDecodeError):
+        return None
+    return str(sha) if sha else None
