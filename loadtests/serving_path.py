@@ -4,6 +4,10 @@ client's own CPU does not distort the ratio. Servers are interleaved within each
 
     python -m loadtests.serving_path --seconds 10 --repeat 3
     python -m loadtests.serving_path --decode-threads 2,4,8   # the decode pool's size, side by side
+    python -m loadtests.serving_path --tracing 0.01,1 --baseline ../main-before   # what tracing costs
+
+With ``--tracing``, the traced gateways export to an OTLP/HTTP sink in this process that answers
+without decoding (a collector's cost is not the gateway's).
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from skimage import data as skdata
 
 from loadtests.deployment import gateway
 from loadtests.http_load import free_port, wait_ready
+from loadtests.otlp_receiver import OTLPReceiver
 from loadtests.resources import children, cpu_seconds
 
 LUA = """
@@ -140,13 +145,18 @@ def main(argv: list[str] | None = None) -> None:
         help="also measure one worker with each of these decode thread counts, e.g. 2,4,8",
     )
     parser.add_argument(
+        "--tracing",
+        default="",
+        help="also measure one worker tracing at each of these sample ratios, e.g. 0.01,1",
+    )
+    parser.add_argument(
         "--baseline",
         type=Path,
         help="another checkout (e.g. a git worktree of main) whose gateway is measured in the same run",
     )
     parser.add_argument("--models-dir", type=Path, default=Path(tempfile.gettempdir()) / "gateway-bench-models")
     args = parser.parse_args(argv)
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp, OTLPReceiver(keep=False) as sink:
         script = Path(tmp) / "post.lua"
         script.write_text(LUA.format(path=jpeg_224(Path(tmp))))
         servers: dict[str, Callable[[], AbstractContextManager[tuple[int, str]]]] = {
@@ -163,6 +173,12 @@ def main(argv: list[str] | None = None) -> None:
         for n in (int(t) for t in args.decode_threads.split(",") if t):
             servers[f"gateway, 1 worker, {n} decode threads"] = partial(
                 gateway_server, ["--preprocess-workers", str(n)], args.models_dir
+            )
+        for ratio in (float(r) for r in args.tracing.split(",") if r):
+            servers[f"gateway, 1 worker, tracing {ratio:g}"] = partial(
+                gateway_server,
+                ["--tracing-endpoint", sink.endpoint, "--tracing-sample-ratio", str(ratio)],
+                args.models_dir,
             )
         results = {name: Result(name) for name in servers}
         for _ in range(args.repeat):
@@ -184,6 +200,8 @@ def main(argv: list[str] | None = None) -> None:
             f"| {statistics.median(r.p50_ms):.1f} "
             f"| {statistics.median(r.server_cpu):.2f} | {statistics.median(r.client_cpu):.2f} | {r.errors} |"
         )
+    if sink.requests:
+        print(f"\ntraces: {sink.requests:,} OTLP exports, {sink.bytes / 1e6:,.1f} MB received by the sink")
 
 
 if __name__ == "__main__":

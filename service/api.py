@@ -9,7 +9,7 @@ from typing import Any
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
-from prometheus_client import CONTENT_TYPE_LATEST
+from opentelemetry import trace
 from starlette.datastructures import UploadFile
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
@@ -318,18 +318,25 @@ async def readyz(request: Request) -> JSONResponse:
     return JSONResponse(body.model_dump(), status_code=200 if ready else 503)
 
 
-@router.get("/metrics", response_class=PlainTextResponse, summary="Prometheus metrics", dependencies=CHECKED_QUERY)
-async def metrics(request: Request) -> PlainTextResponse:
+@router.get(
+    "/metrics",
+    response_class=PlainTextResponse,
+    summary="Prometheus metrics (OpenMetrics, with trace-id exemplars, when the Accept header asks for it)",
+    dependencies=CHECKED_QUERY,
+)
+async def metrics(request: Request) -> Response:
     metrics = request.app.state.gateway.metrics
     assert isinstance(metrics, Metrics)
-    return PlainTextResponse(metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
+    body, content_type = metrics.exposition(request.headers.get("accept", ""))
+    return Response(body, media_type=content_type)
 
 
 class ClassifyFastPath:
     """``POST /classify`` straight to ``handle_classify``, around FastAPI's routing, dependency and
     exception layers (a third of the event loop's time per request on the serving-path benchmark).
     It sits inside the gateway's own middleware (body bounds, keys, metrics), renders errors exactly
-    as the app's handlers do, and tags the scope with the documented route for the metrics."""
+    as the app's handlers do, and tags the scope with the documented route for the metrics and
+    the server span."""
 
     def __init__(self, app: ASGIApp, route: BaseRoute, metrics: Metrics) -> None:
         self.app = app
@@ -358,5 +365,15 @@ class ClassifyFastPath:
         await response(scope, receive, send)
 
     def _refusal(self, exc: GatewayError) -> Response:
-        self.metrics.rejections.labels(exc.error).inc()
-        return error_response(exc)
+        return refusal(exc, self.metrics)
+
+
+def refusal(exc: GatewayError, metrics: Metrics) -> Response:
+    """Count a refused request and answer it; a failure on the gateway's side (5xx) is also logged
+    (rate-limited, with the request's ids) and marked on its span."""
+    metrics.rejections.labels(exc.error).inc()
+    if exc.status_code >= 500:
+        logger.warning("request failed: %s (%d): %s", exc.error, exc.status_code, exc.detail)
+    if (span := trace.get_current_span()).is_recording():
+        span.set_attribute("gateway.error", exc.error)
+    return error_response(exc)

@@ -12,23 +12,46 @@
   completed only if not already done.
 * Every failure of a batch reaches every request in it, and the backend must return one result
   per image, finite: a row with NaN or inf fails its image with ``BackendError``.
+* Two policies decide how long a batch waits to fill while the backend is busy:
+  ``fixed`` waits for ``max_batch_size`` images or ``max_delay``, whichever comes first;
+  ``adaptive`` learns the backend's batch time ``a * n + b`` online (``BatchLatencyModel``) and the
+  arrival rate, and waits only for the smallest batch that lets the backend keep up with the
+  arrivals (with headroom), still within ``max_delay`` and the oldest request's deadline. It also
+  refuses at admission (``DeadlineUnmeetable``, 429) a request that the queue ahead would make
+  miss its deadline.
+* With tracing on, a request submitted with its sampled span context gets a ``batch wait`` span
+  (admission to dispatch), and each batch serving such requests a ``batch`` span: a child of the
+  first, linked to all, current while the backend runs (so Triton gets its context).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import math
+import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import Executor
-from contextlib import suppress
+from contextlib import nullcontext, suppress
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Protocol
+from typing import Literal, Protocol
 
 import numpy as np
+from opentelemetry import trace
+from opentelemetry.trace import Link, SpanContext, SpanKind, StatusCode
 
-from service.errors import BackendError, BackendUnavailable, DeadlineExceeded, GatewayError, QueueFull
+from service.errors import (
+    BackendError,
+    BackendUnavailable,
+    DeadlineExceeded,
+    DeadlineUnmeetable,
+    GatewayError,
+    QueueFull,
+)
+from service.latency_model import BatchLatencyModel
+from service.tracing import Tracing, epoch_ns, trace_id_hex
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +66,8 @@ class _Item:
     future: asyncio.Future[np.ndarray]
     deadline: float | None
     enqueued: float
+    trace: SpanContext | None = None
+    """The request's span context when its trace is sampled."""
 
 
 _NO_IMAGE = np.empty(0, np.uint8)
@@ -70,6 +95,18 @@ class BatchReport:
     backend_seconds: float
     error: str | None
     """The error code when the batch failed, else None."""
+    trace_ids: list[str | None] = field(default_factory=list, repr=False)
+    """Each image's trace id when its trace is sampled (empty when none is): metrics exemplars."""
+    predicted_seconds: float | None = None
+    """What the adaptive policy's model predicted for this batch (None: fixed policy, or not ready)."""
+
+
+Policy = Literal["fixed", "adaptive"]
+HEADROOM = 1.25
+"""The adaptive policy sizes batches for arrivals this much faster than measured, so the backend
+runs at most ~80 % busy and a burst does not start a queue at once."""
+RATE_TIME_CONSTANT = 1.0
+"""Seconds over which the arrival-rate estimate forgets (exponentially weighted)."""
 
 
 class DynamicBatcher:
@@ -82,15 +119,31 @@ class DynamicBatcher:
         max_queue_size: int,
         max_inflight_batches: int,
         on_batch: Callable[[BatchReport], None] | None = None,
+        tracing: Tracing | None = None,
+        backend_name: str = "",
+        policy: Policy = "fixed",
     ) -> None:
         if max_batch_size < 1 or max_queue_size < 1 or max_inflight_batches < 1 or max_delay < 0:
             raise ValueError("batcher limits must be positive")
+        self.policy = policy
+        self.model = BatchLatencyModel() if policy == "adaptive" else None
+        """The batch times learned (adaptive policy only)."""
+        self._arrivals = 0
+        self._rate = 0.0
+        self._rate_at: float | None = None
+        self.target = max_batch_size
+        """The batch size the policy last waited for."""
+        self._preparing = 0
+        """Images of ``submit_prepared`` requests being decoded or waiting for a decode thread: they
+        will be queued ahead of anything admitted now."""
         self._infer = infer
         self.max_batch_size = max_batch_size
         self.max_delay = max_delay
         self.max_queue_size = max_queue_size
         self.max_inflight_batches = max_inflight_batches
         self._on_batch = on_batch
+        self._tracing = tracing
+        self._backend_name = backend_name
         self._queue: deque[_Item] = deque()
         self._wake = asyncio.Event()
         self._wanted = 1
@@ -120,11 +173,71 @@ class DynamicBatcher:
         if self._closing or self._loop_task is None:
             raise BackendUnavailable("the gateway is shutting down" if self._closing else "batcher not started")
 
-    def _check_room(self, count: int) -> None:
+    def _check_room(self, count: int, deadline: float | None = None) -> None:
         if len(self._queue) + count > self.max_queue_size:
             raise QueueFull(f"{len(self._queue)} images are queued and the limit is {self.max_queue_size}; retry later")
+        if deadline is not None and self.model is not None:
+            self._check_deadline(count, deadline)
+
+    def predicted_wait(self, count: int) -> float | None:
+        """Seconds until ``count`` more images would be answered, behind the queue and the batches
+        running now, from the learned batch times and how far they have recently been exceeded
+        (None before the model has seen a batch)."""
+        fit = self.model.fit if self.model is not None else None
+        if fit is None:
+            return None
+        ahead = len(self._queue) + self._preparing + count
+        batch = min(ahead, self.max_batch_size)
+        waves = math.ceil(math.ceil(ahead / self.max_batch_size) / self.max_inflight_batches)
+        busy = fit.seconds(self.max_batch_size) / 2 if self._inflight >= self.max_inflight_batches else 0.0
+        return (busy + waves * fit.seconds(batch)) * self.model.margin  # type: ignore[union-attr]
+
+    def _check_deadline(self, count: int, deadline: float) -> None:
+        wait = self.predicted_wait(count)
+        if wait is None:
+            return
+        left = deadline - asyncio.get_running_loop().time()
+        if wait > left:
+            raise DeadlineUnmeetable(
+                f"{len(self._queue) + self._preparing} images are ahead: about {wait:.2f} s to answer, and "
+                f"the request's deadline is {max(left, 0.0):.2f} s away; retry later",
+                retry_after=max(1, math.ceil(wait)),
+            )
+
+    @property
+    def rate(self) -> float:
+        """The latest arrival-rate estimate, images per second (adaptive policy)."""
+        return self._rate
+
+    def arrival_rate(self, now: float) -> float:
+        """Images admitted per second, exponentially weighted over ``RATE_TIME_CONSTANT``; updated
+        when the batcher looks (once per batch), not per request."""
+        if self._rate_at is None:
+            self._rate_at = now
+            return self._rate
+        elapsed = now - self._rate_at
+        if elapsed >= 0.01:
+            weight = 1.0 - math.exp(-elapsed / RATE_TIME_CONSTANT)
+            self._rate += weight * (self._arrivals / elapsed - self._rate)
+            self._arrivals = 0
+            self._rate_at = now
+        return self._rate
+
+    def _target(self, now: float) -> int:
+        """How many images the next batch waits for while the backend is busy: the whole batch
+        (fixed policy, or an adaptive model not ready yet), else the smallest n whose batches keep
+        up with the arrivals: ``rate * (a*n + b) / n <= slots``, i.e. ``n >= rate*b / (slots - rate*a)``."""
+        fit = self.model.fit if self.model is not None else None
+        if fit is None:
+            return self.max_batch_size
+        rate = self.arrival_rate(now) * HEADROOM
+        spare = self.max_inflight_batches - rate * fit.a
+        if spare <= 0:  # not even full batches keep up: make them full
+            return self.max_batch_size
+        return max(1, min(self.max_batch_size, math.ceil(rate * fit.b / spare)))
 
     def _enqueue(self, items: list[_Item]) -> None:
+        self._arrivals += len(items)
         self._queue.extend(items)
         self._idle.clear()
         if len(self._queue) >= self._wanted:
@@ -144,22 +257,30 @@ class DynamicBatcher:
                 expiry.cancel()
             self._forget(items)
 
-    async def submit(self, images: Sequence[np.ndarray], *, deadline: float | None = None) -> list[np.ndarray]:
+    async def submit(
+        self, images: Sequence[np.ndarray], *, deadline: float | None = None, parent: SpanContext | None = None
+    ) -> list[np.ndarray]:
         """Queue the images as one request and return their score rows in order.
 
-        ``deadline`` is on the event loop's clock (``loop.time()``)."""
+        ``deadline`` is on the event loop's clock (``loop.time()``); ``parent`` is the request's span
+        context when its trace is sampled."""
         self._check_open()
         if not images:
             return []
-        self._check_room(len(images))
+        self._check_room(len(images), deadline)
         loop = asyncio.get_running_loop()
         now = loop.time()
-        items = [_Item(img, loop.create_future(), deadline, now) for img in images]
+        items = [_Item(img, loop.create_future(), deadline, now, parent) for img in images]
         self._enqueue(items)
         return await self._results(items, deadline)
 
     async def submit_prepared(
-        self, prepare: Callable[[], np.ndarray], executor: Executor, *, deadline: float | None = None
+        self,
+        prepare: Callable[[], np.ndarray],
+        executor: Executor,
+        *,
+        deadline: float | None = None,
+        parent: SpanContext | None = None,
     ) -> np.ndarray:
         """Run ``prepare`` (decoding one image) in ``executor`` and queue its image from there, as a
         request of one image; return its score row. ``prepare``'s error is the request's error.
@@ -168,33 +289,47 @@ class DynamicBatcher:
         would wake it for the image too: on the serving path that wake-up and its futures cost more
         than the batching itself. The deadline covers both stages."""
         self._check_open()
+        if self.model is not None and deadline is not None:  # refuse before spending a decode on it
+            self._check_deadline(1, deadline)
         loop = asyncio.get_running_loop()
-        item = _Item(_NO_IMAGE, loop.create_future(), deadline, 0.0)
+        item = _Item(_NO_IMAGE, loop.create_future(), deadline, 0.0, parent)
 
         def work() -> None:
+            done: Callable[[], None]
             if item.future.done():  # cancelled or timed out while waiting for a thread: no decode
-                return
-            try:
-                done = partial(self._admit, item, prepare())
-            except Exception as exc:
-                done = partial(_fail, item, exc)
+                done = self._prepared_none
+            else:
+                try:
+                    done = partial(self._admit, item, prepare())
+                except Exception as exc:
+                    done = partial(self._prepare_failed, item, exc)
             with suppress(RuntimeError):  # the loop has closed: nobody waits any more
                 loop.call_soon_threadsafe(done)
 
+        self._preparing += 1
         try:
             executor.submit(work)
         except RuntimeError:  # the pool has shut down
+            self._preparing -= 1
             raise BackendUnavailable("the gateway is shutting down") from None
         (row,) = await self._results([item], deadline)
         return row
 
+    def _prepared_none(self) -> None:
+        self._preparing -= 1
+
+    def _prepare_failed(self, item: _Item, exc: Exception) -> None:
+        self._preparing -= 1
+        _fail(item, exc)
+
     def _admit(self, item: _Item, image: np.ndarray) -> None:
         """Queue a prepared image (on the loop), unless its request is over or there is no room."""
+        self._preparing -= 1
         if item.future.done():
             return
         try:
             self._check_open()
-            self._check_room(1)
+            self._check_room(1, item.deadline)
         except GatewayError as exc:
             item.future.set_exception(exc)
             return
@@ -245,13 +380,19 @@ class DynamicBatcher:
         sets it when the delay is up."""
         if not self._queue:
             return
-        flush_at = self._queue[0].enqueued + self.max_delay
-        if self._inflight == 0 or len(self._queue) >= self.max_batch_size or flush_at <= loop.time():
+        now = loop.time()
+        target = self.target = self._target(now)
+        oldest = self._queue[0]
+        flush_at = oldest.enqueued + self.max_delay
+        fit = self.model.fit if self.model is not None else None
+        if fit is not None and oldest.deadline is not None:  # leave the oldest time to be answered
+            flush_at = min(flush_at, oldest.deadline - fit.seconds(target))
+        if self._inflight == 0 or len(self._queue) >= target or flush_at <= now:
             return
-        self._wanted = self.max_batch_size
+        self._wanted = target
         timer = loop.call_at(flush_at, self._wake.set)
         try:
-            while self._inflight and len(self._queue) < self.max_batch_size and loop.time() < flush_at:
+            while self._inflight and len(self._queue) < target and loop.time() < flush_at:
                 self._wake.clear()
                 await self._wake.wait()
         finally:
@@ -270,14 +411,40 @@ class DynamicBatcher:
             batch.append(item)
         return batch
 
+    def _trace_batch(self, batch: list[_Item], traced: list[_Item], started: float) -> trace.Span:
+        """The batch's span (child of its first sampled request, linked to all of them) and each
+        sampled request's ``batch wait`` span, which ended at dispatch (``started``, now) and links
+        to the batch."""
+        assert self._tracing is not None
+        parents = [item.trace for item in traced if item.trace is not None]  # all of them: typed
+        span = self._tracing.child(
+            "batch",
+            parents[0],
+            kind=SpanKind.CLIENT,
+            links=[Link(parent) for parent in parents],
+            attributes={"gateway.batch.size": len(batch), "gateway.backend": self._backend_name},
+        )
+        to_batch = [Link(span.get_span_context())]
+        dispatched = time.time_ns()
+        for item, parent in zip(traced, parents, strict=True):
+            start_ns = epoch_ns(item.enqueued, started)
+            wait = self._tracing.child("batch wait", parent, start_ns=start_ns, links=to_batch)
+            wait.end(end_time=dispatched)
+        return span
+
     async def _run_batch(self, batch: list[_Item], loop: asyncio.AbstractEventLoop) -> None:
         started = loop.time()
         error: GatewayError | None = None
+        fit = self.model.fit if self.model is not None else None
+        predicted = fit.seconds(len(batch)) if fit is not None else None
+        traced = [item for item in batch if item.trace is not None] if self._tracing is not None else []
+        span = self._trace_batch(batch, traced, started) if traced else None
         try:
             deadlines = [item.deadline for item in batch]
             timeout = None if None in deadlines else max(d for d in deadlines if d is not None) - started
             # the images as they are: the backend lays out its input off the loop (``BatchBuffer``)
-            scores = await self._infer([item.image for item in batch], timeout=timeout)
+            with trace.use_span(span, end_on_exit=False) if span is not None else nullcontext():
+                scores = await self._infer([item.image for item in batch], timeout=timeout)
             if len(scores) != len(batch):
                 raise BackendError(f"backend returned {len(scores)} results for a batch of {len(batch)} images")
             finite = np.isfinite(scores).all(axis=tuple(range(1, np.ndim(scores))))
@@ -301,6 +468,14 @@ class DynamicBatcher:
                 for item in batch:
                     if not item.future.done():
                         item.future.set_exception(error)
+            if span is not None:
+                if error is not None:
+                    span.set_status(StatusCode.ERROR, f"{error.error}: {error.detail}")
+                    span.set_attribute("error.type", error.error)
+                span.end()
+            backend_seconds = loop.time() - started
+            if self.model is not None and error is None:
+                self.model.observe(len(batch), backend_seconds)
             self._inflight -= 1
             self._slots.release()
             self._wake.set()
@@ -310,8 +485,12 @@ class DynamicBatcher:
                     BatchReport(
                         size=len(batch),
                         queue_waits=[started - item.enqueued for item in batch],
-                        backend_seconds=loop.time() - started,
+                        backend_seconds=backend_seconds,
+                        predicted_seconds=predicted,
                         error=None if error is None else error.error,
+                        trace_ids=[trace_id_hex(i.trace) if i.trace is not None else None for i in batch]
+                        if traced
+                        else [],
                     )
                 )
 

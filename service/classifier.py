@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from functools import partial
 
 import numpy as np
+from opentelemetry.trace import SpanContext, StatusCode
 
 from service.batcher import DynamicBatcher
 from service.budget import ByteBudget
@@ -21,6 +22,7 @@ from service.imageinfo import probe
 from service.metrics import Metrics
 from service.models.profiles import ModelProfile, top_k
 from service.preprocess import PreprocessConfig, check_limits, prepare
+from service.tracing import Tracing, sampled_context, trace_id_hex
 
 
 @dataclass(frozen=True)
@@ -53,6 +55,7 @@ class Classifier:
         metrics: Metrics,
         config: PreprocessConfig,
         budget: ByteBudget | None = None,
+        tracing: Tracing | None = None,
     ) -> None:
         self.profile = profile
         self.batcher = batcher
@@ -61,24 +64,45 @@ class Classifier:
         self.config = config
         self.budget = budget
         """Decoder memory shared by the pool's threads (None: each thread bounded by the config alone)."""
+        self.tracing = tracing
         self.model_info = {"name": profile.name, "version": profile.version}
         self._model_json = json.dumps(self.model_info, separators=(",", ":"))
         self._labels_json = [json.dumps(label) for label in profile.labels]
 
-    def _prepare_timed(self, data: bytes, deadline: float | None) -> np.ndarray:
+    def _prepare_timed(self, data: bytes, deadline: float | None, parent: SpanContext | None = None) -> np.ndarray:
+        """Decode one image (in a pool thread), timed; under ``parent`` (a sampled request's span)
+        as a ``decode`` span whose trace id the duration's exemplar carries."""
+        span = None
+        if parent is not None and self.tracing is not None:
+            span = self.tracing.child("decode", parent, attributes={"gateway.image.bytes": len(data)})
         start = time.perf_counter()
         try:
             return prepare(data, self.config, self.budget, deadline)
+        except Exception as exc:
+            if span is not None:
+                span.set_status(StatusCode.ERROR, str(exc))
+                span.set_attribute("error.type", getattr(exc, "error", type(exc).__name__))
+            raise
         finally:
-            self.metrics.preprocess_duration.observe(time.perf_counter() - start)
+            seconds = time.perf_counter() - start
+            if span is None:
+                self.metrics.preprocess_duration.observe(seconds)
+            else:
+                self.metrics.preprocess_duration.observe(seconds, {"trace_id": trace_id_hex(span.get_span_context())})
+                span.end()
 
-    async def preprocess(self, images: list[ImageInput], deadline: float | None = None) -> list[np.ndarray]:
+    async def preprocess(
+        self, images: list[ImageInput], deadline: float | None = None, parent: SpanContext | None = None
+    ) -> list[np.ndarray]:
         """Decode every image in the pool; if any is bad, raise its error naming which image.
 
         A request whose images are not all valid is refused whole, before anything is queued."""
         loop = asyncio.get_running_loop()
         outcomes = await asyncio.gather(
-            *(loop.run_in_executor(self.executor, self._prepare_timed, image.data, deadline) for image in images),
+            *(
+                loop.run_in_executor(self.executor, self._prepare_timed, image.data, deadline, parent)
+                for image in images
+            ),
             return_exceptions=True,
         )
         arrays: list[np.ndarray] = []
@@ -103,16 +127,17 @@ class Classifier:
         await asyncio.get_running_loop().run_in_executor(self.executor, self._check, images)
 
     async def classify(self, images: list[ImageInput], *, k: int, deadline: float | None) -> list[Classification]:
+        parent = sampled_context() if self.tracing is not None else None
         if len(images) == 1:  # the common case, decoded and queued from the pool in one step
-            prepare = partial(self._prepare_timed, images[0].data, deadline)
-            rows = [await self.batcher.submit_prepared(prepare, self.executor, deadline=deadline)]
+            prepare = partial(self._prepare_timed, images[0].data, deadline, parent)
+            rows = [await self.batcher.submit_prepared(prepare, self.executor, deadline=deadline, parent=parent)]
         else:  # all decoded before any is queued: a bad image refuses its request whole
             try:
                 async with asyncio.timeout_at(deadline):
-                    arrays = await self.preprocess(images, deadline)
+                    arrays = await self.preprocess(images, deadline, parent)
             except TimeoutError:
                 raise DeadlineExceeded("the request deadline passed while decoding its images") from None
-            rows = await self.batcher.submit(arrays, deadline=deadline)
+            rows = await self.batcher.submit(arrays, deadline=deadline, parent=parent)
         started = time.perf_counter()
         labels = self.profile.labels
         out = [

@@ -63,17 +63,23 @@ def _prepare_multiprocess(args: argparse.Namespace) -> None:
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = directory
 
 
+def _logging(settings: Settings) -> dict[str, Any]:
+    from service.logs import configure_logging
+
+    return configure_logging(settings.log_level, settings.log_format, settings.log_repeat_interval)
+
+
 def _serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from service.http_protocol import http_protocol
 
     settings = _settings(args)
-    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     common: dict[str, Any] = {
         "host": settings.host,
         "port": settings.port,
         "log_level": settings.log_level,
+        "log_config": _logging(settings),
         "timeout_graceful_shutdown": int(settings.request_timeout) + 5,
         "limit_concurrency": settings.max_connections,
         "http": http_protocol(settings.header_timeout, settings.body_timeout),
@@ -171,7 +177,7 @@ def _worker(args: argparse.Namespace) -> int:
     from service.jobs.worker import run_worker
 
     settings = _settings(args)
-    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    _logging(settings)
     asyncio.run(run_worker(settings))
     return 0
 
@@ -182,7 +188,7 @@ def _ingest(args: argparse.Namespace) -> int:
     from service.jobs.ingest import run_ingest
 
     settings = _settings(args)
-    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    _logging(settings)
     return asyncio.run(
         run_ingest(
             settings,

@@ -6,7 +6,11 @@ handler in the app renders every one as ``{"error": ..., "detail": ...}``.
 
 from __future__ import annotations
 
+from typing import Any
+
 from starlette.responses import JSONResponse
+
+from service.logs import REQUEST_ID
 
 
 class GatewayError(Exception):
@@ -78,6 +82,14 @@ class QueueFull(GatewayError):
         super().__init__(detail, headers={"Retry-After": str(retry_after)})
 
 
+class DeadlineUnmeetable(QueueFull):
+    """The adaptive batcher predicts, from the queue ahead and the batch times it has learned, that
+    the request would pass its deadline: refused at once (429, like a full queue: retrying once
+    the queue has drained can succeed) instead of timing out later."""
+
+    error = "deadline_unmeetable"
+
+
 class BackendError(GatewayError):
     """The backend failed while running a batch."""
 
@@ -97,6 +109,15 @@ class DeadlineExceeded(GatewayError):
     error = "deadline_exceeded"
 
 
+def error_body(error: str, detail: str) -> dict[str, Any]:
+    """The one JSON shape of every error the gateway answers: the code, what was wrong, and the
+    request's id (also in the ``X-Request-ID`` header and on its log lines)."""
+    body: dict[str, Any] = {"error": error, "detail": detail}
+    request_id = REQUEST_ID.get()
+    if request_id is not None:
+        body["request_id"] = request_id
+    return body
+
+
 def error_response(exc: GatewayError) -> JSONResponse:
-    """The one JSON shape of every error the gateway answers."""
-    return JSONResponse({"error": exc.error, "detail": exc.detail}, status_code=exc.status_code, headers=exc.headers)
+    return JSONResponse(error_body(exc.error, exc.detail), status_code=exc.status_code, headers=exc.headers)

@@ -23,6 +23,8 @@ from typing import Any
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
+from service.middleware import REQUEST_ID_SCOPE, new_request_id
+
 TIMED_OUT = "gateway.timed_out"
 """Scope key set (to the 408's detail) when the request's body did not arrive in time."""
 
@@ -84,15 +86,18 @@ class TimeoutProtocol(HttpToolsProtocol):
             return
         detail = f"the request body did not arrive within {self.body_timeout:g} s ({self._body_bytes} bytes received)"
         cycle.scope[TIMED_OUT] = detail  # type: ignore[literal-required]
-        self._refuse(detail)
+        self._refuse(detail, cycle.scope.get(REQUEST_ID_SCOPE))  # type: ignore[arg-type]
 
-    def _refuse(self, detail: str) -> None:
+    def _refuse(self, detail: str, request_id: str | None = None) -> None:
+        """Answer 408 in the gateway's error shape (with the request's id, or a new one when the
+        request never got as far as the app) and close."""
         if self.transport.is_closing():
             return
-        body = json.dumps({"error": "request_timeout", "detail": detail}).encode()
+        request_id = request_id or new_request_id()
+        body = json.dumps({"error": "request_timeout", "detail": detail, "request_id": request_id}).encode()
         self.transport.write(
             b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\nconnection: close\r\n"
-            + f"content-length: {len(body)}\r\n\r\n".encode()
+            + f"x-request-id: {request_id}\r\ncontent-length: {len(body)}\r\n\r\n".encode()
             + body
         )
         self.transport.close()

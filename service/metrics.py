@@ -10,9 +10,9 @@ from prometheus_client import (
     Gauge,
     Histogram,
     ProcessCollector,
-    generate_latest,
     multiprocess,
 )
+from prometheus_client.exposition import choose_encoder
 
 from service.batcher import BatchReport, DynamicBatcher
 from service.budget import ByteBudget
@@ -117,6 +117,32 @@ class Metrics:
             "Images that waited for decoder memory held by others (raise GATEWAY_MAX_DECODE_BYTES if it grows).",
             registry=r,
         )
+        self.batch_model = Gauge(
+            "gateway_batch_model_seconds",
+            "Adaptive batching: the backend's batch time learned as a*n + b; term=per_image is a, "
+            "term=per_batch is b (absent with the fixed policy, NaN until learned).",
+            ["term"],
+            registry=r,
+            multiprocess_mode="livemax",
+        )
+        self.batch_target = Gauge(
+            "gateway_batch_target_size",
+            "Images the batcher last waited for while the backend was busy (fixed: max_batch_size).",
+            registry=r,
+            multiprocess_mode="livesum",
+        )
+        self.arrival_rate = Gauge(
+            "gateway_batcher_arrival_rate",
+            "Images per second admitted to the batcher, as the adaptive policy estimates it.",
+            registry=r,
+            multiprocess_mode="livesum",
+        )
+        self.batch_prediction = Histogram(
+            "gateway_batch_prediction_ratio",
+            "Adaptive batching: each batch's actual backend seconds / the model's prediction (1 is exact).",
+            buckets=(0.25, 0.5, 0.67, 0.8, 0.9, 1.0, 1.1, 1.25, 1.5, 2.0, 4.0),
+            registry=r,
+        )
         self.rejections = Counter(
             "gateway_rejections_total",
             "Requests refused, by reason (the error code in the body).",
@@ -153,6 +179,7 @@ class Metrics:
             "unsupported_media_type",
             "invalid_parameters",
             "queue_full",
+            "deadline_unmeetable",
             "deadline_exceeded",
             "backend_unavailable",
             "backend_error",
@@ -178,25 +205,43 @@ class Metrics:
         if batcher is not None:
             self.queue_depth.set(batcher.queue_depth)
             self.inflight_batches.set(batcher.inflight_batches)
+            self.batch_target.set(batcher.target)
+            if batcher.model is not None:
+                fit = batcher.model.fit
+                self.batch_model.labels("per_image").set(fit.a if fit else float("nan"))
+                self.batch_model.labels("per_batch").set(fit.b if fit else float("nan"))
+                self.arrival_rate.set(batcher.rate)
         budget = getattr(self, "_budget", None)
         if budget is not None:
             self.decode_bytes_reserved.set(budget.reserved)
 
-    def exposition(self) -> bytes:
-        """The Prometheus text for /metrics: this registry, or with several uvicorn workers the
-        sum over every worker's files (counters and histograms added, gauges per their mode)."""
+    def exposition(self, accept: str = "") -> tuple[bytes, str]:
+        """The body and content type for /metrics: this registry, or with several uvicorn workers
+        the sum over every worker's files (counters and histograms added, gauges per their mode).
+
+        In the format the scraper's ``Accept`` asks for: Prometheus text by default, OpenMetrics
+        (which carries the latency histograms' trace-id exemplars) when asked. Exemplars are kept
+        by a single process only: prometheus_client's multiprocess files do not hold them."""
         self.sample()
+        encoder, content_type = choose_encoder(accept)
         if not self.multiprocess:
-            return generate_latest(self.registry)
+            return encoder(self.registry), content_type
         registry = CollectorRegistry()
         multiprocess.MultiProcessCollector(registry)  # type: ignore[no-untyped-call]
         ProcessCollector(registry=registry)  # the answering worker's own process
-        return generate_latest(registry)
+        return encoder(registry), content_type
 
     def observe_batch(self, report: BatchReport) -> None:
         self.batch_size.observe(report.size)
-        self.backend_duration.labels(self._backend).observe(report.backend_seconds)
-        for wait in report.queue_waits:
-            self.queue_wait.observe(wait)
+        if report.predicted_seconds and report.error is None:
+            self.batch_prediction.observe(report.backend_seconds / report.predicted_seconds)
+        # exemplars: each image's trace id when sampled; the batch's span is in the first one's trace
+        trace_ids = report.trace_ids or [None] * len(report.queue_waits)
+        first = next((t for t in trace_ids if t is not None), None)
+        self.backend_duration.labels(self._backend).observe(
+            report.backend_seconds, {"trace_id": first} if first is not None else None
+        )
+        for wait, trace_id in zip(report.queue_waits, trace_ids, strict=True):
+            self.queue_wait.observe(wait, {"trace_id": trace_id} if trace_id is not None else None)
         if report.error is not None:
             self.backend_errors.labels(self._backend, report.error).inc()

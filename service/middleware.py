@@ -1,15 +1,21 @@
-"""Pure ASGI middleware: bounds on receiving request bodies, API keys, and per-route request metrics."""
+"""Pure ASGI middleware: request ids and per-route metrics, bounds on receiving request bodies, API keys."""
 
 from __future__ import annotations
 
 import hmac
+import os
+import re
 import time
 
+from opentelemetry import context as otel_context
+from opentelemetry.trace import Span, StatusCode
 from prometheus_client import Counter, Histogram
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from service.errors import PayloadTooLarge, QueueFull, Unauthorized, error_response
+from service.logs import REQUEST_ID
 from service.metrics import Metrics
+from service.tracing import Tracing, trace_id_hex
 
 
 class BodyLimitMiddleware:
@@ -71,16 +77,38 @@ class BodyLimitMiddleware:
             self.buffered -= received
 
 
-class MetricsMiddleware:
-    """Count requests and time them by route template (not raw path, to bound label values)."""
+REQUEST_ID_HEADER = b"x-request-id"
+REQUEST_ID_SCOPE = "gateway.request_id"
+"""Scope key holding the request's id (for layers that answer outside the request's task)."""
+_CLIENT_ID = re.compile(rb"[A-Za-z0-9._:-]{1,128}")
+"""A request id a client may choose (it is echoed in headers, bodies and logs)."""
+_TRACE_HEADERS = (b"traceparent", b"tracestate")
 
-    def __init__(self, app: ASGIApp, metrics: Metrics) -> None:
+
+def new_request_id() -> str:
+    return os.urandom(8).hex()
+
+
+class RequestMiddleware:
+    """The outermost layer of every HTTP request: its id, its trace, and its metrics.
+
+    * The id is the client's ``X-Request-ID`` when it is a sane token, else a new one; it is
+      answered in the ``X-Request-ID`` header, set in every error body (``errors.error_response``
+      reads it) and on every log line the request causes (``service.logs.REQUEST_ID``).
+    * With tracing on, a sampled request gets the server span (``METHOD /route``, the HTTP semantic
+      conventions' attributes, error status on 5xx), current while it is handled; the decision
+      costs next to nothing for the others (``Tracing.server_context``).
+    * Requests are counted and timed by route template (not raw path, to bound label values); a
+      sampled request's latency carries its trace id as an exemplar."""
+
+    def __init__(self, app: ASGIApp, metrics: Metrics, tracing: Tracing | None = None) -> None:
         self.app = app
         self.metrics = metrics
+        self.tracing = tracing
         self._series: dict[tuple[str, str, int], tuple[Counter, Histogram]] = {}
         """Label children by (route, method, status): ``labels()`` costs a lock and a validation."""
 
-    def _record(self, route: str, method: str, status: int, seconds: float) -> None:
+    def _record(self, route: str, method: str, status: int, seconds: float, span: Span | None) -> None:
         series = self._series.get((route, method, status))
         if series is None:
             series = (
@@ -90,7 +118,10 @@ class MetricsMiddleware:
             if len(self._series) < 1024:  # methods and statuses are few, but a client chooses them
                 self._series[(route, method, status)] = series
         series[0].inc()
-        series[1].observe(seconds)
+        if span is not None:
+            series[1].observe(seconds, {"trace_id": trace_id_hex(span.get_span_context())})
+        else:
+            series[1].observe(seconds)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -98,18 +129,54 @@ class MetricsMiddleware:
             return
         start = time.perf_counter()
         status = 500
+        request_id = None
+        carrier: dict[str, str] = {}
+        for name, value in scope["headers"]:
+            if name == REQUEST_ID_HEADER:
+                if _CLIENT_ID.fullmatch(value):
+                    request_id = value.decode()
+            elif name in _TRACE_HEADERS:
+                carrier[name.decode()] = value.decode("latin-1")
+        if request_id is None:
+            request_id = new_request_id()
+        scope[REQUEST_ID_SCOPE] = request_id
+        token = REQUEST_ID.set(request_id)
+        id_header = (REQUEST_ID_HEADER, request_id.encode())
+        span = None
+        trace_token = None
+        if self.tracing is not None:
+            span, context = self.tracing.server_context(
+                scope["method"], scope["path"], scope.get("scheme", "http"), carrier
+            )
+            trace_token = otel_context.attach(context)
 
         async def send_wrapper(message: Message) -> None:
             nonlocal status
             if message["type"] == "http.response.start":
                 status = message["status"]
+                message["headers"] = [*message.get("headers", ()), id_header]
             await send(message)
 
         try:
             await self.app(scope, receive, send_wrapper)
         finally:
             route = getattr(scope.get("route"), "path", None) or "unmatched"
-            self._record(route, scope["method"], status, time.perf_counter() - start)
+            self._record(route, scope["method"], status, time.perf_counter() - start, span)
+            if span is not None:
+                _end_server_span(span, scope["method"], route, status)
+            if trace_token is not None:
+                otel_context.detach(trace_token)
+            REQUEST_ID.reset(token)
+
+
+def _end_server_span(span: Span, method: str, route: str, status: int) -> None:
+    span.update_name(f"{method} {route}")
+    span.set_attribute("http.route", route)
+    span.set_attribute("http.response.status_code", status)
+    if status >= 500:
+        span.set_attribute("error.type", str(status))
+        span.set_status(StatusCode.ERROR)
+    span.end()
 
 
 OPEN_PATHS = frozenset({"/healthz", "/readyz"})

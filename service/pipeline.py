@@ -28,6 +28,7 @@ from service.models.profiles import ModelProfile, get_profile
 from service.models.store import ensure_model
 from service.preprocess import PreprocessConfig
 from service.settings import Settings
+from service.tracing import Tracing
 
 logger = logging.getLogger(__name__)
 
@@ -81,7 +82,7 @@ class Pipeline:
 
 @asynccontextmanager
 async def open_pipeline(
-    settings: Settings, metrics: Metrics, backend: Backend | None = None
+    settings: Settings, metrics: Metrics, backend: Backend | None = None, tracing: Tracing | None = None
 ) -> AsyncIterator[Pipeline]:
     """Start backend, batcher and preprocessing pool; on exit drain and close them in order."""
     profile = get_profile(settings.model)
@@ -100,6 +101,9 @@ async def open_pipeline(
         max_queue_size=settings.max_queue_size,
         max_inflight_batches=settings.max_inflight_batches,
         on_batch=metrics.observe_batch,
+        tracing=tracing,
+        backend_name=chosen.name,
+        policy=settings.batch_policy,
     )
     metrics.bind_batcher(batcher, chosen.name)
     pool = ThreadPoolExecutor(max_workers=settings.preprocess_workers, thread_name_prefix="preprocess")
@@ -117,7 +121,7 @@ async def open_pipeline(
     ]
     logger.info("pipeline ready: model %s v%s on the %s backend", profile.name, profile.version, chosen.name)
     try:
-        yield Pipeline(Classifier(profile, batcher, pool, metrics, config, budget), chosen, health)
+        yield Pipeline(Classifier(profile, batcher, pool, metrics, config, budget, tracing), chosen, health)
     finally:
         for watcher in watchers:
             watcher.cancel()

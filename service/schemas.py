@@ -29,6 +29,11 @@ class ClassifyResponse(BaseModel):
 class ErrorBody(BaseModel):
     error: str = Field(description="Machine-readable error code, e.g. bad_image, queue_full.")
     detail: str = Field(description="What was wrong, for a person.")
+    request_id: str | None = Field(
+        default=None,
+        description="The request's id, as in the X-Request-ID header and the gateway's log lines "
+        "(absent in a job's stored error).",
+    )
 
 
 class Readiness(BaseModel):

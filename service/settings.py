@@ -44,6 +44,20 @@ class Settings(BaseSettings):
     access_log: bool = False
     """uvicorn's access log, a line per request (off: the request metrics count every request,
     and a log line per image costs as much as the rest of a cheap request's path)."""
+    log_format: Literal["text", "json"] = "text"
+    """Log lines as text, or as one JSON object per line (for a log pipeline). Either way a line a
+    request or job causes carries its ``request_id`` / ``job_id`` and, when traced, ``trace_id``."""
+    log_repeat_interval: float = Field(10.0, ge=0.0)
+    """Seconds during which further copies of one warning (same logger and message) are dropped
+    and counted, said on the next copy let through (0: every copy is written)."""
+    tracing_endpoint: str | None = None
+    """OTLP/HTTP collector URL for OpenTelemetry traces, e.g. ``http://otel-collector:4318``
+    (spans are posted to ``/v1/traces`` under it). Unset: tracing is off and costs nothing."""
+    tracing_service_name: str = "inference-gateway"
+    """``service.name`` of the spans (each process also says its ``gateway.role``)."""
+    tracing_sample_ratio: float = Field(0.01, ge=0.0, le=1.0)
+    """Share of new traces sampled. A request whose ``traceparent`` says its caller sampled it is
+    always traced (and one whose caller did not, never), so a trace is whole or absent."""
 
     api_keys: SecretStr | None = None
     """Comma-separated API keys; when set (or ``api_keys_file`` is), every route but /healthz and
@@ -136,7 +150,13 @@ class Settings(BaseSettings):
     """Most images the batcher puts in one backend call."""
     max_delay: float = Field(0.005, ge=0.0, le=10.0)
     """Seconds the batcher waits for a batch to fill while another batch is in the backend; an idle
-    backend gets a lone request at once."""
+    backend gets a lone request at once. With the adaptive policy, the most it may wait."""
+    batch_policy: Literal["fixed", "adaptive"] = "fixed"
+    """How long a batch waits to fill while the backend is busy: ``fixed`` waits for
+    ``max_batch_size`` images or ``max_delay``; ``adaptive`` learns the backend's batch time
+    (``a * n + b``) and the arrival rate, waits only for the smallest batch that keeps up, and
+    refuses at once (429 ``deadline_unmeetable``) a request the queue ahead would make miss its
+    deadline."""
     max_inflight_batches: int = Field(2, ge=1, le=64)
     """Batches in the backend at once: more than one lets the next batch form while one runs."""
     max_queue_size: int = Field(256, ge=1)

@@ -77,15 +77,16 @@ def crafted_png(width: int, height: int, colour_type: int = 2) -> bytes:
 
 
 @asynccontextmanager
-async def running_prometheus(config: Path, data: Path) -> AsyncIterator[httpx.AsyncClient]:
-    """A real Prometheus (Debian's package) with ``config``; yields a client for its HTTP API once
-    it is ready."""
+async def running_prometheus(config: Path, data: Path, *flags: str) -> AsyncIterator[httpx.AsyncClient]:
+    """A real Prometheus (Debian's package) with ``config`` (and more ``flags``); yields a client
+    for its HTTP API once it is ready."""
     port = free_port()
     process = await asyncio.create_subprocess_exec(
         "prometheus",
         f"--config.file={config}",
         f"--storage.tsdb.path={data}",
         f"--web.listen-address=127.0.0.1:{port}",
+        *flags,
         stdout=asyncio.subprocess.DEVNULL,
         stderr=asyncio.subprocess.DEVNULL,
     )

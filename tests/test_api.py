@@ -35,8 +35,9 @@ def png_of_class(value: int) -> bytes:
 
 def error_of(response: httpx.Response) -> tuple[int, str]:
     body = response.json()
-    assert set(body) == {"error", "detail"}
+    assert set(body) == {"error", "detail", "request_id"}
     assert body["detail"]
+    assert body["request_id"] == response.headers["x-request-id"]
     return response.status_code, body["error"]
 
 

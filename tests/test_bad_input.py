@@ -89,7 +89,8 @@ async def test_bad_input_gets_clear_errors_and_harms_nothing_else(
             if code is None:
                 assert response.status_code == 200, (case, body)
             else:
-                assert set(body) == {"error", "detail"}, (case, body)
+                assert set(body) == {"error", "detail", "request_id"}, (case, body)
+                assert body["request_id"] == response.headers["x-request-id"], case
                 assert body["detail"], case
             if case == "exif-rotated photo":
                 assert body["results"][0]["labels"][0]["index"] in CAT_CLASSES  # labelled as shown upright

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import shutil
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -13,6 +14,7 @@ import httpx
 import pytest
 import yaml
 
+from loadtests.otlp_receiver import OTLPReceiver
 from service.backends.fake import FakeBackend
 from service.settings import Settings
 from tests.conftest import png_bytes, running_gateway, running_prometheus, solid_image
@@ -74,3 +76,43 @@ async def test_prometheus_scrapes_the_gateway(gateway_factory: Callable[..., Set
             assert 0 < float(p99[0]["value"][1]) <= 10
             batches = await query(prom, "gateway_batch_size_sum")
             assert float(batches[0]["value"][1]) == 7
+
+
+@pytest.mark.slow
+async def test_prometheus_keeps_the_trace_exemplars(
+    gateway_factory: Callable[..., Settings], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With exemplar storage on (as compose runs it), Prometheus scrapes OpenMetrics from the
+    gateway and keeps the trace ids of sampled requests on the latency histograms."""
+    monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "50")
+    trace_id = "9" * 32
+    with OTLPReceiver() as receiver:
+        settings = gateway_factory(backend="fake", tracing_endpoint=receiver.endpoint, tracing_sample_ratio=0.0)
+        async with running_gateway(settings, FakeBackend()) as gateway:
+            port = int(str(gateway.base_url).rsplit(":", 1)[1].rstrip("/"))
+            r = await gateway.post(
+                "/classify",
+                content=png_bytes(solid_image(3, 16)),
+                headers={"content-type": "image/png", "traceparent": f"00-{trace_id}-00f067aa0ba902b7-01"},
+            )
+            assert r.status_code == 200
+            config = shipped_config_for(port, tmp_path)
+            async with running_prometheus(config, tmp_path / "data", "--enable-feature=exemplar-storage") as prom:
+                async with asyncio.timeout(60):
+                    while True:
+                        body = (
+                            await prom.get(
+                                "/api/v1/query_exemplars",
+                                params={
+                                    "query": "gateway_http_request_duration_seconds_bucket",
+                                    "start": time.time() - 600,
+                                    "end": time.time() + 60,
+                                },
+                            )
+                        ).json()
+                        assert body["status"] == "success", body
+                        found = {e["labels"]["trace_id"] for series in body["data"] for e in series["exemplars"]}
+                        if found:
+                            break
+                        await asyncio.sleep(0.25)
+    assert found == {trace_id}

@@ -75,6 +75,7 @@ async def test_slow_uploads_cannot_starve_other_clients(gateway_factory: MakeSet
             assert status == 408
             assert body["error"] == "request_timeout"
             assert "did not arrive within 2 s" in body["detail"]
+            assert len(body["request_id"]) == 16  # the id the request was given at the edge
             assert 1.9 <= held <= 4.0
         metrics = (await client.get("/metrics")).text
         assert 'gateway_rejections_total{reason="request_timeout"} 70.0' in metrics
@@ -149,6 +150,7 @@ async def test_slow_headers_are_cut_off(gateway_factory: MakeSettings) -> None:
         for answer, held in await asyncio.gather(*slow):
             assert answer.startswith(b"HTTP/1.1 408")
             assert b'"error": "request_timeout"' in answer
+            assert b"x-request-id: " in answer  # never reached the app: a new id, still answered
             assert 0.9 <= held <= 3.0
         async with asyncio.timeout(3):
             assert (await silent_reader.read()).startswith(b"HTTP/1.1 408")

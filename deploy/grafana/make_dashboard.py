@@ -56,6 +56,7 @@ ROWS: list[tuple[str, list[dict[str, Any]]]] = [
                 "title": "/classify latency (2xx)",
                 "unit": "s",
                 "targets": quantiles("gateway_http_request_duration_seconds", f'{CLASSIFY},status_class="2xx"'),
+                "exemplars": True,
             },
             {
                 "title": "Stage latency, p95",
@@ -69,6 +70,7 @@ ROWS: list[tuple[str, list[dict[str, Any]]]] = [
                         ("postprocess", "gateway_postprocess_duration_seconds"),
                     )
                 ],
+                "exemplars": True,
             },
             {
                 "title": "Triton time per request: queue vs compute",
@@ -111,6 +113,39 @@ ROWS: list[tuple[str, list[dict[str, Any]]]] = [
                     ("queued images {{instance}}", "gateway_batcher_queue_depth"),
                     ("in-flight batches {{instance}}", "gateway_batcher_inflight_batches"),
                     ("Triton pending {{model}}", "sum by (model) (nv_inference_pending_request_count)"),
+                ],
+            },
+        ],
+    ),
+    (
+        "Adaptive batching (GATEWAY_BATCH_POLICY=adaptive)",
+        [
+            {
+                "title": "Learned batch time: a per image, b per call",
+                "unit": "s",
+                "targets": [("{{term}} {{instance}}", "gateway_batch_model_seconds")],
+            },
+            {
+                "title": "Batch time: actual / predicted (p10, p50, p90)",
+                "unit": "short",
+                "targets": [
+                    (
+                        f"p{int(q * 100)}",
+                        f"histogram_quantile({q}, sum by (le) (rate(gateway_batch_prediction_ratio_bucket[5m])))",
+                    )
+                    for q in (0.1, 0.5, 0.9)
+                ],
+            },
+            {
+                "title": "Arrivals and the batch size waited for",
+                "unit": "short",
+                "targets": [
+                    ("images/s {{instance}}", "gateway_batcher_arrival_rate"),
+                    ("target batch {{instance}}", "gateway_batch_target_size"),
+                    (
+                        "refused: deadline unmeetable /s",
+                        'sum(rate(gateway_rejections_total{reason="deadline_unmeetable"}[1m]))',
+                    ),
                 ],
             },
         ],
@@ -237,6 +272,8 @@ def build() -> dict[str, Any]:
                         "expr": expr,
                         "legendFormat": legend,
                         **({"format": "heatmap"} if spec.get("type") == "heatmap" else {}),
+                        # dots for sampled requests, each linking to its trace (tracing on)
+                        **({"exemplar": True} if spec.get("exemplars") else {}),
                     }
                     for j, (legend, expr) in enumerate(spec["targets"])
                 ],

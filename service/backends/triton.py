@@ -4,6 +4,8 @@ default) or HTTP, as uint8 NHWC tensors, optionally through system shared memory
 One long-lived client per process, opened in the lifespan. Triton's failures are mapped here, at the
 adapter edge, to the gateway's errors: unreachable or not ready -> 503, "exceeds maximum queue size"
 -> 429, deadline -> 504, anything else (a wrong shape or type included) -> 500 with a log line.
+A traced batch's context goes along in the request headers (W3C ``traceparent``, gRPC metadata or
+HTTP), so a Triton started with ``--trace-config mode=opentelemetry`` puts its spans in that trace.
 Connections are re-established by the clients themselves, so the gateway recovers when Triton comes
 back without a restart.
 """
@@ -22,6 +24,7 @@ from service.backends.base import BatchBuffer, Images
 from service.backends.triton_shm import SharedMemoryPool
 from service.errors import BackendError, BackendUnavailable, DeadlineExceeded, GatewayError, QueueFull
 from service.models.graph import INPUT_NAME, OUTPUT_NAME
+from service.tracing import current_headers
 
 logger = logging.getLogger(__name__)
 
@@ -97,6 +100,9 @@ class TritonBackend:
         kwargs: dict[str, Any] = {"model_version": self.version, "outputs": outputs}
         if self.protocol == "grpc" and timeout is not None:
             kwargs["client_timeout"] = timeout
+        headers = current_headers()  # a traced batch: Triton joins its trace
+        if headers:
+            kwargs["headers"] = headers
         return await self._client.infer(self.model, inputs, **kwargs)
 
     async def _infer_socket(self, images: Images, timeout: float | None) -> np.ndarray:

@@ -28,6 +28,7 @@ from service.jobs.messages import DEFAULT_REPLY_TO, JobResult, new_job_id, reque
 from service.jobs.topology import REQUEST_KEY, Names
 from service.metrics import Metrics
 from service.settings import Settings
+from service.tracing import Tracing, publishing
 
 logger = logging.getLogger(__name__)
 
@@ -93,8 +94,9 @@ class OfflineImage:
 
 
 class JobsClient:
-    def __init__(self, settings: Settings, metrics: Metrics) -> None:
+    def __init__(self, settings: Settings, metrics: Metrics, tracing: Tracing | None = None) -> None:
         assert settings.broker_url
+        self.tracing = tracing
         self.store = JobStore(settings.jobs_cache_bytes, settings.jobs_ttl)
         self.metrics = metrics
         self.names = Names(settings.queue_prefix)
@@ -118,9 +120,13 @@ class JobsClient:
 
     async def _on_result(self, message: AbstractIncomingMessage) -> None:
         try:
-            self.store.record(JobResult.model_validate_json(message.body))
+            result = JobResult.model_validate_json(message.body)
         except ValidationError as exc:
             logger.warning("jobs: ignoring a malformed result message: %s", exc)
+            return
+        self.store.record(result)
+        if self.tracing is not None:
+            self.tracing.job_result(message.headers, result.job_id, result.status)
 
     def start(self) -> None:
         self.broker.start()
@@ -134,15 +140,17 @@ class JobsClient:
         job_ids = []
         for image in images:
             job_id = new_job_id()
-            message = request_message(
-                image.data,
-                job_id=job_id,
-                content_type=image.content_type,
-                filename=image.filename,
-                top_k=top_k,
-                reply_to=DEFAULT_REPLY_TO,
-            )
-            await self.broker.publish("requests", message, REQUEST_KEY)
+            with publishing(self.tracing, job_id) as trace:
+                message = request_message(
+                    image.data,
+                    job_id=job_id,
+                    content_type=image.content_type,
+                    filename=image.filename,
+                    top_k=top_k,
+                    reply_to=DEFAULT_REPLY_TO,
+                    trace=trace,
+                )
+                await self.broker.publish("requests", message, REQUEST_KEY)
             self.metrics.queue_messages.labels("published").inc()
             self.store.pending(job_id, image.filename)
             job_ids.append(job_id)

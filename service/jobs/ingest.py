@@ -30,6 +30,7 @@ from service.jobs.broker import Broker
 from service.jobs.messages import JobResult, new_job_id, request_message
 from service.jobs.topology import REQUEST_KEY, Names
 from service.settings import Settings
+from service.tracing import Tracing, publishing
 
 logger = logging.getLogger(__name__)
 
@@ -123,6 +124,7 @@ async def run_ingest(
         return 0
     run = run_id(out)
     names = Names(settings.queue_prefix)
+    tracing = Tracing.from_settings(settings, role="ingest")
     broker = Broker(settings.broker_url, names, publish_timeout=settings.publish_timeout, prefetch=max_outstanding)
     await broker.connect()
     assert broker.channel is not None
@@ -142,6 +144,8 @@ async def run_ingest(
                 await message.ack()
                 return
             path = result.filename
+            if tracing is not None:
+                tracing.job_result(message.headers, result.job_id, result.status)
             if path in remaining:
                 remaining.discard(path)
                 line = result.model_dump(mode="json")
@@ -161,23 +165,27 @@ async def run_ingest(
         async def publish(path: str) -> None:
             async with sem:
                 data = await asyncio.to_thread(Path(path).read_bytes)
-                message = request_message(
-                    data,
-                    job_id=new_job_id(),
-                    content_type=content_type(data),
-                    filename=path,
-                    top_k=top_k,
-                    reply_to=f"ingest.{run}",
-                )
-                delay = 0.2
-                while path in remaining:
-                    try:
-                        await broker.publish("requests", message, REQUEST_KEY)
-                        return
-                    except BackendUnavailable as exc:  # the broker is away: wait for the reconnect
-                        logger.info("ingest: publish failed (%s); retrying", exc.detail)
-                        await asyncio.sleep(delay)
-                        delay = min(delay * 2, 5.0)
+                job_id = new_job_id()
+                # each image is one trace: this publish, the worker's job, its result back here
+                with publishing(tracing, job_id) as trace:
+                    message = request_message(
+                        data,
+                        job_id=job_id,
+                        content_type=content_type(data),
+                        filename=path,
+                        top_k=top_k,
+                        reply_to=f"ingest.{run}",
+                        trace=trace,
+                    )
+                    delay = 0.2
+                    while path in remaining:
+                        try:
+                            await broker.publish("requests", message, REQUEST_KEY)
+                            return
+                        except BackendUnavailable as exc:  # the broker is away: wait for the reconnect
+                            logger.info("ingest: publish failed (%s); retrying", exc.detail)
+                            await asyncio.sleep(delay)
+                            delay = min(delay * 2, 5.0)
 
         print(f"ingesting {len(remaining)} images ({progress.already} already done) -> {out}", file=sys.stderr)
         await asyncio.gather(*(publish(p) for p in sorted(remaining)))
@@ -199,5 +207,7 @@ async def run_ingest(
     await queue.cancel(consumer_tag)
     await queue.delete(if_unused=False, if_empty=False)
     await broker.aclose()
+    if tracing is not None:
+        await asyncio.to_thread(tracing.shutdown)
     print(f"{progress.done} results written ({progress.failed} failed) to {out}", file=sys.stderr)
     return 0

@@ -2,13 +2,15 @@
 
 A request is the encoded image itself as the body (validated cheaply before publishing, decoded by
 the worker), with ``message_id`` = job id, ``content_type`` the image type, ``reply_to`` the results
-routing key, and headers ``filename``, ``top_k`` and ``x-retries``. A result is JSON.
+routing key, and headers ``filename``, ``top_k`` and ``x-retries``. A result is JSON. Both carry
+the W3C trace headers (``traceparent``, ``tracestate``) of the span that sent them, when traced.
 """
 
 from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Mapping
 from typing import Any, Literal
 
 import aio_pika
@@ -22,6 +24,12 @@ REQUEUES_HEADER = "x-requeues"
 ERROR_HEADER = "x-gateway-error"
 DETAIL_HEADER = "x-gateway-detail"
 DEFAULT_REPLY_TO = "jobs"
+TRACE_HEADERS = ("traceparent", "tracestate")
+
+
+def trace_headers(headers: Mapping[str, Any]) -> dict[str, str]:
+    """The trace context a message carries, to pass on unchanged (a retry stays in its trace)."""
+    return {name: str(headers[name]) for name in TRACE_HEADERS if headers.get(name) is not None}
 
 
 class JobError(BaseModel):
@@ -55,8 +63,9 @@ def request_message(
     reply_to: str,
     retries: int = 0,
     requeues: int = 0,
+    trace: Mapping[str, str] | None = None,
 ) -> aio_pika.Message:
-    headers: dict[str, Any] = {"top_k": top_k, RETRIES_HEADER: retries}
+    headers: dict[str, Any] = {"top_k": top_k, RETRIES_HEADER: retries, **(trace or {})}
     if requeues:
         headers[REQUEUES_HEADER] = requeues
     if filename is not None:
@@ -72,10 +81,11 @@ def request_message(
     )
 
 
-def result_message(result: JobResult) -> aio_pika.Message:
+def result_message(result: JobResult, trace: Mapping[str, str] | None = None) -> aio_pika.Message:
     return aio_pika.Message(
         result.model_dump_json().encode(),
         message_id=result.job_id,
         content_type="application/json",
+        headers=dict(trace) if trace else None,
         delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
     )

@@ -20,6 +20,9 @@ queue). Outcomes per message:
 
 Every batch has a deadline (``request_timeout``), and the event loop touches a heartbeat file
 (``worker_heartbeat_file``) that ``gateway alive`` checks: a stuck loop cannot fake it.
+
+Each message is handled under its job id (on every log line) and, with tracing on, a ``job`` span
+continuing the trace its headers carry; the result carries that span's context on.
 """
 
 from __future__ import annotations
@@ -37,6 +40,8 @@ from typing import Any, Literal
 
 import aio_pika
 from aio_pika.abc import AbstractIncomingMessage
+from opentelemetry import trace
+from opentelemetry.trace import StatusCode
 from prometheus_client import start_http_server
 
 from service.backends.base import Backend
@@ -63,12 +68,15 @@ from service.jobs.messages import (
     new_job_id,
     request_message,
     result_message,
+    trace_headers,
 )
 from service.jobs.topology import REQUEST_KEY, Names, migrate_legacy
+from service.logs import JOB_ID
 from service.metrics import Metrics
 from service.pipeline import open_pipeline
 from service.schemas import Label, ModelInfo
 from service.settings import Settings
+from service.tracing import Tracing, current_headers
 
 logger = logging.getLogger(__name__)
 
@@ -98,6 +106,17 @@ def _int_header(headers: Mapping[str, Any], name: str) -> int:
         return 0
 
 
+def _outcome(outcome: str, error: GatewayError | None = None) -> None:
+    """Say on the job's span (when traced) how its message ended."""
+    span = trace.get_current_span()
+    if span.is_recording():
+        span.set_attribute("gateway.job.outcome", outcome)
+        if error is not None:
+            span.set_attribute("gateway.error", error.error)
+            if outcome == "failed":
+                span.set_status(StatusCode.ERROR, error.detail)
+
+
 def _filename(headers: Mapping[str, Any]) -> str | None:
     return str(headers["filename"]) if headers.get("filename") is not None else None
 
@@ -107,8 +126,16 @@ class _BrokerLost(Exception):
 
 
 class Worker:
-    def __init__(self, settings: Settings, classifier: Classifier, broker: Broker, metrics: Metrics) -> None:
+    def __init__(
+        self,
+        settings: Settings,
+        classifier: Classifier,
+        broker: Broker,
+        metrics: Metrics,
+        tracing: Tracing | None = None,
+    ) -> None:
         self.settings = settings
+        self.tracing = tracing
         self.classifier = classifier
         self.broker = broker
         self.metrics = metrics
@@ -139,7 +166,7 @@ class Worker:
             raise _BrokerLost(str(exc)) from exc
 
     async def _publish_result(self, result: JobResult, reply_to: str) -> None:
-        await self._publish("results", result_message(result), reply_to)
+        await self._publish("results", result_message(result, current_headers()), reply_to)
         self.metrics.queue_messages.labels("results_published").inc()
 
     async def _dead_letter(self, message: AbstractIncomingMessage, error: GatewayError) -> None:
@@ -160,6 +187,7 @@ class Worker:
     async def _fail(self, message: AbstractIncomingMessage, base: JobResult, error: GatewayError, reply: str) -> None:
         logger.warning("worker: job %s dead-lettered: %s: %s", base.job_id, error.error, error.detail)
         failed = base.model_copy(update={"status": "failed", "error": JobError(error=error.error, detail=error.detail)})
+        _outcome("failed", error)
         await self._publish_result(failed, reply)
         await self._dead_letter(message, error)
         self.metrics.queue_messages.labels("acked").inc()
@@ -175,6 +203,7 @@ class Worker:
             reply_to=message.reply_to or DEFAULT_REPLY_TO,
             retries=retries,
             requeues=requeues,
+            trace=trace_headers(message.headers or {}),  # a retry stays in its job's trace
         )
         await self._publish("requests", again, REQUEST_KEY)
 
@@ -188,6 +217,7 @@ class Worker:
         logger.warning(
             "worker: job %s not run (%s: %s); requeued in %.1f s", message.message_id, error.error, error.detail, pause
         )
+        _outcome("requeued", error)
         if not self.closing:
             await asyncio.sleep(pause)
         await self._republish(message, top_k, retries=_int_header(headers, RETRIES_HEADER), requeues=requeues + 1)
@@ -197,6 +227,14 @@ class Worker:
         """Every path ends in ack, nack or reject: ``message.process`` acks when the block ends and
         rejects with requeue when anything escapes it (a publish not confirmed, nacked or returned,
         an error inside an error path), so the prefetch window never fills with stranded messages."""
+        JOB_ID.set(message.message_id)  # this task's own context: every line it logs names the job
+        if self.tracing is None:
+            await self._settle(message)
+            return
+        with self.tracing.consumer("job", message.headers or {}, message.message_id):
+            await self._settle(message)
+
+    async def _settle(self, message: AbstractIncomingMessage) -> None:
         try:
             async with message.process(requeue=True, ignore_processed=True):
                 try:
@@ -254,6 +292,7 @@ class Worker:
             base.labels = [Label(index=i, label=lab, score=s) for i, lab, s in classified.labels]
             self.metrics.images.labels("offline").inc()
             base.timings["processing"] = time.perf_counter() - started
+            _outcome("done")
             await self._publish_result(base, reply_to)
             self.metrics.queue_messages.labels("acked").inc()
         except POISON as exc:
@@ -263,6 +302,7 @@ class Worker:
         except GatewayError as exc:
             if retries < self.settings.max_retries:
                 logger.warning("worker: job %s failed (%s), retry %d", job_id, exc.detail, retries + 1)
+                _outcome("retried", exc)
                 await self._republish(
                     message, top_k, retries=retries + 1, requeues=_int_header(headers, REQUEUES_HEADER)
                 )
@@ -353,9 +393,10 @@ async def run_worker(settings: Settings, stop: asyncio.Event | None = None, back
         publish_timeout=settings.publish_timeout,
         prefetch=settings.prefetch,
     )
-    async with open_pipeline(settings, metrics, backend) as pipeline:
+    tracing = Tracing.from_settings(settings, role="worker")
+    async with open_pipeline(settings, metrics, backend, tracing) as pipeline:
         await broker.connect()
-        worker = Worker(settings, pipeline.classifier, broker, metrics)
+        worker = Worker(settings, pipeline.classifier, broker, metrics, tracing)
         await worker.start()
         background = [
             asyncio.create_task(_sample_depth(broker, metrics)),
@@ -370,4 +411,6 @@ async def run_worker(settings: Settings, stop: asyncio.Event | None = None, back
         for task in background:
             task.cancel()
     await broker.aclose()
+    if tracing is not None:
+        await asyncio.to_thread(tracing.shutdown)
     logger.info("worker: stopped")

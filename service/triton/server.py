@@ -88,6 +88,7 @@ class LocalTriton:
         *,
         address: str = "127.0.0.1",
         launcher: tuple[str, ...] = (),
+        extra_args: tuple[str, ...] = (),
     ) -> None:
         self.install = install
         self.repository = repository
@@ -95,6 +96,8 @@ class LocalTriton:
         self.log = log
         self.address = address
         self.launcher = launcher
+        self.extra_args = extra_args
+        """More tritonserver flags (e.g. ``--trace-config`` for OpenTelemetry tracing)."""
         self.process: subprocess.Popen[bytes] | None = None
 
     @property
@@ -120,6 +123,7 @@ class LocalTriton:
             "--allow-gpu-metrics=false",
             "--pinned-memory-pool-byte-size=0",
             "--exit-on-error=true",
+            *self.extra_args,
         ]
 
     def start(self, timeout: float = 60.0) -> None:

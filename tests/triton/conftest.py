@@ -85,9 +85,15 @@ def triton_repository(tmp_path_factory: pytest.TempPathFactory, models_dir: Path
     return repository
 
 
-def start_triton(install: TritonInstall, repository: Path, log_dir: Path, ports: Ports | None = None) -> LocalTriton:
+def start_triton(
+    install: TritonInstall,
+    repository: Path,
+    log_dir: Path,
+    ports: Ports | None = None,
+    extra_args: tuple[str, ...] = (),
+) -> LocalTriton:
     ports = ports or Ports(*free_ports(3))
-    server = LocalTriton(install, repository, ports, log=log_dir / f"triton-{ports.grpc}.log")
+    server = LocalTriton(install, repository, ports, log=log_dir / f"triton-{ports.grpc}.log", extra_args=extra_args)
     server.start(timeout=90)
     return server
 

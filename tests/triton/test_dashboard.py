@@ -106,7 +106,8 @@ async def test_every_query_names_real_series(
     gateway_factory: Callable[..., Settings], triton: LocalTriton, tmp_path: Path
 ) -> None:
     exported: set[str] = set()
-    async with running_gateway(gateway_factory(backend="fake"), FakeBackend()) as gateway:
+    settings = gateway_factory(backend="fake", batch_policy="adaptive")  # the adaptive panels' series too
+    async with running_gateway(settings, FakeBackend()) as gateway:
         await gateway.post("/classify", content=png_bytes(solid_image(1, 16)), headers={"content-type": "image/png"})
         exported |= exported_names((await gateway.get("/metrics")).text)
     fake_nvml = SimpleNamespace(

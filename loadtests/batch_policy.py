@@ -1,0 +1,179 @@
+"""Fixed against adaptive batching on the same load: open-loop (Poisson) arrivals at low, medium
+and overload rates, one-image requests of 224 px JPEGs, the gateway on a real model.
+
+    python -m loadtests.batch_policy --seconds 20 --repeat 2
+
+First the gateway's capacity is measured (closed loop, many clients, fixed policy); the rates are
+then fractions of it (``--loads 0.3,0.7,1.3``). Each (load, policy) run starts a fresh gateway,
+trains it for ``--warmup`` seconds at that rate, then records every request: throughput of 200s,
+p50 / p99 latency of the 200s, and how many were refused (429) or timed out (504). Runs are
+interleaved across policies within a repetition. Open-loop arrivals keep coming whether or not
+earlier requests were answered, as real traffic does; a closed loop of N clients would slow down
+with the server and hide the queueing the policies differ on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import aiohttp
+import cv2
+import numpy as np
+from skimage import data as skdata
+
+from loadtests.deployment import gateway
+
+
+@dataclass
+class Run:
+    offered: float
+    seconds: float
+    latencies: list[float] = field(default_factory=list)
+    """Seconds, of the answers with status 200."""
+    statuses: dict[int, int] = field(default_factory=dict)
+
+    @property
+    def throughput(self) -> float:
+        return len(self.latencies) / self.seconds
+
+    def percentile(self, q: float) -> float:
+        return float(np.percentile(self.latencies, q)) * 1000 if self.latencies else float("nan")
+
+    def share(self, status: int) -> float:
+        return self.statuses.get(status, 0) / max(sum(self.statuses.values()), 1)
+
+
+def jpeg_224() -> bytes:
+    rgb = cv2.resize(skdata.chelsea(), (224, 224), interpolation=cv2.INTER_AREA)  # type: ignore[no-untyped-call]
+    return bytes(cv2.imencode(".jpg", rgb[:, :, ::-1], [cv2.IMWRITE_JPEG_QUALITY, 90])[1].tobytes())
+
+
+async def open_loop(url: str, body: bytes, rate: float, seconds: float, seed: int) -> Run:
+    """Requests at exponential gaps (mean 1/rate) for ``seconds``, each on its own task."""
+    rng = np.random.default_rng(seed)
+    run = Run(rate, seconds)
+    loop = asyncio.get_running_loop()
+    headers = {"content-type": "image/jpeg"}
+    connector = aiohttp.TCPConnector(limit=0)  # no client-side queue: the gateway sees every arrival
+    async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=120)) as session:
+
+        async def one() -> None:
+            start = loop.time()
+            try:
+                async with session.post(f"{url}/classify", data=body, headers=headers) as response:
+                    await response.read()
+                    status = response.status
+            except aiohttp.ClientError:
+                status = 0
+            run.statuses[status] = run.statuses.get(status, 0) + 1
+            if status == 200:
+                run.latencies.append(loop.time() - start)
+
+        tasks = []
+        next_at = loop.time()
+        end = next_at + seconds
+        while next_at < end:
+            await asyncio.sleep(max(0.0, next_at - loop.time()))
+            tasks.append(asyncio.create_task(one()))
+            next_at += float(rng.exponential(1 / rate))
+        await asyncio.gather(*tasks)
+    return run
+
+
+async def closed_loop_capacity(url: str, body: bytes, clients: int, seconds: float) -> float:
+    """Answers per second with ``clients`` sending back to back: what the gateway can do."""
+    loop = asyncio.get_running_loop()
+    done = 0
+    end = loop.time() + seconds
+    async with aiohttp.ClientSession() as session:
+
+        async def client() -> None:
+            nonlocal done
+            while loop.time() < end:
+                async with session.post(f"{url}/classify", data=body, headers={"content-type": "image/jpeg"}) as r:
+                    await r.read()
+                    done += r.status == 200
+
+        await asyncio.gather(*(client() for _ in range(clients)))
+    return done / seconds
+
+
+def gateway_args(args: argparse.Namespace, policy: str) -> list[str]:
+    return [
+        "--model",
+        args.model,
+        "--batch-policy",
+        policy,
+        "--max-batch-size",
+        str(args.batch),
+        "--max-delay",
+        str(args.max_delay),
+        "--max-inflight-batches",
+        str(args.inflight),
+        "--max-queue-size",
+        "1024",
+        "--max-concurrent-requests",
+        "1024",
+        "--max-connections",
+        "2048",
+        "--request-timeout",
+        str(args.timeout),
+    ]
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="efficientnet-lite0")
+    parser.add_argument("--loads", default="0.3,0.7,1.3", help="arrival rates as fractions of capacity")
+    parser.add_argument("--seconds", type=float, default=20)
+    parser.add_argument("--warmup", type=float, default=5)
+    parser.add_argument("--repeat", type=int, default=1)
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--max-delay", type=float, default=0.05)
+    parser.add_argument("--inflight", type=int, default=2)
+    parser.add_argument("--timeout", type=float, default=2.0, help="the gateway's request deadline, seconds")
+    parser.add_argument("--capacity", type=float, default=0, help="skip measuring it: images/s")
+    parser.add_argument("--models-dir", type=Path, default=Path(tempfile.gettempdir()) / "gateway-bench-models")
+    args = parser.parse_args(argv)
+    body = jpeg_224()
+    capacity = args.capacity
+    if not capacity:
+        with gateway(gateway_args(args, "fixed"), args.models_dir) as (_, url):
+            asyncio.run(closed_loop_capacity(url, body, 32, 3))  # warm-up
+            capacity = asyncio.run(closed_loop_capacity(url, body, 32, 10))
+    loads = [float(x) for x in args.loads.split(",")]
+    runs: dict[tuple[float, str], list[Run]] = {}
+    for repetition in range(args.repeat):
+        for load in loads:
+            for policy in ("fixed", "adaptive"):
+                with gateway(gateway_args(args, policy), args.models_dir) as (_, url):
+                    rate = load * capacity
+                    asyncio.run(open_loop(url, body, rate, args.warmup, seed=1000 + repetition))
+                    run = asyncio.run(open_loop(url, body, rate, args.seconds, seed=repetition))
+                runs.setdefault((load, policy), []).append(run)
+    print(
+        f"\n{args.model}, capacity {capacity:,.0f} img/s (closed loop, 32 clients); batch {args.batch}, "
+        f"max delay {args.max_delay * 1000:g} ms, {args.inflight} in flight, deadline {args.timeout:g} s; "
+        f"open-loop Poisson arrivals, {args.seconds:g} s per run after {args.warmup:g} s of warm-up, "
+        f"medians of {args.repeat}\n"
+    )
+    print("| load | offered img/s | policy | answered img/s | p50 ms | p99 ms | 429 | 504 |")
+    print("|---:|---:|---|---:|---:|---:|---:|---:|")
+    for (load, policy), results in runs.items():
+        print(
+            f"| {load:g}x | {results[0].offered:,.0f} | {policy} "
+            f"| {statistics.median(r.throughput for r in results):,.0f} "
+            f"| {statistics.median(r.percentile(50) for r in results):,.1f} "
+            f"| {statistics.median(r.percentile(99) for r in results):,.1f} "
+            f"| {statistics.median(r.share(429) for r in results):.1%} "
+            f"| {statistics.median(r.share(504) for r in results):.1%} |"
+        )
+
+
+if __name__ == "__main__":
+    main()
