@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 import numpy as np
+import openvino as ov
 import pytest
 
 import service.backends.openvino as openvino_module
@@ -15,7 +16,7 @@ import service.models.quantize as quantize_module
 from loadtests.dataset import build
 from loadtests.precision import scores_of
 from service.backends.embedded import EmbeddedBackend
-from service.backends.openvino import OpenVINOBackend, Precision
+from service.backends.openvino import OpenVINOBackend, Precision, has_bf16
 from service.models.profiles import get_profile
 from service.models.quantize import (
     MIN_AGREEMENT,
@@ -46,12 +47,29 @@ def photo_sets(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
 
 @pytest.fixture(scope="module")
 def int8_model(models_dir: Path, photo_sets: tuple[Path, Path]) -> Path:
+    if not quantize_module._has_vnni():
+        pytest.skip("this CPU has no VNNI: INT8 is refused on it (test_int8_is_refused_on_a_cpu_without_vnni)")
     return ensure_int8(models_dir, PROFILE, model_path(models_dir, PROFILE), photo_sets[0])
+
+
+@pytest.fixture
+def vnni(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Past the VNNI check, to test what comes after it on any CPU."""
+    monkeypatch.setattr(quantize_module, "_has_vnni", lambda: True)
+
+
+def test_int8_is_refused_on_a_cpu_without_vnni(
+    tmp_path: Path, models_dir: Path, photo_sets: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(quantize_module, "_has_vnni", lambda: False)
+    with pytest.raises(QuantizationRefused, match=r"no VNNI instructions.*serve fp32 or bf16"):
+        ensure_int8(tmp_path, PROFILE, model_path(models_dir, PROFILE), photo_sets[0])
+    assert not int8_path(tmp_path, PROFILE).exists()
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16", "int8"])
 async def test_each_precision_answers_like_fp32_on_photos_with_a_clear_answer(
-    precision: Precision, models_dir: Path, photo_sets: tuple[Path, Path], int8_model: Path
+    precision: Precision, models_dir: Path, photo_sets: tuple[Path, Path], request: pytest.FixtureRequest
 ) -> None:
     images = np.stack(model_inputs(photos_in(photo_sets[1]), PROFILE))
     onnx = model_path(models_dir, PROFILE)
@@ -59,7 +77,7 @@ async def test_each_precision_answers_like_fp32_on_photos_with_a_clear_answer(
     clear = clear_answers(reference)
     assert clear.sum() >= 150, "the evaluation set needs photos with a clear answer"
     assert len(set(reference[clear].argmax(axis=1))) >= 10, "and more than a few classes"
-    path = int8_model if precision == "int8" else onnx
+    path = request.getfixturevalue("int8_model") if precision == "int8" else onnx
     scores = await scores_of(OpenVINOBackend(path, precision=precision, threads=2), images)
     result = agreement(reference[clear], scores[clear])
     print(f"\n{precision}: {result} with a clear answer; {agreement(reference, scores)} in all")
@@ -84,6 +102,7 @@ def test_the_int8_model_records_how_it_was_built_and_is_reused(
     assert int8_model.stat().st_mtime_ns == stamp
 
 
+@pytest.mark.usefixtures("vnni")
 def test_without_photos_or_a_cached_model_int8_says_how_to_get_one(tmp_path: Path, models_dir: Path) -> None:
     with pytest.raises(QuantizationRefused, match="GATEWAY_CALIBRATION_DIR"):
         ensure_int8(tmp_path, PROFILE, model_path(models_dir, PROFILE), None)
@@ -93,6 +112,7 @@ def test_without_photos_or_a_cached_model_int8_says_how_to_get_one(tmp_path: Pat
     assert not int8_path(tmp_path, PROFILE).exists()
 
 
+@pytest.mark.usefixtures("vnni")
 def test_a_quantised_model_that_disagrees_is_refused_and_not_written(
     tmp_path: Path, models_dir: Path, photo_sets: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -127,8 +147,10 @@ async def test_the_gateway_serves_photos_through_openvino(
     cat_jpeg: bytes,
     coffee_jpeg: bytes,
     photo_sets: tuple[Path, Path],
-    int8_model: Path,
+    request: pytest.FixtureRequest,
 ) -> None:
+    if precision == "int8":
+        request.getfixturevalue("int8_model")
     settings = gateway_factory(
         model="efficientnet-lite0", backend="openvino", openvino_precision=precision, calibration_dir=photo_sets[0]
     )
@@ -137,7 +159,10 @@ async def test_the_gateway_serves_photos_through_openvino(
         files = [("file", ("cat.jpg", cat_jpeg, "image/jpeg")), ("file", ("coffee.jpg", coffee_jpeg, "image/jpeg"))]
         answer = await client.post("/classify", files=files)
     assert ready["checks"]["runtime"].startswith("OpenVINO ")
-    assert ready["checks"]["runtime"].endswith(precision)
+    bf16_kernels = has_bf16(ov.Core()) if precision == "bf16" else True
+    assert ready["checks"]["runtime"].endswith(
+        precision if bf16_kernels else "running fp32: this CPU has no bf16 kernels"
+    )
     assert answer.status_code == 200
     cat, coffee = (result["labels"][0]["index"] for result in answer.json()["results"])
     assert cat in CAT_CLASSES
