@@ -27,6 +27,7 @@ import numpy as np
 from skimage import data as skdata
 
 from loadtests.deployment import gateway
+from service.loadgen import closed_loop
 
 
 @dataclass
@@ -85,24 +86,6 @@ async def open_loop(url: str, body: bytes, rate: float, seconds: float, seed: in
     return run
 
 
-async def closed_loop_capacity(url: str, body: bytes, clients: int, seconds: float) -> float:
-    """Answers per second with ``clients`` sending back to back: what the gateway can do."""
-    loop = asyncio.get_running_loop()
-    done = 0
-    end = loop.time() + seconds
-    async with aiohttp.ClientSession() as session:
-
-        async def client() -> None:
-            nonlocal done
-            while loop.time() < end:
-                async with session.post(f"{url}/classify", data=body, headers={"content-type": "image/jpeg"}) as r:
-                    await r.read()
-                    done += r.status == 200
-
-        await asyncio.gather(*(client() for _ in range(clients)))
-    return done / seconds
-
-
 def gateway_args(args: argparse.Namespace, policy: str) -> list[str]:
     return [
         "--model",
@@ -144,8 +127,7 @@ def main(argv: list[str] | None = None) -> None:
     capacity = args.capacity
     if not capacity:
         with gateway(gateway_args(args, "fixed"), args.models_dir) as (_, url):
-            asyncio.run(closed_loop_capacity(url, body, 32, 3))  # warm-up
-            capacity = asyncio.run(closed_loop_capacity(url, body, 32, 10))
+            capacity = asyncio.run(closed_loop(url, [body], 32, 10, warmup=3)).throughput
     loads = [float(x) for x in args.loads.split(",")]
     runs: dict[tuple[float, str], list[Run]] = {}
     for repetition in range(args.repeat):

@@ -231,6 +231,12 @@ def _alive(args: argparse.Namespace) -> int:
     return 0
 
 
+def _tune(args: argparse.Namespace) -> int:
+    from service.tune.command import run
+
+    return run(args, _settings(args))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="gateway", description="Async inference gateway.")
     commands = parser.add_subparsers(dest="command")
@@ -267,6 +273,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds without any new result before unfinished images are published again",
     )
     ingest.set_defaults(func=_ingest)
+    tune = commands.add_parser(
+        "tune",
+        help="search the batching settings for the most throughput within a p99 target; write them as an env file",
+    )
+    _add_setting_flags(tune)
+    from service.tune.command import add_arguments
+
+    add_arguments(tune)
+    tune.set_defaults(func=_tune)
     models = commands.add_parser("models", help="build or list the cached ONNX models")
     model_commands = models.add_subparsers(dest="models_command", required=True)
     build = model_commands.add_parser("build", help="build the configured model's ONNX file (or --all)")

@@ -1,0 +1,115 @@
+"""``gateway tune``: the composition of the search, the real measurement and the report."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+import tempfile
+from pathlib import Path
+
+from service.cpus import available_cpus
+from service.settings import Settings
+from service.tune.report import write_env, write_report
+from service.tune.search import POLICIES, Plan, Space, Target, Trial, chosen, search
+
+TUNED = ("batch_policy", "max_batch_size", "max_delay", "max_inflight_batches", "workers")
+"""Settings the search chooses; given as flags to ``tune`` they are ignored."""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("images", nargs="+", type=Path, help="photos like the traffic: files or folders (recursive)")
+    parser.add_argument("--slo-p99-ms", type=float, required=True, help="the p99 latency target, milliseconds")
+    parser.add_argument("--min-throughput", type=float, default=0.0, help="images/s the chosen settings must reach")
+    parser.add_argument("--out", type=Path, default=Path("tuned.env"), help="env file to write (default tuned.env)")
+    parser.add_argument("--report", type=Path, default=Path("tune-report"), help="report folder (default tune-report)")
+    parser.add_argument(
+        "--quick", action="store_true", help="shorter runs, a coarser client sweep, one refinement pass"
+    )
+    parser.add_argument(
+        "--headroom",
+        type=float,
+        default=0.8,
+        help="candidates are judged against SLO x headroom, so the choice holds on a noisier day (default 0.8)",
+    )
+    parser.add_argument("--max-concurrency", type=int, default=64, help="most concurrent clients (default 64)")
+    parser.add_argument("--batches", default="1,2,4,8,16,32,64", help="batch sizes to consider")
+    parser.add_argument("--delays-ms", default="0,1,2,5,10,20", help="max_delay values to consider, milliseconds")
+    parser.add_argument("--inflight", default="1,2,4", help="in-flight batch counts to consider")
+    parser.add_argument(
+        "--worker-counts", default=None, help="gateway worker processes to consider (default 1, 2, 4... up to the CPUs)"
+    )
+    parser.add_argument("--policies", default=",".join(POLICIES), help="batch policies to consider")
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    return tuple(sorted({int(v) for v in text.split(",") if v.strip()}))
+
+
+def _space(args: argparse.Namespace) -> Space:
+    cpus = available_cpus()
+    workers = (
+        _ints(args.worker_counts) if args.worker_counts else tuple(w for w in (1, 2, 4, 8, 16, 32) if w <= max(cpus, 1))
+    )
+    policies = tuple(p.strip() for p in args.policies.split(",") if p.strip())
+    unknown = set(policies) - set(POLICIES)
+    if unknown:
+        sys.exit(f"gateway tune: unknown batch policies {sorted(unknown)} (known: {', '.join(POLICIES)})")
+    return Space(
+        batches=_ints(args.batches),
+        delays_ms=tuple(sorted({float(v) for v in args.delays_ms.split(",") if v.strip()})),
+        policies=policies,
+        inflights=_ints(args.inflight),
+        workers=workers,
+    )
+
+
+def run(args: argparse.Namespace, settings: Settings) -> int:
+    """Tune against the backend ``settings`` name; 0 when settings meeting the target were written."""
+    from service.jobs.ingest import collect
+    from service.tune.runner import GatewayMeasure
+
+    paths = collect(args.images)
+    if not paths:
+        sys.exit("gateway tune: no images found")
+    images = [p.read_bytes() for p in paths[:256]]
+    base = {
+        f"GATEWAY_{name.upper()}": str(getattr(args, name))
+        for name in Settings.model_fields
+        if name not in TUNED and getattr(args, name, None) is not None
+    }
+    target = Target(args.slo_p99_ms, args.min_throughput, args.headroom)
+    plan = Plan.make(args.quick, min(args.max_concurrency, settings.max_concurrent_requests))
+    space = _space(args)
+    context = {
+        "backend": f"{settings.backend} ({settings.model})"
+        + (f" at {settings.triton_url} over {settings.triton_protocol}" if settings.backend == "triton" else ""),
+        "images": f"{len(images)} from {', '.join(str(p) for p in args.images)}",
+        "client sweep": ", ".join(str(c) for c in plan.concurrency) + " concurrent clients (closed loop)",
+        "search": f"{'quick' if args.quick else 'full'}: {plan.screen_seconds:g} s per level to screen, "
+        f"{plan.finalists} finalists from {plan.final_seconds:g} s per level, halved each round",
+        "CPUs": str(available_cpus()),
+    }
+
+    def progress(trial: Trial) -> None:
+        best = trial.best(target)
+        if trial.error:
+            outcome = trial.error
+        elif best:
+            outcome = f"{best.throughput:.0f} img/s at {best.concurrency} clients, p99 {best.p99_ms:.1f} ms"
+        else:
+            outcome = f"misses the target (p99 {min(level.p99_ms for level in trial.levels):.1f} ms at best)"
+        print(f"[{trial.stage}] {trial.candidate.label}: {outcome}", file=sys.stderr, flush=True)
+
+    with tempfile.TemporaryDirectory(prefix="gateway-tune-") as workdir:
+        measure = GatewayMeasure(base, images, target, Path(workdir))
+        trials = asyncio.run(search(measure, space, target, plan, progress))
+    winner = chosen(trials)
+    env_file = args.out if winner is not None else None
+    report = write_report(args.report, trials, target, context, env_file)
+    if winner is None:
+        print(f"gateway tune: no candidate met the target; see {report}", file=sys.stderr)
+        return 1
+    write_env(args.out, winner, target, base, report)
+    print(f"gateway tune: {winner.candidate.label} written to {args.out}; report {report}", file=sys.stderr)
+    return 0
