@@ -15,13 +15,14 @@ from pathlib import Path
 
 import psutil
 
-from loadtests.http_load import free_port, start_gateway
+from loadtests.http_load import start_gateway
 from loadtests.network import LinkedNamespace, Shaping
 from service.models.profiles import get_profile
 from service.models.store import ensure_model
 from service.settings import Settings
 from service.triton.repository import TritonOptions, write_model
 from service.triton.server import LocalTriton, Ports, TritonInstall, default_venv
+from service.tune.runner import free_port
 
 BROKER = os.environ.get("GATEWAY_BROKER_URL", "amqp://guest:guest@127.0.0.1:5672/")
 

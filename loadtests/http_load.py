@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -14,6 +13,7 @@ import httpx
 
 from loadtests.clients import gateway_async, warm_up
 from loadtests.resources import cpu_seconds
+from service.tune.runner import free_port
 
 
 @dataclass
@@ -60,12 +60,6 @@ async def http_load(url: str, pid: int, photos: list[bytes], concurrency: int, i
     if m.errors:
         print(f"warning: {m.errors} of {images} requests failed ({mode})", file=sys.stderr)
     return Row(mode, m.images, m.seconds, m.latencies, m.mean_batch, client_cpu, server_cpu)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def start_gateway(

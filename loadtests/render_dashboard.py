@@ -28,8 +28,9 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
-from loadtests.http_load import free_port, start_gateway
+from loadtests.http_load import start_gateway
 from loadtests.photos import sample_photos
+from service.tune.runner import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 DASHBOARD = ROOT / "deploy" / "grafana" / "dashboards" / "gateway.json"

@@ -31,9 +31,10 @@ import psutil
 from skimage import data as skdata
 
 from loadtests.deployment import gateway
-from loadtests.http_load import free_port, wait_ready
+from loadtests.http_load import wait_ready
 from loadtests.otlp_receiver import OTLPReceiver
 from loadtests.resources import children, cpu_seconds
+from service.tune.runner import free_port
 
 LUA = """
 wrk.method = "POST"

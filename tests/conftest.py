@@ -16,13 +16,13 @@ import pytest
 import uvicorn
 from skimage import data as skdata
 
-from loadtests.http_load import free_port
 from service.app import create_app
 from service.backends.base import Backend
 from service.http_protocol import http_protocol
 from service.models.profiles import get_profile
 from service.models.store import ensure_model
 from service.settings import Settings
+from service.tune.runner import free_port
 
 CAT_CLASSES = {281, 282, 283, 284, 285, 286, 287}  # tabby, tiger cat, Persian, Siamese, Egyptian, cougar, lynx
 ESPRESSO = 967

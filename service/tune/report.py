@@ -11,6 +11,8 @@ import json
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+from dotenv import dotenv_values
+
 from service.tune.search import Target, Trial, chosen
 
 
@@ -34,14 +36,8 @@ def write_env(path: Path, winner: Trial, target: Target, base: Mapping[str, str]
 
 
 def read_env(path: Path) -> dict[str, str]:
-    """The ``NAME=value`` lines of an env file (comments and blank lines skipped)."""
-    pairs = {}
-    for line in path.read_text().splitlines():
-        line = line.strip()
-        if line and not line.startswith("#") and "=" in line:
-            name, value = line.split("=", 1)
-            pairs[name.strip()] = value.strip()
-    return pairs
+    """The ``NAME=value`` pairs of an env file, read as docker compose and shells read it."""
+    return {name: value for name, value in dotenv_values(path).items() if value is not None}
 
 
 def _cells(trial: Trial, target: Target) -> list[str]:
