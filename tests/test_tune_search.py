@@ -131,3 +131,39 @@ async def test_env_file_and_report_say_what_was_chosen(tmp_path: Path) -> None:
     assert text.count("\n| ") == len(trials) + 1  # header and one row per run
     rows = (tmp_path / "report" / "candidates.csv").read_text().splitlines()
     assert len(rows) == 1 + sum(len(t.levels) for t in trials)
+
+
+async def test_tritons_settings_are_searched_from_the_repositorys_values_when_given() -> None:
+    """With Triton's dimensions in the space, the search starts from the repository's values and
+    walks them like the gateway's own: here more instances add capacity, so it ends on the most."""
+    space = Space(
+        batches=(4, 16),
+        delays_ms=(2.0,),
+        policies=("adaptive",),
+        inflights=(2,),
+        workers=(1,),
+        triton_instances=(1, 2, 4),
+        triton_delays_us=(0, 2000),
+        defaults=Candidate(triton_instances=2, triton_delay_us=2000),
+    )
+    assert space.start().triton_instances == 2
+    assert space.start().triton_delay_us == 2000
+
+    class WithInstances(Simulation):
+        async def __call__(self, candidate: Candidate, levels: Sequence[int], seconds: float, stage: str) -> Trial:
+            assert candidate.triton_instances is not None
+            widened = replace(candidate, workers=candidate.triton_instances)  # each adds capacity
+            trial = await super().__call__(widened, levels, seconds, stage)
+            return replace(trial, candidate=candidate)
+
+    simulation = WithInstances()
+    trials = await search(simulation, space, TARGET, Plan.make(quick=False, max_concurrency=64))
+    winner = chosen(trials)
+    assert winner is not None
+    assert winner.candidate.triton_instances == 4
+    assert winner.candidate.server() == {
+        "instance_group.count": 4,
+        "dynamic_batching.max_queue_delay_microseconds": winner.candidate.triton_delay_us,
+    }
+    assert "t4" in winner.candidate.label
+    assert Candidate().server() == {}  # without a Triton repository nothing of Triton's is set

@@ -6,12 +6,17 @@ import argparse
 import asyncio
 import sys
 import tempfile
+from dataclasses import replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from service.cpus import available_cpus
 from service.settings import Settings
 from service.tune.report import write_env, write_report
-from service.tune.search import POLICIES, Plan, Space, Target, Trial, chosen, search
+from service.tune.search import POLICIES, Candidate, Plan, Space, Target, Trial, chosen, search
+
+if TYPE_CHECKING:
+    from service.triton.model_config import TritonModel
 
 TUNED = ("batch_policy", "max_batch_size", "max_delay", "max_inflight_batches", "workers")
 """Settings the search chooses; given as flags to ``tune`` they are ignored."""
@@ -40,13 +45,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--worker-counts", default=None, help="gateway worker processes to consider (default 1, 2, 4... up to the CPUs)"
     )
     parser.add_argument("--policies", default=",".join(POLICIES), help="batch policies to consider")
+    triton = parser.add_argument_group(
+        "Triton's own settings (with --backend triton; Triton must run with --model-control-mode=explicit)"
+    )
+    triton.add_argument(
+        "--triton-repository",
+        type=Path,
+        default=None,
+        help="the model repository the Triton at --triton-url serves: its config.pbtxt is rewritten and the "
+        "model reloaded for each candidate, and left holding the chosen settings",
+    )
+    triton.add_argument("--triton-instances", default="1,2,4", help="model instances per instance group to consider")
+    triton.add_argument(
+        "--triton-delays-us", default="0,500,2000", help="Triton's max_queue_delay_microseconds values to consider"
+    )
 
 
 def _ints(text: str) -> tuple[int, ...]:
     return tuple(sorted({int(v) for v in text.split(",") if v.strip()}))
 
 
-def _space(args: argparse.Namespace) -> Space:
+def _space(args: argparse.Namespace, triton: TritonModel | None) -> Space:
     cpus = available_cpus()
     workers = (
         _ints(args.worker_counts) if args.worker_counts else tuple(w for w in (1, 2, 4, 8, 16, 32) if w <= max(cpus, 1))
@@ -55,13 +74,43 @@ def _space(args: argparse.Namespace) -> Space:
     unknown = set(policies) - set(POLICIES)
     if unknown:
         sys.exit(f"gateway tune: unknown batch policies {sorted(unknown)} (known: {', '.join(POLICIES)})")
-    return Space(
+    space = Space(
         batches=_ints(args.batches),
         delays_ms=tuple(sorted({float(v) for v in args.delays_ms.split(",") if v.strip()})),
         policies=policies,
         inflights=_ints(args.inflight),
         workers=workers,
     )
+    if triton is None:
+        return space
+    current = triton.settings()
+    batches = tuple(b for b in space.batches if not current.max_batch_size or b <= current.max_batch_size)
+    if not batches:  # the gateway refuses batches larger than Triton's
+        sys.exit(f"gateway tune: every --batches value exceeds {triton.name}'s max_batch_size {current.max_batch_size}")
+    return replace(
+        space,
+        batches=batches,
+        triton_instances=_ints(args.triton_instances),
+        triton_delays_us=_ints(args.triton_delays_us),
+        defaults=Candidate(triton_instances=current.instances, triton_delay_us=current.queue_delay_us),
+    )
+
+
+def _triton(args: argparse.Namespace, settings: Settings) -> TritonModel | None:
+    from service.triton.model_config import ReloadRefused, TritonModel
+
+    if args.triton_repository is None:
+        return None
+    if settings.backend != "triton":
+        sys.exit("gateway tune: --triton-repository needs --backend triton (and --triton-url)")
+    model = TritonModel(
+        args.triton_repository, settings.triton_model or settings.model, settings.triton_url, settings.triton_protocol
+    )
+    try:
+        model.check_tunable(delay=bool(_ints(args.triton_delays_us)))
+    except (ReloadRefused, FileNotFoundError) as exc:
+        sys.exit(f"gateway tune: {exc}")
+    return model
 
 
 def run(args: argparse.Namespace, settings: Settings) -> int:
@@ -80,10 +129,12 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
     }
     target = Target(args.slo_p99_ms, args.min_throughput, args.headroom)
     plan = Plan.make(args.quick, min(args.max_concurrency, settings.max_concurrent_requests))
-    space = _space(args)
+    triton = _triton(args, settings)
+    space = _space(args, triton)
     context = {
         "backend": f"{settings.backend} ({settings.model})"
         + (f" at {settings.triton_url} over {settings.triton_protocol}" if settings.backend == "triton" else ""),
+        **({"Triton repository": f"{triton.path} (rewritten per candidate)"} if triton else {}),
         "images": f"{len(images)} from {', '.join(str(p) for p in args.images)}",
         "client sweep": ", ".join(str(c) for c in plan.concurrency) + " concurrent clients (closed loop)",
         "search": f"{'quick' if args.quick else 'full'}: {plan.screen_seconds:g} s per level to screen, "
@@ -101,15 +152,29 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
             outcome = f"misses the target (p99 {min(level.p99_ms for level in trial.levels):.1f} ms at best)"
         print(f"[{trial.stage}] {trial.candidate.label}: {outcome}", file=sys.stderr, flush=True)
 
-    with tempfile.TemporaryDirectory(prefix="gateway-tune-") as workdir:
-        measure = GatewayMeasure(base, images, target, Path(workdir))
-        trials = asyncio.run(search(measure, space, target, plan, progress))
-    winner = chosen(trials)
+    original = triton.path.read_text() if triton else None
+    winner: Trial | None = None
+    try:
+        with tempfile.TemporaryDirectory(prefix="gateway-tune-") as workdir:
+            measure = GatewayMeasure(base, images, target, Path(workdir), triton)
+            trials = asyncio.run(search(measure, space, target, plan, progress))
+        winner = chosen(trials)
+        if triton is not None and winner is not None:
+            triton.apply(winner.candidate.triton_instances, winner.candidate.triton_delay_us)
+    finally:
+        if triton is not None and original is not None:
+            args.report.mkdir(parents=True, exist_ok=True)
+            (args.report / "config.pbtxt.before").write_text(original)
+            if winner is None:  # interrupted, or nothing met the target: as it was
+                triton.write(original)
+                triton.reload()
+            else:
+                (args.report / "config.pbtxt").write_text(triton.path.read_text())
     env_file = args.out if winner is not None else None
     report = write_report(args.report, trials, target, context, env_file)
     if winner is None:
         print(f"gateway tune: no candidate met the target; see {report}", file=sys.stderr)
         return 1
-    write_env(args.out, winner, target, base, report)
+    write_env(args.out, winner, target, base, report, triton.path if triton else None)
     print(f"gateway tune: {winner.candidate.label} written to {args.out}; report {report}", file=sys.stderr)
     return 0

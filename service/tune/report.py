@@ -16,8 +16,11 @@ from dotenv import dotenv_values
 from service.tune.search import Target, Trial, chosen
 
 
-def write_env(path: Path, winner: Trial, target: Target, base: Mapping[str, str], report: Path) -> None:
-    """``GATEWAY_*=value`` lines: the backend it was tuned against, then the tuned settings."""
+def write_env(
+    path: Path, winner: Trial, target: Target, base: Mapping[str, str], report: Path, triton_config: Path | None = None
+) -> None:
+    """``GATEWAY_*=value`` lines: the backend it was tuned against, then the tuned settings. Triton's
+    settings live in its repository (``triton_config``, already rewritten); a comment names them."""
     best = winner.best(target)
     assert best is not None
     when = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%MZ")
@@ -27,6 +30,11 @@ def write_env(path: Path, winner: Trial, target: Target, base: Mapping[str, str]
         f"p50 {best.p50_ms:.1f} ms, p99 {best.p99_ms:.1f} ms ({winner.seconds:g} s per level)",
         f"# report: {report}",
     ]
+    server = winner.candidate.server()
+    if server and triton_config is not None:
+        lines.append(
+            f"# Triton, written to {triton_config}: " + ", ".join(f"{name} {value}" for name, value in server.items())
+        )
     if base:
         lines.append("# the backend it was tuned against")
         lines += [f"{name}={value}" for name, value in sorted(base.items())]
@@ -40,7 +48,11 @@ def read_env(path: Path) -> dict[str, str]:
     return {name: value for name, value in dotenv_values(path).items() if value is not None}
 
 
-def _cells(trial: Trial, target: Target) -> list[str]:
+def _or_blank(value: int | None) -> str:
+    return "" if value is None else str(value)
+
+
+def _cells(trial: Trial, target: Target, triton: bool) -> list[str]:
     c = trial.candidate
     best = trial.best(target)
     if trial.error:
@@ -68,10 +80,15 @@ def _cells(trial: Trial, target: Target) -> list[str]:
         f"{c.delay_ms:g}",
         str(c.inflight),
         str(c.workers),
+        *([_or_blank(c.triton_instances), _or_blank(c.triton_delay_us)] if triton else []),
         *figures,
         verdict,
         mark,
     ]
+
+
+def _header(triton: bool) -> list[str]:
+    return [*HEADER[:6], *(["Triton instances", "Triton delay us"] if triton else []), *HEADER[6:]]
 
 
 HEADER = [
@@ -98,6 +115,7 @@ def write_report(
     env_file: Path | None,
 ) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
+    triton = any(t.candidate.server() for t in trials)
     with (folder / "candidates.csv").open("w", newline="") as out:
         writer = csv.writer(out)
         writer.writerow(
@@ -108,6 +126,8 @@ def write_report(
                 "delay_ms",
                 "inflight",
                 "workers",
+                "triton_instances",
+                "triton_delay_us",
                 "seconds",
                 "clients",
                 "img_s",
@@ -128,6 +148,8 @@ def write_report(
                         c.delay_ms,
                         c.inflight,
                         c.workers,
+                        _or_blank(c.triton_instances),
+                        _or_blank(c.triton_delay_us),
                         t.seconds,
                         level.concurrency,
                         f"{level.throughput:.1f}",
@@ -141,7 +163,15 @@ def write_report(
     best = winner.best(target) if winner else None
     if winner is not None and best is not None:  # for scripts: what was chosen, and the load it was measured at
         (folder / "chosen.json").write_text(
-            json.dumps({"settings": winner.candidate.env(), "level": dataclasses.asdict(best)}, indent=2) + "\n"
+            json.dumps(
+                {
+                    "settings": winner.candidate.env(),
+                    "triton": winner.candidate.server(),
+                    "level": dataclasses.asdict(best),
+                },
+                indent=2,
+            )
+            + "\n"
         )
     plotted = _plot(folder / "tune.png", trials, target)
     lines = ["# gateway tune", ""]
@@ -161,10 +191,10 @@ def write_report(
         "Figures are the candidate's best level: the most throughput with p99 within the target "
         "(or, for one that missed, its first level).",
         "",
-        "| " + " | ".join(HEADER) + " |",
-        "|" + "---|" * len(HEADER),
+        "| " + " | ".join(_header(triton)) + " |",
+        "|" + "---|" * len(_header(triton)),
     ]
-    lines += ["| " + " | ".join(_cells(t, target)) + " |" for t in trials]
+    lines += ["| " + " | ".join(_cells(t, target, triton)) + " |" for t in trials]
     if plotted:
         lines += ["", "![throughput against p99 for every candidate](tune.png)"]
     report = folder / "report.md"
@@ -197,6 +227,14 @@ def _why(trials: Sequence[Trial], target: Target, env_file: Path | None) -> list
                 f"in the same round: {best.throughput / max(other.throughput, 1e-9):.2f}x its throughput."
             )
     why.append(f"Settings written to `{env_file}`." if env_file else "")
+    server = winner.candidate.server()
+    if server:
+        why.append(
+            "Triton's settings ("
+            + ", ".join(f"{name} {value}" for name, value in server.items())
+            + ") written to the model's config.pbtxt in its repository and loaded; `config.pbtxt` and "
+            "`config.pbtxt.before` beside this report are the file after and before the tune."
+        )
     return [line for line in why if line]
 
 

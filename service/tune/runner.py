@@ -14,6 +14,7 @@ from pathlib import Path
 import aiohttp
 
 from service.loadgen import closed_loop
+from service.triton.model_config import ReloadRefused, TritonModel
 from service.tune.search import Candidate, Level, Target, Trial
 
 GROWTH = 1.03
@@ -71,22 +72,33 @@ async def _wait_ready(proc: asyncio.subprocess.Process, url: str, timeout: float
 
 
 class GatewayMeasure:
-    """The ``measure`` of :func:`service.tune.search.search`: each call starts a gateway with the
-    base environment plus the candidate's settings and sweeps it."""
+    """The ``measure`` of :func:`service.tune.search.search`: each call applies the candidate's
+    Triton settings to the model's repository (reloading it) when Triton is tuned, starts a gateway
+    with the base environment plus the candidate's settings, and sweeps it."""
 
-    def __init__(self, base_env: Mapping[str, str], images: Sequence[bytes], target: Target, workdir: Path):
+    def __init__(
+        self,
+        base_env: Mapping[str, str],
+        images: Sequence[bytes],
+        target: Target,
+        workdir: Path,
+        triton: TritonModel | None = None,
+    ):
         self.base_env = dict(base_env)
         self.images = images
         self.target = target
         self.workdir = workdir
+        self.triton = triton
 
     async def __call__(self, candidate: Candidate, concurrency: Sequence[int], seconds: float, stage: str) -> Trial:
         trial = Trial(candidate, stage, seconds)
         log = self.workdir / "gateway.log"
         try:
+            if self.triton is not None and candidate.server():
+                await asyncio.to_thread(self.triton.apply, candidate.triton_instances, candidate.triton_delay_us)
             async with gateway_process({**self.base_env, **candidate.env()}, log) as url:
                 await sweep(url, self.images, concurrency, seconds, self.target, trial)
-        except GatewayFailed as exc:
+        except (GatewayFailed, ReloadRefused) as exc:
             trial.error = str(exc)
         return trial
 

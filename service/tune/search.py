@@ -1,6 +1,6 @@
 """What ``gateway tune`` searches and how: candidates (batch policy, batch size, delay, in-flight
-batches, workers), the target they must meet, and a coarse-to-fine search that ends in successive
-halving.
+batches, workers, and with a Triton repository Triton's instance count and queue delay), the target
+they must meet, and a coarse-to-fine search that ends in successive halving.
 
 1. **Coarse**: a spread of batch sizes (every other value of the space) with the other settings at
    their defaults, under each batch policy.
@@ -33,6 +33,10 @@ class Candidate:
     delay_ms: float = 5.0
     inflight: int = 2
     workers: int = 1
+    triton_instances: int | None = None
+    """Model instances per instance group in Triton's config (None: not tuned)."""
+    triton_delay_us: int | None = None
+    """Triton's ``dynamic_batching.max_queue_delay_microseconds`` (None: not tuned)."""
 
     def env(self) -> dict[str, str]:
         return {
@@ -43,13 +47,27 @@ class Candidate:
             "GATEWAY_WORKERS": str(self.workers),
         }
 
+    def server(self) -> dict[str, int]:
+        """The Triton model configuration fields this candidate sets (empty when Triton is not tuned)."""
+        fields = {
+            "instance_group.count": self.triton_instances,
+            "dynamic_batching.max_queue_delay_microseconds": self.triton_delay_us,
+        }
+        return {name: value for name, value in fields.items() if value is not None}
+
     @property
     def label(self) -> str:
-        return f"{self.policy} b{self.batch} d{self.delay_ms:g}ms i{self.inflight} w{self.workers}"
+        label = f"{self.policy} b{self.batch} d{self.delay_ms:g}ms i{self.inflight} w{self.workers}"
+        if self.triton_instances is not None:
+            label += f" t{self.triton_instances}"
+        if self.triton_delay_us is not None:
+            label += f" q{self.triton_delay_us}us"
+        return label
 
 
-DIMENSIONS = ("batch", "delay_ms", "policy", "inflight", "workers")
-"""The order refinement walks the settings in: batch size matters most."""
+DIMENSIONS = ("batch", "triton_instances", "delay_ms", "policy", "inflight", "workers", "triton_delay_us")
+"""The order refinement walks the settings in: batch size matters most, then (on Triton) how many
+model instances run batches at once."""
 
 
 @dataclass(frozen=True)
@@ -119,6 +137,13 @@ class Space:
     policies: tuple[str, ...] = POLICIES
     inflights: tuple[int, ...] = (1, 2, 4)
     workers: tuple[int, ...] = (1, 2)
+    triton_instances: tuple[int, ...] = ()
+    """Empty: Triton's instance count is not tuned."""
+    triton_delays_us: tuple[int, ...] = ()
+    """Empty: Triton's queue delay is not tuned."""
+    defaults: Candidate = Candidate()
+    """Where the search starts (the nearest value in the space for each setting): the gateway's
+    defaults, and Triton's settings as its repository holds them."""
 
     def values(self, dimension: str) -> Sequence[object]:
         return {
@@ -127,13 +152,19 @@ class Space:
             "policy": self.policies,
             "inflight": self.inflights,
             "workers": self.workers,
+            "triton_instances": self.triton_instances,
+            "triton_delay_us": self.triton_delays_us,
         }[dimension]
 
     def start(self) -> Candidate:
         """The defaults where the space holds them, else the nearest value."""
-        default = Candidate()
+        default = self.defaults
 
-        def near(values: Sequence[float], value: float) -> Any:
+        def near(values: Sequence[float], value: float | None) -> Any:
+            if not values:
+                return None
+            if value is None:
+                return values[0]
             return value if value in values else min(values, key=lambda v: abs(v - value))
 
         return Candidate(
@@ -142,6 +173,8 @@ class Space:
             delay_ms=near(self.delays_ms, default.delay_ms),
             inflight=near(self.inflights, default.inflight),
             workers=near(self.workers, default.workers),
+            triton_instances=near(self.triton_instances, default.triton_instances),
+            triton_delay_us=near(self.triton_delays_us, default.triton_delay_us),
         )
 
     def coarse(self) -> list[Candidate]:
@@ -151,6 +184,8 @@ class Space:
 
     def neighbours(self, candidate: Candidate, dimension: str) -> list[Candidate]:
         values = list(self.values(dimension))
+        if not values:
+            return []
         here = values.index(getattr(candidate, dimension))
         steps: list[dict[str, Any]] = [{dimension: values[i]} for i in (here - 1, here + 1) if 0 <= i < len(values)]
         return [replace(candidate, **step) for step in steps]

@@ -17,6 +17,7 @@ from service.models.profiles import get_profile
 from service.models.store import model_path
 from service.preprocess import PreprocessConfig, prepare
 from service.settings import Settings
+from service.triton.model_config import ReloadRefused, TritonModel
 from service.triton.server import LocalTriton, TritonInstall
 from tests.conftest import CAT_CLASSES, ESPRESSO, running_gateway
 from tests.triton.conftest import SLOW_SECONDS, start_triton
@@ -233,3 +234,11 @@ def _png() -> bytes:
     from tests.conftest import png_bytes, solid_image
 
     return png_bytes(solid_image(1, 32))
+
+
+def test_a_triton_without_explicit_model_control_is_refused_with_the_fix(
+    triton: LocalTriton, triton_repository: Path
+) -> None:
+    model = TritonModel(triton_repository, "efficientnet-lite0", triton.grpc_url)
+    with pytest.raises(ReloadRefused, match="--model-control-mode=explicit"):
+        model.check_tunable(delay=True)
