@@ -24,6 +24,7 @@ from service.errors import (
     InvalidParameters,
     NotFound,
     QueueFull,
+    QuotaExceeded,
     RequestTimeout,
     UnsupportedMediaType,
     error_response,
@@ -31,7 +32,7 @@ from service.errors import (
 from service.http_protocol import TIMED_OUT
 from service.jobs.client import OfflineImage, PendingJob
 from service.metrics import Metrics
-from service.middleware import AUTHENTICATED
+from service.middleware import API_KEY, AUTHENTICATED
 from service.schemas import (
     AcceptedJob,
     ClassifyResponse,
@@ -130,16 +131,23 @@ _ERRORS: dict[int | str, dict[str, Any]] = {
     code: {"model": ErrorBody, "description": text}
     for code, text in {
         400: "Empty, truncated or undecodable image, or a malformed multipart body.",
+        401: "API keys are configured and the request carries no valid one (`Authorization: Bearer` or `X-API-Key`).",
         408: "The request body did not arrive within GATEWAY_BODY_TIMEOUT.",
-        413: "Body, image count or an image's decoded size over its limit.",
+        413: "Body, image count or an image's decoded size over its limit, or more images than the API key's "
+        "burst allows at once.",
         415: "Content type that is not an image or multipart/form-data.",
         404: "Unknown job (GET /jobs/{job_id}).",
         422: "Invalid query parameters.",
-        429: "The batch queue is full; retry after Retry-After seconds.",
+        429: "Retry after `Retry-After` seconds: the batch queue is full (`queue_full`), the request cannot meet "
+        "its deadline (`deadline_unmeetable`), or the API key is over its rate or concurrency quota "
+        "(`quota_exceeded`; other keys are still served).",
         500: "The backend failed on the batch.",
         503: "The backend is not ready, or the gateway is shutting down.",
         504: "The request deadline passed.",
     }.items()
+}
+_ERRORS[429]["headers"] = {
+    "Retry-After": {"description": "Seconds after which a retry may succeed.", "schema": {"type": "integer"}}
 }
 
 
@@ -220,6 +228,9 @@ async def handle_classify(request: Request) -> Response:
     deadline = asyncio.get_running_loop().time() + gateway.settings.request_timeout
     if gateway.active_requests >= limit:
         raise QueueFull(f"{limit} requests are already being handled; retry later")
+    key_id = request.scope.get(API_KEY)
+    if gateway.quotas is not None and key_id is not None:
+        _spend_quota(gateway, key_id, len(images))
     gateway.active_requests += 1
     try:
         if mode == "offline":
@@ -227,6 +238,15 @@ async def handle_classify(request: Request) -> Response:
         return await _classify_online(gateway, images, top_k, deadline)
     finally:
         gateway.active_requests -= 1
+
+
+def _spend_quota(gateway: Any, key_id: str, images: int) -> None:
+    try:
+        gateway.quotas.take(key_id, images)
+    except QuotaExceeded:
+        gateway.metrics.quota_rejections.labels(key_id, "rate").inc()
+        raise
+    gateway.metrics.key_images.labels(key_id).inc(images)
 
 
 async def _classify_online(gateway: Any, images: list[ImageInput], top_k: int, deadline: float) -> Response:

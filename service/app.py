@@ -9,6 +9,7 @@ import logging
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from pathlib import Path
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -24,10 +25,11 @@ from service.classifier import Classifier
 from service.errors import GatewayError, error_body
 from service.health import BackendHealth
 from service.jobs.client import JobsClient
-from service.metrics import Metrics
+from service.metrics import Metrics, multiprocess_dir
 from service.middleware import OPEN_PATHS, ApiKeyMiddleware, BodyLimitMiddleware, RequestMiddleware
 from service.models.profiles import get_profile
 from service.pipeline import open_pipeline
+from service.quotas import Quotas
 from service.settings import Settings
 from service.tracing import Tracing
 
@@ -44,6 +46,7 @@ class Gateway:
     metrics: Metrics
     health: BackendHealth
     jobs: JobsClient | None = None
+    quotas: Quotas | None = None
     closing: bool = False
     active_requests: int = 0
     """/classify requests being handled now (admission control)."""
@@ -80,6 +83,16 @@ def create_app(
     profile = get_profile(settings.model)
     metrics = Metrics(registry)
     tracing = Tracing.from_settings(settings, role="gateway")
+    keys = settings.load_api_keys()
+    quotas = (
+        Quotas(
+            keys,
+            settings.max_images_per_request,
+            Path(shared) if settings.workers > 1 and (shared := multiprocess_dir()) else None,
+        )
+        if any(key.quota.limited for key in keys)
+        else None
+    )
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -88,7 +101,9 @@ def create_app(
                 jobs = JobsClient(settings, metrics, tracing) if settings.broker_url else None
                 if jobs is not None:
                     jobs.start()  # in the background: online mode must not wait for the broker
-                gateway = Gateway(settings, pipeline.backend, pipeline.classifier, metrics, pipeline.health, jobs)
+                gateway = Gateway(
+                    settings, pipeline.backend, pipeline.classifier, metrics, pipeline.health, jobs, quotas
+                )
                 app.state.gateway = gateway
                 # What exists now (modules, the model, the label tables) lives as long as the process:
                 # keep it out of the collector's full passes, which otherwise rescan it under load.
@@ -147,7 +162,7 @@ def create_app(
             max_buffered_bytes=settings.max_buffered_body_bytes_effective,
             metrics=metrics,
         )
-        app = ApiKeyMiddleware(app, keys=settings.load_api_keys(), open_paths=open_paths, metrics=metrics)
+        app = ApiKeyMiddleware(app, keys=keys, open_paths=open_paths, metrics=metrics, quotas=quotas)
         return RequestMiddleware(app, metrics=metrics, tracing=tracing)
 
     app.edge = edge

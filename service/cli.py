@@ -48,6 +48,8 @@ def _prepare_multiprocess(args: argparse.Namespace) -> None:
     give prometheus_client an empty directory for its per-process files (read at import time)."""
     import tempfile
 
+    from service.quotas import STATE_FILE as QUOTA_STATE
+
     for name in Settings.model_fields:
         value = getattr(args, name, None)
         if value is not None:
@@ -58,7 +60,7 @@ def _prepare_multiprocess(args: argparse.Namespace) -> None:
     else:  # the operator's folder: remove stale metric files (they would be summed in), nothing else
         os.makedirs(directory, exist_ok=True)
         for entry in Path(directory).iterdir():
-            if entry.is_file() and _METRIC_FILE.fullmatch(entry.name):
+            if entry.is_file() and (_METRIC_FILE.fullmatch(entry.name) or entry.name == QUOTA_STATE):
                 entry.unlink()
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = directory
 

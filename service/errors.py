@@ -90,6 +90,13 @@ class DeadlineUnmeetable(QueueFull):
     error = "deadline_unmeetable"
 
 
+class QuotaExceeded(QueueFull):
+    """The request's API key is over its rate or its concurrency limit (``service.quotas``): 429
+    for that key only, while other keys are served."""
+
+    error = "quota_exceeded"
+
+
 class BackendError(GatewayError):
     """The backend failed while running a batch."""
 

@@ -149,6 +149,19 @@ class Metrics:
             ["reason"],
             registry=r,
         )
+        self.quota_rejections = Counter(
+            "gateway_quota_rejections_total",
+            "Requests refused because their API key was over a quota, by key (the first 12 hex digits of "
+            "its SHA-256) and limit (rate, concurrency).",
+            ["key", "limit"],
+            registry=r,
+        )
+        self.key_images = Counter(
+            "gateway_key_images_total",
+            "Images admitted under each API key, when any key has a quota (key: its SHA-256 prefix).",
+            ["key"],
+            registry=r,
+        )
 
         self.queue_messages = Counter(
             "gateway_queue_messages_total",
@@ -179,6 +192,7 @@ class Metrics:
             "unsupported_media_type",
             "invalid_parameters",
             "queue_full",
+            "quota_exceeded",
             "deadline_unmeetable",
             "deadline_exceeded",
             "backend_unavailable",

@@ -12,9 +12,10 @@ from opentelemetry.trace import Span, StatusCode
 from prometheus_client import Counter, Histogram
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from service.errors import PayloadTooLarge, QueueFull, Unauthorized, error_response
+from service.errors import GatewayError, PayloadTooLarge, QueueFull, QuotaExceeded, Unauthorized, error_response
 from service.logs import REQUEST_ID
 from service.metrics import Metrics
+from service.quotas import ApiKey, Quotas
 from service.tracing import Tracing, trace_id_hex
 
 
@@ -182,24 +183,37 @@ def _end_server_span(span: Span, method: str, route: str, status: int) -> None:
 OPEN_PATHS = frozenset({"/healthz", "/readyz"})
 AUTHENTICATED = "gateway.authenticated"
 """Scope key telling routes whether the caller presented a valid key (or none is needed)."""
+API_KEY = "gateway.api_key"
+"""Scope key holding the id of the request's API key (``ApiKey.id``), when keys are configured."""
 
 
 class ApiKeyMiddleware:
-    """Optional API keys: ``Authorization: Bearer <key>`` or ``X-API-Key: <key>``.
+    """Optional API keys: ``Authorization: Bearer <key>`` or ``X-API-Key: <key>``, and each key's
+    concurrency quota (its rate is spent where the images are counted, in ``api.handle_classify``).
 
     Keys are compared in constant time against every configured key (no early exit), and a missing
-    key and a wrong one get the same answer, so nothing tells a caller which part failed."""
+    key and a wrong one get the same answer, so nothing tells a caller which part failed. The
+    matching key's id (never the key) is left in the scope under ``API_KEY``."""
 
-    def __init__(self, app: ASGIApp, keys: list[bytes], open_paths: frozenset[str], metrics: Metrics) -> None:
+    def __init__(
+        self,
+        app: ASGIApp,
+        keys: list[ApiKey],
+        open_paths: frozenset[str],
+        metrics: Metrics,
+        quotas: Quotas | None = None,
+    ) -> None:
         self.app = app
         self.keys = keys
         self.open_paths = open_paths
         self.metrics = metrics
+        self.quotas = quotas
 
-    def _valid(self, presented: bytes) -> bool:
-        matched = False
+    def _match(self, presented: bytes) -> ApiKey | None:
+        matched = None
         for key in self.keys:
-            matched |= hmac.compare_digest(presented, key)
+            if hmac.compare_digest(presented, key.secret):
+                matched = key
         return matched
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -213,13 +227,31 @@ class ApiKeyMiddleware:
                 presented = value[7:].strip()
             elif name == b"x-api-key":
                 presented = value.strip()
-        scope[AUTHENTICATED] = bool(presented) and self._valid(presented)
-        if scope[AUTHENTICATED] or scope["path"] in self.open_paths:
+        key = self._match(presented) if presented else None
+        scope[AUTHENTICATED] = key is not None
+        if key is None:
+            if scope["path"] in self.open_paths:
+                await self.app(scope, receive, send)
+                return
+            error: GatewayError = Unauthorized(
+                "a valid API key is required: send 'Authorization: Bearer <key>' or 'X-API-Key: <key>'",
+                headers={"WWW-Authenticate": "Bearer"},
+            )
+            self.metrics.rejections.labels(error.error).inc()
+            await error_response(error)(scope, receive, send)
+            return
+        scope[API_KEY] = key.id
+        if self.quotas is None or scope["path"] in self.open_paths:
             await self.app(scope, receive, send)
             return
-        error = Unauthorized(
-            "a valid API key is required: send 'Authorization: Bearer <key>' or 'X-API-Key: <key>'",
-            headers={"WWW-Authenticate": "Bearer"},
-        )
-        self.metrics.rejections.labels(error.error).inc()
-        await error_response(error)(scope, receive, send)
+        try:
+            self.quotas.enter(key.id)
+        except QuotaExceeded as exc:
+            self.metrics.rejections.labels(exc.error).inc()
+            self.metrics.quota_rejections.labels(key.id, "concurrency").inc()
+            await error_response(exc)(scope, receive, send)
+            return
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.quotas.leave(key.id)

@@ -11,6 +11,7 @@ from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from service.cpus import available_cpus
+from service.quotas import ApiKey, Quota, parse_keys
 
 
 def _default_models_dir() -> Path:
@@ -61,9 +62,20 @@ class Settings(BaseSettings):
 
     api_keys: SecretStr | None = None
     """Comma-separated API keys; when set (or ``api_keys_file`` is), every route but /healthz and
-    /readyz needs one, as ``Authorization: Bearer <key>`` or ``X-API-Key: <key>``."""
+    /readyz needs one, as ``Authorization: Bearer <key>`` or ``X-API-Key: <key>``. Each key may be
+    followed by its own quota: ``KEY rate=20 burst=40 concurrency=4``."""
     api_keys_file: Path | None = None
-    """File with one API key per line (e.g. a mounted Kubernetes Secret); adds to ``api_keys``."""
+    """File with one API key per line, each with its quota as in ``api_keys`` (e.g. a mounted
+    Kubernetes Secret); adds to ``api_keys``."""
+    key_rate: float = Field(0.0, ge=0.0)
+    """Images per second each API key may send, unless its entry says ``rate=`` (0: unlimited).
+    Over it: 429 ``quota_exceeded`` with ``Retry-After``."""
+    key_burst: float = Field(0.0, ge=0.0)
+    """Images a key may send at once after idling, unless its entry says ``burst=`` (0: one second
+    of its rate, at least ``max_images_per_request``)."""
+    key_concurrency: int = Field(0, ge=0)
+    """Requests each API key may have in progress at once, unless its entry says
+    ``concurrency=`` (0: unlimited)."""
     metrics_public: bool = False
     """Serve /metrics without an API key even when keys are configured (e.g. when only Prometheus
     can reach the port)."""
@@ -202,14 +214,14 @@ class Settings(BaseSettings):
     and for its turn on a core, so one per CPU leaves cores idle (see the README's performance
     section). Their memory is bounded by ``max_decode_bytes``, not by their number."""
 
-    def load_api_keys(self) -> list[bytes]:
-        """Every configured key (empty: no authentication)."""
-        keys = []
+    def load_api_keys(self) -> list[ApiKey]:
+        """Every configured key with its quota (empty: no authentication)."""
+        entries = []
         if self.api_keys is not None:
-            keys += [k.strip() for k in self.api_keys.get_secret_value().split(",")]
+            entries += self.api_keys.get_secret_value().split(",")
         if self.api_keys_file is not None:
-            keys += [line.strip() for line in self.api_keys_file.read_text().splitlines()]
-        return [k.encode() for k in keys if k and not k.startswith("#")]
+            entries += self.api_keys_file.read_text().splitlines()
+        return parse_keys(entries, Quota(self.key_rate, self.key_burst, self.key_concurrency))
 
     @property
     def max_buffered_body_bytes_effective(self) -> int:
