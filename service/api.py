@@ -63,6 +63,9 @@ CHECKED_QUERY = [Depends(reject_unknown_query)]
 itself, on the hot path (see ``_classify_params``)."""
 
 CLASSIFY_PARAMS = ("top_k", "mode")
+IDEMPOTENCY_KEY = "Idempotency-Key"
+IDEMPOTENT_REPLAYED = "Idempotent-Replayed"
+_IDEMPOTENCY_KEY = re.compile(r"[\x21-\x7e]{1,255}")
 _INTEGER = re.compile(r"[+-]?[0-9]+")
 _QUERY_DOC: list[dict[str, Any]] = [
     {
@@ -78,6 +81,16 @@ _QUERY_DOC: list[dict[str, Any]] = [
         "required": False,
         "description": "online: answer now; offline: queue and answer 202.",
         "schema": {"type": "string", "enum": ["online", "offline"], "default": "online", "title": "Mode"},
+    },
+    {
+        "name": "Idempotency-Key",
+        "in": "header",
+        "required": False,
+        "description": "mode=offline: a retry with the same key and the same body gets the same job ids "
+        "(202, with `Idempotent-Replayed: true` when nothing new was queued) and queues nothing new, also on "
+        "another replica; the same key with another body is 409. Remembered for GATEWAY_IDEMPOTENCY_TTL "
+        "seconds, per API key. Ignored online (an online answer is computed again).",
+        "schema": {"type": "string", "minLength": 1, "maxLength": 255},
     },
 ]
 
@@ -137,6 +150,7 @@ _ERRORS: dict[int | str, dict[str, Any]] = {
         "burst allows at once.",
         415: "Content type that is not an image or multipart/form-data.",
         404: "Unknown job (GET /jobs/{job_id}).",
+        409: "mode=offline: the Idempotency-Key was used before with a different body (`idempotency_conflict`).",
         422: "Invalid query parameters.",
         429: "Retry after `Retry-After` seconds: the batch queue is full (`queue_full`), the request cannot meet "
         "its deadline (`deadline_unmeetable`), or the API key is over its rate or concurrency quota "
@@ -199,7 +213,20 @@ async def _read_images(request: Request, max_images: int) -> list[ImageInput]:
 @router.post(
     "/classify",
     response_model=ClassifyResponse,
-    responses={**_ERRORS, 202: {"model": JobsAccepted, "description": "mode=offline: one job per image."}},
+    responses={
+        **_ERRORS,
+        202: {
+            "model": JobsAccepted,
+            "description": "mode=offline: one job per image.",
+            "headers": {
+                IDEMPOTENT_REPLAYED: {
+                    "description": "`true` when an earlier submit with this Idempotency-Key had queued every "
+                    "image: the same job ids, nothing queued again.",
+                    "schema": {"type": "string", "enum": ["true"]},
+                }
+            },
+        },
+    },
     openapi_extra={"requestBody": _CLASSIFY_BODY, "parameters": _QUERY_DOC},
     summary="Classify one or more images",
     description=(
@@ -261,16 +288,28 @@ async def _classify_offline(request: Request, images: list[ImageInput], top_k: i
     gateway = request.app.state.gateway
     if gateway.jobs is None:  # a property of this deployment, not a passing fault: retrying cannot help
         raise BadRequest("mode=offline is not available: this gateway has no message broker (GATEWAY_BROKER_URL)")
+    key = _idempotency_key(request)
     await gateway.classifier.validate(images)
     offline = [OfflineImage(i.data, i.content_type or "application/octet-stream", i.filename) for i in images]
-    job_ids = await gateway.jobs.submit(offline, top_k)
+    scope = request.scope.get(API_KEY) or ""
+    submitted = await gateway.jobs.submit(offline, top_k, (scope, key) if key is not None else None)
     body = JobsAccepted(
         jobs=[
             AcceptedJob(job_id=job_id, filename=image.filename, status_url=f"/jobs/{job_id}")
-            for job_id, image in zip(job_ids, images, strict=True)
+            for job_id, image in zip(submitted.job_ids, images, strict=True)
         ]
     )
-    return JSONResponse(body.model_dump(), status_code=202)
+    headers = {IDEMPOTENT_REPLAYED: "true"} if submitted.replayed else None
+    return JSONResponse(body.model_dump(), status_code=202, headers=headers)
+
+
+def _idempotency_key(request: Request) -> str | None:
+    key = request.headers.get(IDEMPOTENCY_KEY)
+    if key is None:
+        return None
+    if not _IDEMPOTENCY_KEY.fullmatch(key):
+        raise BadRequest(f"{IDEMPOTENCY_KEY} must be 1-255 printable ASCII characters")
+    return key
 
 
 @router.get(

@@ -210,7 +210,9 @@ def _queue_policies(args: argparse.Namespace) -> int:
     from service.jobs.topology import Names
 
     settings = _settings(args)
-    policies = gateway_policies(Names(settings.queue_prefix), settings.queue_delivery_limit)
+    policies = gateway_policies(
+        Names(settings.queue_prefix), settings.queue_delivery_limit, idempotency_ttl=settings.idempotency_ttl
+    )
     if args.apply is None:
         print(shell_lines(policies, args.vhost))
         return 0

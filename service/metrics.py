@@ -193,6 +193,7 @@ class Metrics:
             "invalid_parameters",
             "queue_full",
             "quota_exceeded",
+            "idempotency_conflict",
             "deadline_unmeetable",
             "deadline_exceeded",
             "backend_unavailable",

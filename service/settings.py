@@ -133,6 +133,9 @@ class Settings(BaseSettings):
     ``mode=offline`` requests get 503 and ``gateway worker`` / ``gateway ingest`` refuse to start."""
     queue_prefix: str = "gateway"
     """Prefix of every exchange and queue name, so several deployments can share a broker."""
+    idempotency_ttl: float = Field(86400.0, gt=0.0)
+    """Seconds an ``Idempotency-Key`` of an offline submit is remembered: a retry within it returns
+    the same job ids and publishes nothing new."""
     publish_timeout: float = Field(5.0, gt=0.0)
     """Seconds to wait for the broker to confirm a publish before answering 503."""
     worker_prefetch: int = Field(0, ge=0)

@@ -113,16 +113,21 @@ class Broker:
         return f"not connected to {redact(self.url)}"
 
     async def publish(
-        self, target: Literal["requests", "results", "dead"], message: AbstractMessage, routing_key: str
+        self,
+        target: Literal["requests", "results", "dead", "queue"],
+        message: AbstractMessage,
+        routing_key: str,
     ) -> None:
-        """Publish to one of the topology's exchanges with confirm; 503 at once when disconnected,
-        or after ``publish_timeout`` without a confirm."""
-        if not self.is_open or self.topology is None:
+        """Publish to one of the topology's exchanges (``queue``: straight to the queue named by
+        ``routing_key``) with confirm; 503 at once when disconnected, or after ``publish_timeout``
+        without a confirm."""
+        if not self.is_open or self.topology is None or self.channel is None:
             raise BackendUnavailable(f"the message broker is unreachable ({self.status()})")
         exchange: AbstractExchange = {
             "requests": self.topology.requests_exchange,
             "results": self.topology.results_exchange,
             "dead": self.topology.dead_exchange,
+            "queue": self.channel.default_exchange,
         }[target]
         try:
             await exchange.publish(message, routing_key, mandatory=True, timeout=self.publish_timeout)

@@ -14,16 +14,21 @@ replica has used it for ``RESULTS_QUEUE_EXPIRES_MS``.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import sys
+import time
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from aio_pika.abc import AbstractIncomingMessage
 from cachetools import TTLCache
 from pydantic import ValidationError
 
+from service.errors import BackendUnavailable, GatewayError
 from service.jobs.broker import Broker
+from service.jobs.idempotency import Claim, IdempotencyLog, fingerprint, job_ids
 from service.jobs.messages import DEFAULT_REPLY_TO, JobResult, new_job_id, request_message
 from service.jobs.topology import REQUEST_KEY, Names
 from service.metrics import Metrics
@@ -93,6 +98,26 @@ class OfflineImage:
     filename: str | None
 
 
+@dataclass(frozen=True)
+class Submitted:
+    job_ids: list[str]
+    replayed: bool = False
+    """An earlier submit with the same idempotency key had published every image: nothing new was."""
+
+
+class IdempotencyConflict(GatewayError):
+    """409: the idempotency key was used before with another body."""
+
+    status_code = 409
+    error = "idempotency_conflict"
+
+
+def _raise_first(outcomes: list[BaseException | None]) -> None:
+    error = next((outcome for outcome in outcomes if outcome is not None), None)
+    if error is not None:
+        raise error
+
+
 class JobsClient:
     def __init__(self, settings: Settings, metrics: Metrics, tracing: Tracing | None = None) -> None:
         assert settings.broker_url
@@ -101,6 +126,7 @@ class JobsClient:
         self.metrics = metrics
         self.names = Names(settings.queue_prefix)
         self.listen_queue = f"{self.names.prefix}.api.{uuid.uuid4().hex[:12]}"
+        self.idempotency = IdempotencyLog(self.names, settings.idempotency_ttl)
         self.broker = Broker(
             settings.broker_url,
             self.names,
@@ -117,6 +143,8 @@ class JobsClient:
         )
         await queue.bind(broker.topology.results_exchange, DEFAULT_REPLY_TO)
         await queue.consume(self._on_result, no_ack=True)
+        assert broker.connection is not None
+        await self.idempotency.follow(await broker.connection.channel())
 
     async def _on_result(self, message: AbstractIncomingMessage) -> None:
         try:
@@ -134,27 +162,81 @@ class JobsClient:
     def status(self) -> str:
         return self.broker.status()
 
-    async def submit(self, images: list[OfflineImage], top_k: int) -> list[str]:
-        """Publish each image (confirmed) and return the job ids, in order."""
+    async def submit(
+        self, images: list[OfflineImage], top_k: int, idempotency: tuple[str, str] | None = None
+    ) -> Submitted:
+        """Publish each image (confirmed) and return the job ids, in order. With ``idempotency``
+        (scope, key), ids are derived from the key and a retry publishes only what no earlier
+        attempt did (``service.jobs.idempotency``)."""
         assert all(i.data for i in images)
-        job_ids = []
-        for image in images:
-            job_id = new_job_id()
-            with publishing(self.tracing, job_id) as trace:
-                message = request_message(
-                    image.data,
-                    job_id=job_id,
-                    content_type=image.content_type,
-                    filename=image.filename,
-                    top_k=top_k,
-                    reply_to=DEFAULT_REPLY_TO,
-                    trace=trace,
+        if idempotency is None:
+            ids = [new_job_id() for _ in images]
+            _raise_first(await self._publish_all(images, ids, range(len(images)), top_k))
+            return Submitted(ids)
+        scope, key = idempotency
+        body = fingerprint([(i.data, i.content_type, i.filename) for i in images], top_k)
+        async with self.idempotency.lock(scope, key):
+            claim = self.idempotency.get(scope, key)
+            if claim is not None and claim.fingerprint != body:
+                raise IdempotencyConflict(
+                    "this Idempotency-Key was used with a different request body (images, filenames or top_k); "
+                    "use a new key for a new request"
                 )
-                await self.broker.publish("requests", message, REQUEST_KEY)
-            self.metrics.queue_messages.labels("published").inc()
-            self.store.pending(job_id, image.filename)
-            job_ids.append(job_id)
-        return job_ids
+            ids = claim.job_ids if claim is not None else job_ids(scope, key, len(images))
+            done = set(claim.published) if claim is not None else set()
+            todo = [index for index in range(len(images)) if index not in done]
+            published: list[int] = []
+            try:
+                outcomes = await self._publish_all(images, ids, todo, top_k)
+                published = [index for index, outcome in zip(todo, outcomes, strict=True) if outcome is None]
+                _raise_first(outcomes)
+            finally:
+                if published:
+                    record = Claim(
+                        scope=scope,
+                        key=key,
+                        fingerprint=body,
+                        job_ids=ids,
+                        published=sorted(done | set(published)),
+                        at=time.time(),
+                    )
+                    await self._share(record)
+            return Submitted(ids, replayed=not todo)
+
+    async def _publish_all(
+        self, images: list[OfflineImage], ids: list[str], indices: Sequence[int], top_k: int
+    ) -> list[BaseException | None]:
+        """Publish together (the confirms overlap instead of costing a round trip each); each
+        image's outcome, None where the broker confirmed it."""
+        outcomes = await asyncio.gather(
+            *(self._publish(images[i], ids[i], top_k) for i in indices), return_exceptions=True
+        )
+        return [outcome if isinstance(outcome, BaseException) else None for outcome in outcomes]
+
+    async def _publish(self, image: OfflineImage, job_id: str, top_k: int) -> None:
+        with publishing(self.tracing, job_id) as trace:
+            message = request_message(
+                image.data,
+                job_id=job_id,
+                content_type=image.content_type,
+                filename=image.filename,
+                top_k=top_k,
+                reply_to=DEFAULT_REPLY_TO,
+                trace=trace,
+            )
+            await self.broker.publish("requests", message, REQUEST_KEY)
+        self.metrics.queue_messages.labels("published").inc()
+        self.store.pending(job_id, image.filename)
+
+    async def _share(self, claim: Claim) -> None:
+        """Remember the claim here, and on the stream for the other replicas: if the broker fails
+        now, the jobs are published anyway, and a retry on another replica publishes them again
+        under the same ids."""
+        message = self.idempotency.remember(claim)
+        try:
+            await self.broker.publish("queue", message, self.idempotency.stream)
+        except BackendUnavailable as exc:
+            logger.warning("jobs: idempotency claim not shared with other replicas: %s", exc.detail)
 
     async def aclose(self) -> None:
         await self.broker.aclose()

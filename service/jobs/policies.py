@@ -8,7 +8,8 @@ only and these policies carry the rest:
 * ``<prefix>-work`` (the quorum queue workers consume): ``delivery-limit`` (a message that crashed
   or hung that many workers is dead-lettered with reason ``delivery_limit`` instead of being
   redelivered for ever) and ``dead-letter-exchange`` (``<prefix>.dead``);
-* ``<prefix>-results``: ``max-length`` with ``overflow: drop-head`` (a capped audit trail).
+* ``<prefix>-results``: ``max-length`` with ``overflow: drop-head`` (a capped audit trail);
+* ``<prefix>-idempotency`` (the stream of idempotency claims): ``max-age``, the keys' TTL.
 
 ``gateway queues policies`` prints them as ``rabbitmqctl set_policy`` commands, or applies them
 through the management HTTP API (``--apply URL``; idempotent, used by the compose file and the
@@ -40,7 +41,9 @@ class Policy:
     priority: int = 10
 
 
-def gateway_policies(names: Names, delivery_limit: int, results_cap: int = RESULTS_CAP) -> list[Policy]:
+def gateway_policies(
+    names: Names, delivery_limit: int, results_cap: int = RESULTS_CAP, idempotency_ttl: float = 86400.0
+) -> list[Policy]:
     prefix = re.escape(names.prefix)
     return [
         Policy(
@@ -54,6 +57,12 @@ def gateway_policies(names: Names, delivery_limit: int, results_cap: int = RESUL
             f"^{prefix}\\.results$",
             "queues",
             {"max-length": results_cap, "overflow": "drop-head"},
+        ),
+        Policy(
+            f"{names.prefix}-idempotency",
+            f"^{prefix}\\.idempotency$",
+            "queues",
+            {"max-age": f"{max(1, int(idempotency_ttl))}s"},
         ),
     ]
 

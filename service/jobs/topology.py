@@ -53,6 +53,11 @@ class Names:
     def dead(self) -> str:
         return f"{self.prefix}.dead"
 
+    @property
+    def idempotency(self) -> str:
+        """The stream of idempotency claims API replicas share (``service.jobs.idempotency``)."""
+        return f"{self.prefix}.idempotency"
+
     def ingest_queue(self, run: str) -> str:
         return f"{self.prefix}.ingest.{run}"
 
