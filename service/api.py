@@ -10,6 +10,7 @@ from typing import Any
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from opentelemetry import trace
+from pydantic import ValidationError
 from starlette.datastructures import UploadFile
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
@@ -40,6 +41,8 @@ from service.schemas import (
     JobsAccepted,
     JobStatus,
     Readiness,
+    UrlImage,
+    UrlImages,
 )
 
 
@@ -127,6 +130,16 @@ MAX_FILENAME_BYTES = 255
 """Longest filename accepted in a multipart part (it is echoed in answers, job states and logs)."""
 IMAGE_TYPES = ("image/jpeg", "image/png", "image/gif", "image/webp", "image/bmp", "image/tiff")
 _BINARY = {"type": "string", "format": "binary"}
+
+
+def _url_images_schema() -> dict[str, Any]:
+    """UrlImages' JSON schema with its item schema inlined (OpenAPI resolves no nested ``$defs``)."""
+    schema = UrlImages.model_json_schema()
+    schema.pop("$defs", None)
+    schema["properties"]["images"]["items"] = UrlImage.model_json_schema()
+    return schema
+
+
 _CLASSIFY_BODY: dict[str, Any] = {
     "required": True,
     "content": {
@@ -138,17 +151,22 @@ _CLASSIFY_BODY: dict[str, Any] = {
             }
         },
         **{t: {"schema": _BINARY} for t in (*IMAGE_TYPES, "application/octet-stream")},
+        "application/json": {"schema": _url_images_schema()},
     },
 }
 _ERRORS: dict[int | str, dict[str, Any]] = {
     code: {"model": ErrorBody, "description": text}
     for code, text in {
-        400: "Empty, truncated or undecodable image, or a malformed multipart body.",
+        400: "Empty, truncated or undecodable image, a malformed multipart or JSON body, or an image URL that "
+        "could not be fetched (`url_fetch_failed`: no connection, not 200, too many redirects, too slow).",
+        403: "An image URL the SSRF guard refuses (`url_not_allowed`): a private, loopback, link-local or "
+        "metadata address not allow-listed, or http where only https is allowed.",
         401: "API keys are configured and the request carries no valid one (`Authorization: Bearer` or `X-API-Key`).",
         408: "The request body did not arrive within GATEWAY_BODY_TIMEOUT.",
         413: "Body, image count or an image's decoded size over its limit, or more images than the API key's "
         "burst allows at once.",
-        415: "Content type that is not an image or multipart/form-data.",
+        415: "Content type that is not an image, multipart/form-data or JSON, or an image URL whose answer is "
+        "not an image type.",
         404: "Unknown job (GET /jobs/{job_id}).",
         409: "mode=offline: the Idempotency-Key was used before with a different body (`idempotency_conflict`).",
         422: "Invalid query parameters.",
@@ -231,7 +249,9 @@ async def _read_images(request: Request, max_images: int) -> list[ImageInput]:
     summary="Classify one or more images",
     description=(
         "Send images as multipart/form-data `file` parts (several are batched together) or as a raw "
-        "image body. If any image of a request is bad, the whole request is refused with that image's "
+        "image body, or as a JSON body of image URLs for the gateway to fetch "
+        '(`{"images": [{"url": "https://..."}]}`). '
+        "If any image of a request is bad, the whole request is refused with that image's "
         "error (naming it) and none of its images is inferred; other requests are never affected. "
         "With `mode=offline` each image is validated from its header, queued in RabbitMQ, and the answer "
         "is 202 with a job id per image (see GET /jobs/{job_id})."
@@ -246,18 +266,29 @@ async def handle_classify(request: Request) -> Response:
     (what serves it: the same function without the framework's per-request layers)."""
     top_k, mode = _classify_params(request)
     gateway = request.app.state.gateway
-    limit = gateway.settings.max_concurrent_requests
-    if gateway.active_requests >= limit:  # full now: refuse before spending time on the body
-        raise QueueFull(f"{limit} requests are already being handled; retry later")
+    _check_room(gateway)  # full now: refuse before spending time on the body
+    if _media_type(request.headers.get("content-type")) == "application/json":
+        urls = await _read_urls(request, gateway)
+        _spend_quota(request, gateway, len(urls))  # before fetching: the fetches are the cost
+        async with gateway.fetcher.images(urls) as fetched:
+            return await _admitted(request, gateway, fetched, top_k, mode)
     # The body is read before taking a slot: a slow sender never holds one (its time is bounded by
     # GATEWAY_BODY_TIMEOUT, its memory by the body budget in BodyLimitMiddleware).
     images = await _read_images(request, gateway.settings.max_images_per_request)
-    deadline = asyncio.get_running_loop().time() + gateway.settings.request_timeout
+    _check_room(gateway)
+    _spend_quota(request, gateway, len(images))
+    return await _admitted(request, gateway, images, top_k, mode)
+
+
+def _check_room(gateway: Any) -> None:
+    limit = gateway.settings.max_concurrent_requests
     if gateway.active_requests >= limit:
         raise QueueFull(f"{limit} requests are already being handled; retry later")
-    key_id = request.scope.get(API_KEY)
-    if gateway.quotas is not None and key_id is not None:
-        _spend_quota(gateway, key_id, len(images))
+
+
+async def _admitted(request: Request, gateway: Any, images: list[ImageInput], top_k: int, mode: str) -> Response:
+    deadline = asyncio.get_running_loop().time() + gateway.settings.request_timeout
+    _check_room(gateway)
     gateway.active_requests += 1
     try:
         if mode == "offline":
@@ -267,7 +298,30 @@ async def handle_classify(request: Request) -> Response:
         gateway.active_requests -= 1
 
 
-def _spend_quota(gateway: Any, key_id: str, images: int) -> None:
+async def _read_urls(request: Request, gateway: Any) -> list[str]:
+    if gateway.fetcher is None:
+        raise UnsupportedMediaType("images by URL are turned off here (GATEWAY_URL_INPUTS); upload the images")
+    try:
+        body = UrlImages.model_validate_json(await request.body())
+    except ValidationError as exc:
+        raise BadRequest(f"JSON body: {_pydantic_detail(exc)}") from None
+    limit = gateway.settings.max_images_per_request
+    if len(body.images) > limit:
+        raise BadRequest(f"{len(body.images)} images; at most {limit} per request (GATEWAY_MAX_IMAGES_PER_REQUEST)")
+    return [image.url for image in body.images]
+
+
+def _pydantic_detail(exc: ValidationError) -> str:
+    return "; ".join(
+        f"{'.'.join(str(p) for p in err['loc'])}: {err['msg']}" if err["loc"] else err["msg"]
+        for err in exc.errors(include_url=False)
+    )
+
+
+def _spend_quota(request: Request, gateway: Any, images: int) -> None:
+    key_id = request.scope.get(API_KEY)
+    if gateway.quotas is None or key_id is None:
+        return
     try:
         gateway.quotas.take(key_id, images)
     except QuotaExceeded:

@@ -23,6 +23,7 @@ from service.api import ClassifyFastPath, refusal, router
 from service.backends.base import Backend
 from service.classifier import Classifier
 from service.errors import GatewayError, error_body
+from service.fetch import Fetcher, parse_allowlist
 from service.health import BackendHealth
 from service.jobs.client import JobsClient
 from service.metrics import Metrics, multiprocess_dir
@@ -47,6 +48,8 @@ class Gateway:
     health: BackendHealth
     jobs: JobsClient | None = None
     quotas: Quotas | None = None
+    fetcher: Fetcher | None = None
+    """Fetches images given by URL (None: URL inputs are off)."""
     closing: bool = False
     active_requests: int = 0
     """/classify requests being handled now (admission control)."""
@@ -101,8 +104,20 @@ def create_app(
                 jobs = JobsClient(settings, metrics, tracing) if settings.broker_url else None
                 if jobs is not None:
                     jobs.start()  # in the background: online mode must not wait for the broker
+                fetcher = (
+                    Fetcher(
+                        allow_http=settings.url_allow_http,
+                        allowlist=parse_allowlist(settings.url_allowlist),
+                        max_bytes=settings.url_max_bytes,
+                        timeout=settings.url_timeout,
+                        max_redirects=settings.url_max_redirects,
+                        max_buffered_bytes=settings.max_buffered_body_bytes_effective,
+                    )
+                    if settings.url_inputs
+                    else None
+                )
                 gateway = Gateway(
-                    settings, pipeline.backend, pipeline.classifier, metrics, pipeline.health, jobs, quotas
+                    settings, pipeline.backend, pipeline.classifier, metrics, pipeline.health, jobs, quotas, fetcher
                 )
                 app.state.gateway = gateway
                 # What exists now (modules, the model, the label tables) lives as long as the process:
@@ -120,6 +135,8 @@ def create_app(
                     gateway.closing = True
                     if jobs is not None:
                         await jobs.aclose()
+                    if fetcher is not None:
+                        await fetcher.aclose()
         finally:
             if tracing is not None:
                 await asyncio.to_thread(tracing.shutdown)  # exports what is buffered

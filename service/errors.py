@@ -69,6 +69,22 @@ class PayloadTooLarge(GatewayError):
     error = "payload_too_large"
 
 
+class UrlNotAllowed(GatewayError):
+    """An image URL the SSRF guard refuses: a scheme not allowed, or an address that is private,
+    loopback, link-local or otherwise not public (``service.fetch``)."""
+
+    status_code = 403
+    error = "url_not_allowed"
+
+
+class UrlFetchFailed(GatewayError):
+    """An image URL that could not be fetched: no connection, an answer other than 200, too many
+    redirects, or no complete answer in time."""
+
+    status_code = 400
+    error = "url_fetch_failed"
+
+
 class UnsupportedMediaType(GatewayError):
     status_code = 415
     error = "unsupported_media_type"

@@ -1,8 +1,26 @@
-"""Response bodies of the HTTP API (they make the OpenAPI schema)."""
+"""Bodies of the HTTP API (they make the OpenAPI schema)."""
 
 from __future__ import annotations
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class UrlImage(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    url: str = Field(
+        min_length=1,
+        max_length=2048,
+        description="An https URL of the image (http only where GATEWAY_URL_ALLOW_HTTP is set). The "
+        "gateway fetches it; private, loopback, link-local and metadata addresses are refused unless "
+        "allow-listed.",
+    )
+
+
+class UrlImages(BaseModel):
+    """The JSON request body of POST /classify: images by URL."""
+
+    model_config = ConfigDict(extra="forbid")
+    images: list[UrlImage] = Field(min_length=1, description="One entry per image, answered in this order.")
 
 
 class Label(BaseModel):
@@ -12,7 +30,7 @@ class Label(BaseModel):
 
 
 class ImageResult(BaseModel):
-    filename: str | None = Field(description="The multipart part's filename, when it had one.")
+    filename: str | None = Field(description="The multipart part's filename, when it had one, or the image's URL.")
     labels: list[Label] = Field(description="The top_k classes, best first.")
 
 

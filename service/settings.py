@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import tempfile
 from pathlib import Path
@@ -133,6 +134,19 @@ class Settings(BaseSettings):
     ``mode=offline`` requests get 503 and ``gateway worker`` / ``gateway ingest`` refuse to start."""
     queue_prefix: str = "gateway"
     """Prefix of every exchange and queue name, so several deployments can share a broker."""
+    url_inputs: bool = True
+    """Accept images by URL (JSON body ``{"images": [{"url": ...}]}``), fetched by the gateway."""
+    url_allow_http: bool = False
+    """Fetch plain http URLs too (https only by default)."""
+    url_allowlist: str = ""
+    """Comma-separated networks (CIDR) image URLs may resolve to although private, loopback or
+    link-local, e.g. an internal image store's ``10.20.0.0/16``; everything else non-public is refused."""
+    url_max_bytes: int = Field(16 * 1024 * 1024, gt=0)
+    """Largest image fetched from a URL."""
+    url_timeout: float = Field(10.0, gt=0.0)
+    """Seconds for the whole fetch of one URL, redirects and a slow body included."""
+    url_max_redirects: int = Field(3, ge=0, le=10)
+    """Redirects followed per URL, each checked like the URL itself."""
     idempotency_ttl: float = Field(86400.0, gt=0.0)
     """Seconds an ``Idempotency-Key`` of an offline submit is remembered: a retry within it returns
     the same job ids and publishes nothing new."""
@@ -254,6 +268,11 @@ class Settings(BaseSettings):
 
         if self.model not in PROFILES:
             raise ValueError(f"unknown model {self.model!r}; known: {', '.join(PROFILES)}")
+        for network in filter(None, (part.strip() for part in self.url_allowlist.split(","))):
+            try:
+                ipaddress.ip_network(network, strict=False)
+            except ValueError as exc:
+                raise ValueError(f"url_allowlist: {exc}") from None
         if self.max_buffered_body_bytes and self.max_buffered_body_bytes < self.max_body_bytes:
             raise ValueError("max_buffered_body_bytes must be at least max_body_bytes (or 0)")
         if self.max_decode_bytes and self.max_decode_bytes < self.max_image_bytes:
