@@ -104,7 +104,7 @@ class Fetcher:
         timeout: float,
         max_redirects: int,
         max_buffered_bytes: int,
-        max_parallel: int = 32,
+        max_parallel: int = 64,
     ) -> None:
         self.allow_http = allow_http
         self.allowlist = tuple(allowlist)
@@ -120,7 +120,11 @@ class Fetcher:
     def _client(self) -> aiohttp.ClientSession:
         if self._session is None:
             connector = aiohttp.TCPConnector(
-                resolver=GuardedResolver(self.allowlist), use_dns_cache=False, limit=self._max_parallel
+                resolver=GuardedResolver(self.allowlist),
+                use_dns_cache=False,
+                limit=self._max_parallel,
+                # one slow host must not hold every connection while other requests' fetches wait
+                limit_per_host=max(1, self._max_parallel // 8),
             )
             self._session = aiohttp.ClientSession(
                 connector=connector,
