@@ -1,4 +1,4 @@
-"""Render the Grafana dashboard's panels from a real run, for the README.
+"""Render the Grafana dashboard's panels from a real run, for docs/observability.md.
 
 Starts a real Prometheus with the shipped rules, a gateway on the embedded model, drives it with
 real photos at rising concurrency (plus some bad requests), then evaluates every query of

@@ -312,7 +312,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--triton-max-queue-size",
         type=int,
         default=0,
-        help="Triton's per-model queue bound (0: none; see the README on Triton 2.51's queue policy)",
+        help="Triton's per-model queue bound (0: none; see deploy/triton/README.md on Triton 2.51's queue policy)",
     )
     repo.add_argument("--triton-instances", type=int, default=1, help="model instances (per GPU)")
     repo.add_argument("--triton-kind", choices=["gpu", "cpu"], default=None)

@@ -228,8 +228,8 @@ class Settings(BaseSettings):
     preprocess_workers: int = Field(default_factory=lambda: DECODE_THREADS_PER_CPU * available_cpus(), ge=1)
     """Threads that decode and resize images (OpenCV releases the GIL); default two per CPU the
     process may use (its affinity, capped by a cgroup CPU quota): a thread also waits for the GIL
-    and for its turn on a core, so one per CPU leaves cores idle (see the README's performance
-    section). Their memory is bounded by ``max_decode_bytes``, not by their number."""
+    and for its turn on a core, so one per CPU leaves cores idle (see the serving-path
+    section of docs/performance.md). Their memory is bounded by ``max_decode_bytes``, not by their number."""
 
     def load_api_keys(self) -> list[ApiKey]:
         """Every configured key with its quota (empty: no authentication)."""

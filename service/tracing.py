@@ -1,6 +1,6 @@
 """OpenTelemetry traces, off unless ``GATEWAY_TRACING_ENDPOINT`` names an OTLP/HTTP collector.
 
-The shape of a trace (see the README's observability section):
+The shape of a trace (see docs/observability.md):
 
 * ``POST /classify`` (the server span, made by ``service.middleware.RequestMiddleware``; a client's
   W3C ``traceparent`` is its parent) with, per image, ``decode`` (in the decode thread) and

@@ -4,7 +4,7 @@ Each API replica binds a queue of its own to the results exchange for the API's 
 (``jobs``: never the results of ``gateway ingest`` runs), and keeps job states in memory for
 ``GET /jobs/{id}``, bounded in bytes and age. A job is ``pending`` on the replica that accepted it
 until its result arrives; other replicas answer 404 for it until then, and every replica answers
-``done``/``failed`` once the result is out (see the README).
+``done``/``failed`` once the result is out (see docs/offline.md).
 
 The replica's queue is not exclusive: it outlives a broker reconnect (an exclusive queue is deleted
 with its connection, losing the results published meanwhile, so jobs stayed ``pending`` for ever),

@@ -44,7 +44,7 @@ class TritonOptions:
     0 leaves Triton's queue unbounded and the bound to the gateway's own queue. Off by default: with
     any ``default_queue_policy`` Triton 2.51 held requests in its queue ~500 ms at low load (trivial
     model, batch 1, one client: 10.8 req/s and p99 502 ms with the policy, 298 req/s and p99 5.5 ms
-    without; see the README)."""
+    without; see deploy/triton/README.md)."""
     instances: int = 1
     """Model instances (per GPU for GPU variants): PAPER.md runs several per GPU."""
     kind: Literal["KIND_GPU", "KIND_CPU"] | None = None

@@ -55,7 +55,7 @@ def test_every_variant_takes_uint8_nhwc_and_gives_scores(tmp_path: Path, variant
 
 
 def test_queue_policy_is_left_out_unless_asked_for(tmp_path: Path) -> None:
-    """Triton 2.51 stalls requests ~500 ms at low load when any queue policy is set (see README)."""
+    """Triton 2.51 stalls requests ~500 ms at low load when any queue policy is set (see deploy/triton/README.md)."""
     model_dir = write_model(tmp_path, get_profile("trivial"), TritonOptions(variant="python"), onnx_path=None)
     config = parse(model_dir / "config.pbtxt")
     assert config.dynamic_batching.max_queue_delay_microseconds == 2000

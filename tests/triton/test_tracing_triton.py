@@ -34,7 +34,7 @@ def traced_triton(
     receiver: OTLPReceiver,
 ) -> Iterator[LocalTriton]:
     """Triton exporting its traces to the receiver within 100 ms, sampling one request in a
-    million on its own (as the README advises)."""
+    million on its own (as docs/observability.md advises)."""
     trace_config = [
         "mode=opentelemetry",
         "rate=1000000",
