@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from fastapi import APIRouter, Depends, Request
@@ -271,6 +272,7 @@ async def handle_classify(request: Request) -> Response:
         urls = await _read_urls(request, gateway)
         _spend_quota(request, gateway, len(urls))  # before fetching: the fetches are the cost
         async with gateway.fetcher.images(urls) as fetched:
+            _check_room(gateway)
             return await _admitted(request, gateway, fetched, top_k, mode)
     # The body is read before taking a slot: a slow sender never holds one (its time is bounded by
     # GATEWAY_BODY_TIMEOUT, its memory by the body budget in BodyLimitMiddleware).
@@ -288,7 +290,6 @@ def _check_room(gateway: Any) -> None:
 
 async def _admitted(request: Request, gateway: Any, images: list[ImageInput], top_k: int, mode: str) -> Response:
     deadline = asyncio.get_running_loop().time() + gateway.settings.request_timeout
-    _check_room(gateway)
     gateway.active_requests += 1
     try:
         if mode == "offline":
@@ -304,18 +305,21 @@ async def _read_urls(request: Request, gateway: Any) -> list[str]:
     try:
         body = UrlImages.model_validate_json(await request.body())
     except ValidationError as exc:
-        raise BadRequest(f"JSON body: {_pydantic_detail(exc)}") from None
+        raise BadRequest(f"JSON body: {validation_detail(exc.errors())}") from None
     limit = gateway.settings.max_images_per_request
     if len(body.images) > limit:
         raise BadRequest(f"{len(body.images)} images; at most {limit} per request (GATEWAY_MAX_IMAGES_PER_REQUEST)")
     return [image.url for image in body.images]
 
 
-def _pydantic_detail(exc: ValidationError) -> str:
-    return "; ".join(
-        f"{'.'.join(str(p) for p in err['loc'])}: {err['msg']}" if err["loc"] else err["msg"]
-        for err in exc.errors(include_url=False)
-    )
+def validation_detail(errors: Sequence[Mapping[str, Any]]) -> str:
+    """Pydantic's errors as one line, ``where: what; ...`` (the request part a location starts with,
+    query or body, left out)."""
+    parts = []
+    for err in errors:
+        loc = ".".join(str(p) for p in err.get("loc", ()) if p not in ("query", "body", "path", "header"))
+        parts.append(f"{loc}: {err.get('msg')}" if loc else str(err.get("msg")))
+    return "; ".join(parts) or "invalid request"
 
 
 def _spend_quota(request: Request, gateway: Any, images: int) -> None:

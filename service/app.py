@@ -19,7 +19,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp
 
 from service import __version__
-from service.api import ClassifyFastPath, refusal, router
+from service.api import ClassifyFastPath, refusal, router, validation_detail
 from service.backends.base import Backend
 from service.classifier import Classifier
 from service.errors import GatewayError, error_body
@@ -65,14 +65,6 @@ class GatewayApp(FastAPI):
 
     def build_middleware_stack(self) -> ASGIApp:
         return self.edge(super().build_middleware_stack())
-
-
-def _validation_detail(exc: RequestValidationError) -> str:
-    parts = []
-    for err in exc.errors():
-        loc = ".".join(str(p) for p in err.get("loc", ()) if p not in ("query", "body", "path", "header"))
-        parts.append(f"{loc}: {err.get('msg')}" if loc else str(err.get("msg")))
-    return "; ".join(parts) or "invalid request"
 
 
 def create_app(
@@ -137,6 +129,8 @@ def create_app(
                         await jobs.aclose()
                     if fetcher is not None:
                         await fetcher.aclose()
+                    if quotas is not None:
+                        quotas.close()
         finally:
             if tracing is not None:
                 await asyncio.to_thread(tracing.shutdown)  # exports what is buffered
@@ -161,7 +155,7 @@ def create_app(
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
         metrics.rejections.labels("invalid_parameters").inc()
-        return JSONResponse(error_body("invalid_parameters", _validation_detail(exc)), status_code=422)
+        return JSONResponse(error_body("invalid_parameters", validation_detail(exc.errors())), status_code=422)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:

@@ -25,7 +25,6 @@ import contextlib
 import ipaddress
 import socket
 from collections.abc import AsyncIterator, Sequence
-from typing import Any
 from urllib.parse import urljoin, urlsplit
 
 import aiohttp
@@ -215,22 +214,3 @@ class Fetcher:
     async def aclose(self) -> None:
         if self._session is not None:
             await self._session.close()
-
-
-def urls_from_json(body: Any, max_images: int) -> list[str]:
-    """``{"images": [{"url": "..."}, ...]}``: the URLs, or 400 saying what is wrong."""
-    if not isinstance(body, dict) or set(body) != {"images"} or not isinstance(body["images"], list):
-        raise BadRequest('a JSON body must be {"images": [{"url": "https://..."}, ...]}')
-    images = body["images"]
-    if not images:
-        raise BadRequest("images is empty")
-    if len(images) > max_images:
-        raise BadRequest(f"{len(images)} images; at most {max_images} per request")
-    urls = []
-    for i, item in enumerate(images):
-        if not isinstance(item, dict) or set(item) != {"url"} or not isinstance(item["url"], str):
-            raise BadRequest(f'images[{i}] must be {{"url": "https://..."}}')
-        if len(item["url"]) > 2048:
-            raise BadRequest(f"images[{i}].url is over 2048 characters")
-        urls.append(item["url"])
-    return urls
