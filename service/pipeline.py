@@ -52,6 +52,19 @@ async def build_backend(settings: Settings, profile: ModelProfile) -> Backend:
             shared_memory=settings.triton_shared_memory,
             shared_memory_regions=settings.max_inflight_batches,
         )
+    if settings.backend == "torch":
+        from service.backends.torch_backend import TorchBackend
+
+        if profile.name != "resnet50":
+            raise ValueError(f"the torch backend serves resnet50, not {profile.name}")
+        return TorchBackend(
+            settings.model_weights,
+            device=settings.torch_device,
+            precision=settings.torch_precision,
+            image_size=profile.image_size,
+            max_batch_size=settings.max_batch_size,
+            max_concurrency=settings.max_inflight_batches,
+        )
     path = await asyncio.to_thread(ensure_model, settings.models_dir, profile, settings.model_weights)
     if settings.backend == "openvino":
         from service.backends.openvino import OpenVINOBackend

@@ -81,15 +81,20 @@ class Settings(BaseSettings):
     """Serve /metrics without an API key even when keys are configured (e.g. when only Prometheus
     can reach the port)."""
 
-    backend: Literal["embedded", "openvino", "triton", "fake"] = "embedded"
+    backend: Literal["embedded", "openvino", "torch", "triton", "fake"] = "embedded"
     """Where batches run: ``embedded`` (ONNX Runtime in this process, on CPU), ``openvino`` (the
     model converted by OpenVINO for this CPU, in this process; see ``openvino_precision``),
+    ``torch`` (ResNet-50 in PyTorch in this process, on a CUDA GPU; see ``torch_device``),
     ``triton`` (NVIDIA Triton Inference Server, see the ``triton_*`` settings) or ``fake`` (a
     deterministic stand-in with no model, for testing the gateway itself)."""
     openvino_precision: Literal["fp32", "bf16", "int8"] = "bf16"
     """Precision of the ``openvino`` backend: ``bf16`` (where the CPU has bfloat16 kernels, else
     fp32, said in /readyz), ``fp32``, or ``int8`` (quantised on ``calibration_dir``'s photos, or a
     model built by ``gateway models quantize``)."""
+    torch_device: str = "cuda"
+    """Device of the ``torch`` backend: ``cuda``, ``cuda:N``, or ``cpu`` (for trying it without a GPU)."""
+    torch_precision: Literal["fp16", "fp32"] = "fp16"
+    """Precision of the ``torch`` backend on a GPU (on the CPU it always runs fp32)."""
     calibration_dir: Path | None = None
     """Photos like the traffic (at least 32) that calibrate the INT8 model; it is built once into
     the models directory, and refused if its top-1 answers agree with FP32 on under 99 % of the

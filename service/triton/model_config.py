@@ -15,13 +15,15 @@ import os
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import tritonclient.grpc
-import tritonclient.http
 from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2 as mc
 from tritonclient.utils import InferenceServerException
+
+if TYPE_CHECKING:
+    import tritonclient.http
 
 
 class ReloadRefused(RuntimeError):
@@ -114,6 +116,8 @@ class TritonModel:
             client.close()
 
     def _client(self) -> tritonclient.grpc.InferenceServerClient | tritonclient.http.InferenceServerClient:
-        if self.protocol == "http":
+        if self.protocol == "http":  # imported here: its gevent is needed by HTTP users only
+            import tritonclient.http
+
             return tritonclient.http.InferenceServerClient(self.url)
         return tritonclient.grpc.InferenceServerClient(self.url)

@@ -1,0 +1,637 @@
+"""The GPU figures (issue 14), in one command, on a machine with an NVIDIA GPU:
+
+    python -m loadtests.gpu_figures --photos DIR --full-photos DIR --out docs/bench/gpu [--wrk PATH]
+
+What it measures, each in the same run:
+
+* **backend alone**: the ``torch`` backend (ResNet-50, fp16) called in this process on decoded
+  224 px tensors, at each batch size, one batch in flight ("sync") and four ("async");
+* **decode alone**: OpenCV on every core (the gateway's ``prepare``) against nvJPEG through
+  torchvision's batched ``decode_jpeg`` on the GPU (plus the crop and resize there), on 224 px JPEGs
+  and on full-size photos;
+* **gateway**: ``gateway serve --backend torch`` with several workers, JPEGs in over HTTP, labels
+  out, loaded by ``wrk`` (C; its own CPU reported) or, without it, the aiohttp client; one image per
+  request and several per request; a sync client (one request at a time) and many connections;
+* GPU utilisation and memory (NVML) and the CPU of gateway and client during every run; the ratio
+  gateway / backend alone (PAPER.md's 410/458 = 0.895); the cost per million images at a GPU price.
+
+It writes ``report.md``, ``runs.csv`` and ``throughput_vs_batch.png`` into ``--out``. Without a GPU
+it runs on the CPU (``--device cpu``), slowly, to check the script itself.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import csv
+import json
+import os
+import platform
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager, suppress
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from loadtests.clients import _batch_totals, _mean_batch, session
+from loadtests.http_load import start_gateway
+from loadtests.resources import ResourceSampler, nvml
+from service.backends.torch_backend import TorchBackend
+from service.preprocess import PreprocessConfig, prepare
+
+BOUNDARY = "gpufiguresboundary7d1f"
+
+
+@dataclass
+class Run:
+    section: str
+    """``backend``, ``decode`` or ``gateway``."""
+    name: str
+    images_per_s: float
+    batch: int | None = None
+    in_flight: int | None = None
+    images: int = 0
+    seconds: float = 0.0
+    p50_ms: float | None = None
+    p99_ms: float | None = None
+    errors: int = 0
+    gpu_util_mean: float | None = None
+    gpu_util_max: float | None = None
+    gpu_util_min: float | None = None
+    gpu_mem_max_gib: float | None = None
+    server_cpu_cores: float | None = None
+    """Mean cores the measured process (tree) used."""
+    server_cpu_ms_per_image: float | None = None
+    client_cpu_cores: float | None = None
+    mean_batch: float | None = None
+    """Images per backend call in the gateway (from its /metrics)."""
+    config: dict[str, Any] = field(default_factory=dict)
+
+
+def environment(device: str) -> dict[str, str]:
+    import torch
+
+    env = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda": str(torch.version.cuda),
+        "cudnn": str(torch.backends.cudnn.version()),  # type: ignore[no-untyped-call]
+        "cpu cores": str(os.cpu_count()),
+        "cpu": platform.processor() or platform.machine(),
+    }
+    lib: Any = nvml()
+    if lib is not None:
+        handle = lib.nvmlDeviceGetHandleByIndex(0)
+        env["gpu"] = str(lib.nvmlDeviceGetName(handle))
+        env["driver"] = str(lib.nvmlSystemGetDriverVersion())
+        env["gpu memory GiB"] = f"{lib.nvmlDeviceGetMemoryInfo(handle).total / 2**30:.0f}"
+    else:
+        env["gpu"] = f"none ({device})"
+    with suppress(OSError, StopIteration):
+        env["cpu"] = next(
+            line.split(":", 1)[1].strip()
+            for line in Path("/proc/cpuinfo").read_text().splitlines()
+            if line.startswith("model name")
+        )
+    return env
+
+
+@contextmanager
+def sampled(run: Run, processes: dict[str, int], with_children: tuple[str, ...] = ()) -> Iterator[None]:
+    """Fill ``run``'s GPU and CPU columns from a sampler running while the block does."""
+    with ResourceSampler(processes, 0.1, with_children=with_children) as sampler:
+        yield
+    util = sampler.gpu_utilization.summary()
+    if sampler.gpu_utilization.values:
+        run.gpu_util_mean, run.gpu_util_max, run.gpu_util_min = util["mean"], util["max"], util["min"]
+        run.gpu_mem_max_gib = max(sampler.gpu_memory.values) / 2**30
+    cpu = {name: series.summary()["mean"] / 100 for name, series in sampler.cpu.items() if series.values}
+    run.server_cpu_cores = cpu.get("server")
+    run.client_cpu_cores = cpu.get("client")
+    if run.server_cpu_cores is not None and run.images:
+        run.server_cpu_ms_per_image = 1000 * run.server_cpu_cores * run.seconds / run.images
+
+
+# --- backend alone -----------------------------------------------------------------------------
+
+
+async def drive(backend: TorchBackend, run: Run, inputs: list[np.ndarray], seconds: float) -> None:
+    """``run.in_flight`` callers, each sending ``inputs`` as one batch again and again for
+    ``seconds``; fills the run's images, time, rate, latencies and resource columns."""
+    latencies: list[float] = []
+    end = time.perf_counter() + seconds
+
+    async def caller() -> int:
+        done = 0
+        while time.perf_counter() < end:
+            t0 = time.perf_counter()
+            await backend.infer(inputs)
+            latencies.append(time.perf_counter() - t0)
+            done += len(inputs)
+        return done
+
+    await backend.infer(inputs)
+    with sampled(run, {"server": os.getpid()}):
+        start = time.perf_counter()
+        run.images = sum(await asyncio.gather(*(caller() for _ in range(run.in_flight or 1))))
+        run.seconds = time.perf_counter() - start
+    run.images_per_s = run.images / run.seconds
+    run.p50_ms, run.p99_ms = _percentiles(latencies)
+    _show(run)
+
+
+async def backend_alone(
+    tensors: list[np.ndarray], batches: list[int], in_flights: list[int], seconds: float, device: str
+) -> list[Run]:
+    """Every batch size with each number of batches in flight; then the largest batch with cuDNN's
+    heuristics instead of its benchmark search."""
+    runs = []
+    for heuristics in (False, True):
+        sizes = [max(batches)] if heuristics else batches
+        flights = [max(in_flights)] if heuristics else in_flights
+        backend = TorchBackend(
+            None, device=device, max_batch_size=max(sizes), max_concurrency=max(flights), cudnn_benchmark=not heuristics
+        )
+        await backend.start()
+        problem = await backend.ready()
+        if problem:
+            raise SystemExit(f"torch backend not ready: {problem}")
+        print(f"backend: {backend.detail}", flush=True)
+        try:
+            for batch in sizes:
+                inputs = [tensors[i % len(tensors)] for i in range(batch)]
+                for in_flight in flights:
+                    name = f"torch b{batch} x{in_flight}" + (", cuDNN heuristics" if heuristics else "")
+                    runs.append(Run("backend", name, 0.0, batch, in_flight))
+                    await drive(backend, runs[-1], inputs, seconds)
+        finally:
+            await backend.aclose()
+    return runs
+
+
+# --- decode alone ------------------------------------------------------------------------------
+
+
+def cpu_decode(photos: list[bytes], label: str, seconds: float, threads: int) -> Run:
+    import cv2
+
+    cv2.setNumThreads(1)
+    config = PreprocessConfig()
+    run = Run("decode", f"OpenCV CPU, {label}", 0.0, config={"threads": threads})
+    with sampled(run, {"server": os.getpid()}), ThreadPoolExecutor(threads) as pool:
+        end = time.perf_counter() + seconds
+
+        def loop(offset: int) -> int:
+            done = 0
+            while time.perf_counter() < end:
+                prepare(photos[(offset + done) % len(photos)], config)
+                done += 1
+            return done
+
+        start = time.perf_counter()
+        run.images = sum(pool.map(loop, range(threads)))
+        run.seconds = time.perf_counter() - start
+    run.images_per_s = run.images / run.seconds
+    _show(run)
+    return run
+
+
+def gpu_decode(photos: list[bytes], label: str, seconds: float, batch: int) -> Run | None:
+    """nvJPEG through torchvision: a batch of JPEGs decoded on the GPU, then each centre-cropped and
+    resized (antialiased) there to the model's 224 x 224."""
+    try:
+        import torch
+        import torch.nn.functional as F
+        from torchvision.io import decode_jpeg
+    except ImportError as exc:
+        print(f"GPU decode skipped: {exc}", file=sys.stderr)
+        return None
+    if not torch.cuda.is_available():
+        return None
+    config = PreprocessConfig()
+    datas = [torch.frombuffer(bytearray(photos[i % len(photos)]), dtype=torch.uint8) for i in range(batch)]
+
+    def one_batch() -> None:
+        decoded = decode_jpeg(datas, device="cuda")
+        for img in decoded:
+            _, h, w = img.shape
+            side = max(1, round(min(h, w) * config.crop_fraction))
+            y, x = (h - side) // 2, (w - side) // 2
+            square = img[:, y : y + side, x : x + side].unsqueeze(0).float()
+            F.interpolate(square, size=(config.image_size, config.image_size), mode="bilinear", antialias=True)
+        torch.cuda.synchronize()
+
+    one_batch()
+    run = Run("decode", f"nvJPEG GPU, {label}", 0.0, batch=batch)
+    with sampled(run, {"server": os.getpid()}):
+        end = time.perf_counter() + seconds
+        start = time.perf_counter()
+        while time.perf_counter() < end:
+            one_batch()
+            run.images += batch
+        run.seconds = time.perf_counter() - start
+    run.images_per_s = run.images / run.seconds
+    _show(run)
+    return run
+
+
+# --- gateway over HTTP -------------------------------------------------------------------------
+
+WRK_SCRIPT = r"""
+local reqs = {}
+local i = 0
+init = function(args)
+  local ctype = os.getenv("GW_CTYPE")
+  for path in string.gmatch(os.getenv("GW_BODIES"), "[^,]+") do
+    local f = assert(io.open(path, "rb"))
+    local body = f:read("*a")
+    f:close()
+    table.insert(reqs, wrk.format("POST", "/classify", {["Content-Type"] = ctype}, body))
+  end
+end
+request = function()
+  i = i % #reqs + 1
+  return reqs[i]
+end
+refused = {}
+sample = nil
+response = function(status, headers, body)
+  if status ~= 200 then
+    refused[status] = (refused[status] or 0) + 1
+    sample = sample or body
+  end
+end
+local threads = {}
+setup = function(thread)
+  table.insert(threads, thread)
+end
+done = function(summary, latency, requests)
+  for _, thread in ipairs(threads) do
+    for status, n in pairs(thread:get("refused")) do
+      io.write(string.format("refused %d %d\n", status, n))
+    end
+    local body = thread:get("sample")
+    if body then
+      io.write("sample " .. string.sub(body, 1, 300) .. "\n")
+    end
+  end
+end
+"""
+
+
+def bodies(photos: list[bytes], per_request: int, folder: Path, count: int = 16) -> tuple[list[Path], str]:
+    """Request bodies on disk for wrk: raw JPEGs (one image per request) or multipart forms."""
+    folder.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for r in range(count):
+        chosen = [photos[(r * per_request + j) % len(photos)] for j in range(per_request)]
+        if per_request == 1:
+            data = chosen[0]
+        else:
+            parts = [
+                f'--{BOUNDARY}\r\nContent-Disposition: form-data; name="file"; filename="{j}.jpg"\r\n'
+                f"Content-Type: image/jpeg\r\n\r\n".encode()
+                + photo
+                + b"\r\n"
+                for j, photo in enumerate(chosen)
+            ]
+            data = b"".join(parts) + f"--{BOUNDARY}--\r\n".encode()
+        path = folder / f"body-{per_request}-{r}.bin"
+        path.write_bytes(data)
+        paths.append(path)
+    ctype = "image/jpeg" if per_request == 1 else f"multipart/form-data; boundary={BOUNDARY}"
+    return paths, ctype
+
+
+def _ms(text: str) -> float:
+    value, unit = re.fullmatch(r"([\d.]+)(us|ms|s|m)", text).groups()  # type: ignore[union-attr]
+    return float(value) * {"us": 1e-3, "ms": 1.0, "s": 1e3, "m": 6e4}[unit]
+
+
+def parse_wrk(out: str) -> tuple[int, float, float | None, float | None, int]:
+    """(requests, seconds, p50 ms, p99 ms, failed requests) from ``wrk --latency`` output."""
+    match = re.search(r"(\d+) requests in ([\d.]+)(ms|s|m),", out)
+    assert match is not None, out
+    requests = int(match.group(1))
+    seconds = _ms(match.group(2) + match.group(3)) / 1000
+    pct = dict(re.findall(r"^\s+(50|99)\.000%\s+(\S+)", out, re.M))
+    if not pct:
+        pct = dict(re.findall(r"^\s+(50|99)%\s+(\S+)", out, re.M))
+    failed = sum(int(n) for n in re.findall(r"Non-2xx or 3xx responses: (\d+)", out))
+    failed += sum(int(n) for n in re.findall(r"Socket errors: connect \d+, read \d+, write \d+, timeout (\d+)", out))
+    return (
+        requests,
+        seconds,
+        _ms(pct["50"]) if "50" in pct else None,
+        _ms(pct["99"]) if "99" in pct else None,
+        failed,
+    )
+
+
+def gateway_run(
+    url: str,
+    pid: int,
+    name: str,
+    photos: list[bytes],
+    per_request: int,
+    connections: int,
+    seconds: float,
+    wrk: str | None,
+    workdir: Path,
+    config: dict[str, Any],
+) -> Run:
+    run = Run("gateway", name, 0.0, batch=per_request, in_flight=connections, config=dict(config))
+    if wrk is None:
+        from loadtests.clients import gateway_async, gateway_sync
+
+        async def load() -> Any:
+            total = max(per_request * connections * 20, int(seconds * 200))
+            if connections == 1:
+                return await gateway_sync(url, photos, per_request, total, 0)
+            return await gateway_async(url, photos, connections, total, 0)
+
+        with sampled(run, {"server": pid, "client": os.getpid()}, with_children=("server",)):
+            m = asyncio.run(load())
+            run.images, run.seconds, run.errors = m.images, m.seconds, m.errors
+        run.p50_ms, run.p99_ms = _percentiles(m.latencies)
+        run.config["client"] = "aiohttp"
+    else:
+        paths, ctype = bodies(photos, per_request, workdir / "bodies")
+        script = workdir / "post.lua"
+        script.write_text(WRK_SCRIPT)
+        threads = max(1, min(connections, int(config.get("client_threads", 4))))
+        env = {**os.environ, "GW_BODIES": ",".join(str(p) for p in paths), "GW_CTYPE": ctype}
+        cmd = [wrk, "-t", str(threads), "-c", str(connections), "-d", f"{seconds:.0f}s", "--timeout", "30s"]
+        cmd += ["--latency", "-s", str(script), url]
+        subprocess.run([*cmd[:6], "-d", "2s", *cmd[8:]], env=env, capture_output=True, check=False)  # warm-up
+        before = asyncio.run(_batches(url))
+        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        with sampled(run, {"server": pid, "client": proc.pid}, with_children=("server",)):
+            out, _ = proc.communicate()
+        run.mean_batch = _mean_batch(before, asyncio.run(_batches(url)))
+        requests, run.seconds, run.p50_ms, run.p99_ms, failed = parse_wrk(out)
+        refused: dict[str, int] = {}
+        for status, n in re.findall(r"^refused (\d+) (\d+)$", out, re.M):
+            refused[status] = refused.get(status, 0) + int(n)
+        if refused:
+            run.config["refused"] = refused
+            sample = re.search(r"^sample (.*)$", out, re.M)
+            print(f"refused: {refused}; e.g. {sample.group(1) if sample else ''}", file=sys.stderr)
+        run.errors = failed * per_request
+        run.images = (requests - failed) * per_request
+        if run.server_cpu_cores is not None and run.images:
+            run.server_cpu_ms_per_image = 1000 * run.server_cpu_cores * run.seconds / run.images
+        run.config["client"] = f"wrk -t{threads} -c{connections}"
+    run.images_per_s = run.images / run.seconds if run.seconds else 0.0
+    _show(run)
+    return run
+
+
+async def _batches(url: str) -> dict[str, float]:
+    async with session(url, 1) as client:
+        return await _batch_totals(client)
+
+
+def gateway_runs(
+    workers: int,
+    photos: list[bytes],
+    full: list[bytes],
+    seconds: float,
+    wrk: str | None,
+    workdir: Path,
+    device: str,
+    max_batch: int,
+    quick: bool,
+) -> list[Run]:
+    cores = os.cpu_count() or 2
+    settings = {
+        "GATEWAY_BACKEND": "torch",
+        "GATEWAY_MODEL": "resnet50",
+        "GATEWAY_TORCH_DEVICE": device,
+        "GATEWAY_WORKERS": str(workers),
+        "GATEWAY_MAX_BATCH_SIZE": str(max_batch),
+        "GATEWAY_MAX_QUEUE_SIZE": "4096",
+        "GATEWAY_REQUEST_TIMEOUT": "30",
+        "GATEWAY_PREPROCESS_WORKERS": str(max(2, 2 * cores // workers)),
+        "GATEWAY_MAX_IMAGES_PER_REQUEST": "64",
+    }
+    started = time.perf_counter()
+    proc, url = start_gateway([], workdir / "models", timeout=600, env=settings)
+    print(f"gateway with {workers} workers ready in {time.perf_counter() - started:.0f} s", flush=True)
+    config = {"workers": workers, "max_batch_size": max_batch, "client_threads": max(1, cores // 4)}
+    runs = []
+    try:
+        # connections: at most 64 in all, the default requests in flight per worker, so none is refused
+        plan = [
+            ("224 px", photos, 1, 64),
+            ("224 px", photos, 16, 64),
+            ("224 px", photos, 32, 32),
+            ("224 px", photos, 64, 1),
+        ]
+        if not quick:
+            plan += [("full-size", full, 1, 128)]
+        for label, images, per_request, connections in plan:
+            name = f"{workers} workers, {label}, {per_request}/request, {connections} conn"
+            runs.append(
+                gateway_run(url, proc.pid, name, images, per_request, connections, seconds, wrk, workdir, config)
+            )
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    return runs
+
+
+# --- report ------------------------------------------------------------------------------------
+
+
+def _percentiles(latencies: list[float]) -> tuple[float | None, float | None]:
+    if not latencies:
+        return None, None
+    return float(np.percentile(latencies, 50)) * 1000, float(np.percentile(latencies, 99)) * 1000
+
+
+def _show(run: Run) -> None:
+    gpu = f" gpu {run.gpu_util_mean:.0f}%" if run.gpu_util_mean is not None else ""
+    print(f"  {run.section:8s} {run.name:55s} {run.images_per_s:10.0f} img/s{gpu}", flush=True)
+
+
+def _fmt(value: float | None, digits: int = 0) -> str:
+    return "" if value is None else f"{value:,.{digits}f}"
+
+
+def write_report(out: Path, env: dict[str, str], runs: list[Run], args: argparse.Namespace, elapsed: float) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    with (out / "runs.csv").open("w", newline="") as f:
+        writer = csv.DictWriter(f, [*asdict(runs[0]).keys()])
+        writer.writeheader()
+        for run in runs:
+            row = asdict(run)
+            row["config"] = json.dumps(run.config)
+            writer.writerow(row)
+    backend = [r for r in runs if r.section == "backend"]
+    gateway = [r for r in runs if r.section == "gateway"]
+    best_backend = max(backend, key=lambda r: r.images_per_s, default=None)
+    best_gateway = max(gateway, key=lambda r: r.images_per_s, default=None)
+    lines = [
+        "# GPU figures",
+        "",
+        f"Written by `python -m loadtests.gpu_figures {' '.join(sys.argv[1:])}` in {elapsed / 60:.1f} min.",
+        "ResNet-50 with random weights (the same compute as the real one; answers meaningless).",
+        "",
+        "## Machine",
+        "",
+        *(f"- {k}: {v}" for k, v in env.items()),
+        "",
+    ]
+    if best_backend and best_gateway and best_gateway.images_per_s > 0:
+        ratio = best_gateway.images_per_s / best_backend.images_per_s
+        cost = args.gpu_hour_usd / (best_gateway.images_per_s * 3600) * 1e6
+        lines += [
+            "## Headline",
+            "",
+            f"- gateway, end to end: **{best_gateway.images_per_s:,.0f} img/s** ({best_gateway.name}), GPU "
+            f"utilisation mean {_fmt(best_gateway.gpu_util_mean)} %",
+            f"- backend alone: **{best_backend.images_per_s:,.0f} img/s** ({best_backend.name})",
+            f"- gateway / backend alone: **{ratio:.3f}** (PAPER.md: 410/458 = 0.895)",
+            f"- cost per million images at ${args.gpu_hour_usd:.2f} per GPU-hour (an assumed price; the whole "
+            f"machine's other costs not counted): **${cost:.3f}**",
+            "",
+        ]
+    sections = [
+        ("Backend alone (decoded 224 px tensors in, probabilities out)", "backend"),
+        ("Decode alone (JPEG bytes to 224 x 224 RGB)", "decode"),
+        ("Gateway end to end (JPEGs in over HTTP, labels out)", "gateway"),
+    ]
+    for title, section in sections:
+        rows = [r for r in runs if r.section == section]
+        if not rows:
+            continue
+        lines += [
+            f"## {title}",
+            "",
+            "| run | img/s | p50 ms | p99 ms | errors | GPU util mean/max/min % | GPU mem GiB | "
+            "server cores | server CPU ms/img | client cores | mean batch |",
+            "|---|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|",
+        ]
+        for r in rows:
+            util = (
+                f"{r.gpu_util_mean:.0f} / {r.gpu_util_max:.0f} / {r.gpu_util_min:.0f}"
+                if r.gpu_util_mean is not None and r.gpu_util_max is not None and r.gpu_util_min is not None
+                else ""
+            )
+            lines.append(
+                f"| {r.name} | {r.images_per_s:,.0f} | {_fmt(r.p50_ms, 1)} | {_fmt(r.p99_ms, 1)} | {r.errors} | "
+                f"{util} | {_fmt(r.gpu_mem_max_gib, 1)} | {_fmt(r.server_cpu_cores, 1)} | "
+                f"{_fmt(r.server_cpu_ms_per_image, 3)} | {_fmt(r.client_cpu_cores, 1)} | {_fmt(r.mean_batch, 1)} |"
+            )
+        lines.append("")
+    (out / "report.md").write_text("\n".join(lines))
+    _plot(out, backend)
+
+
+def _plot(out: Path, backend: list[Run]) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    fig, ax = plt.subplots(figsize=(6, 4))
+    searched = [r for r in backend if "heuristics" not in r.name]
+    for in_flight in sorted({r.in_flight for r in searched if r.in_flight}):
+        rows = [r for r in searched if r.in_flight == in_flight]
+        sizes, rates = [r.batch or 0 for r in rows], [r.images_per_s for r in rows]
+        ax.plot(sizes, rates, marker="o", label=f"{in_flight} in flight")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("batch size")
+    ax.set_ylabel("img/s")
+    ax.set_title("ResNet-50 fp16, torch backend alone")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "throughput_vs_batch.png", dpi=100)
+
+
+def _read(folder: Path) -> list[bytes]:
+    files = sorted(p for p in folder.rglob("*") if p.suffix.lower() in {".jpg", ".jpeg"})
+    if not files:
+        raise SystemExit(f"no JPEGs in {folder}")
+    return [p.read_bytes() for p in files]
+
+
+def _timed(what: str, step: Callable[[], Any]) -> Any:
+    started = time.perf_counter()
+    print(f"{what}...", flush=True)
+    result = step()
+    print(f"{what}: {time.perf_counter() - started:.0f} s", flush=True)
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--photos", type=Path, required=True, help="224 px JPEGs (python -m loadtests.dataset)")
+    parser.add_argument("--full-photos", type=Path, required=True, help="full-size JPEG photos")
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--wrk", default=shutil.which("wrk"), help="wrk binary (default: on PATH; else aiohttp)")
+    parser.add_argument("--batches", default="1,8,32,64,128,256")
+    parser.add_argument("--in-flight", default="1,4")
+    parser.add_argument("--workers", default="8,14", help="gateway worker counts to run, comma-separated")
+    parser.add_argument("--max-batch", type=int, default=128, help="the gateway's GATEWAY_MAX_BATCH_SIZE")
+    parser.add_argument("--seconds", type=float, default=8.0)
+    parser.add_argument("--gpu-hour-usd", type=float, default=3.0, help="assumed price of one GPU-hour")
+    parser.add_argument("--skip", default="", help="sections to skip: backend,decode,gateway")
+    parser.add_argument("--quick", action="store_true", help="short runs (to check the script)")
+    args = parser.parse_args()
+    started = time.perf_counter()
+    skip = set(filter(None, args.skip.split(",")))
+    photos, full = _read(args.photos), _read(args.full_photos)
+    env = environment(args.device)
+    print(json.dumps(env), flush=True)
+    config = PreprocessConfig()
+    tensors = [prepare(p, config) for p in photos[:64]]
+    runs: list[Run] = []
+    seconds = 1.0 if args.quick else args.seconds
+    if "backend" not in skip:
+        batches = [int(b) for b in args.batches.split(",")]
+        in_flights = [int(n) for n in args.in_flight.split(",")]
+        runs += _timed(
+            "backend alone",
+            lambda: asyncio.run(backend_alone(tensors, batches, in_flights, seconds / 2, args.device)),
+        )
+    if "decode" not in skip:
+        cores = os.cpu_count() or 2
+        for label, images in (("224 px", photos), ("full-size", full)):
+            runs.append(cpu_decode(images, label, seconds / 2, cores))
+            gpu = gpu_decode(images, label, seconds / 2, 64 if label == "224 px" else 16)
+            if gpu is not None:
+                runs.append(gpu)
+    if "gateway" not in skip:
+        with tempfile.TemporaryDirectory(prefix="gpu-figures-") as tmp:
+            for workers in (int(w) for w in args.workers.split(",")):
+                print(f"gateway, {workers} workers...", flush=True)
+                try:
+                    runs += gateway_runs(
+                        workers, photos, full, seconds, args.wrk, Path(tmp), args.device, args.max_batch, args.quick
+                    )
+                except (Exception, SystemExit):  # report what was measured before the failure
+                    traceback.print_exc()
+    write_report(args.out, env, runs, args, time.perf_counter() - started)
+    print((args.out / "report.md").read_text())
+
+
+if __name__ == "__main__":
+    main()

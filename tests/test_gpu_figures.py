@@ -1,0 +1,98 @@
+"""The GPU figures' load generation (``loadtests.gpu_figures``): its wrk script posts what the
+gateway accepts, and every image is counted once, refused requests apart. Run here against a real
+gateway with the fake backend; the figures themselves need a GPU (``scripts/gpu-figures``)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+from loadtests.gpu_figures import gateway_run, parse_wrk
+from loadtests.http_load import start_gateway
+from loadtests.photos import sample_photos
+
+WRK = shutil.which("wrk")
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(WRK is None, reason="wrk is installed by scripts/test-deps")]
+
+
+@pytest.fixture(scope="module")
+def photos() -> list[bytes]:
+    return [data for _, data in sample_photos()]
+
+
+def _gateway(tmp_path: Path, **env: str):  # type: ignore[no-untyped-def]
+    return start_gateway([], tmp_path / "models", env={"GATEWAY_BACKEND": "fake", "GATEWAY_MODEL": "trivial", **env})
+
+
+@pytest.mark.parametrize("per_request", [1, 4])
+def test_every_image_posted_is_classified_and_counted(tmp_path: Path, photos: list[bytes], per_request: int) -> None:
+    proc, url = _gateway(tmp_path)
+    try:
+        run = gateway_run(url, proc.pid, "t", photos, per_request, 4, 1, WRK, tmp_path, {"client_threads": 1})
+    finally:
+        proc.terminate()
+        proc.wait(30)
+    assert run.errors == 0
+    assert run.images > 0
+    assert run.images % per_request == 0
+    assert run.mean_batch is not None
+    assert run.mean_batch >= 1
+    assert run.server_cpu_cores is not None
+    assert run.server_cpu_cores > 0
+    assert run.client_cpu_cores is not None
+    assert run.p50_ms is not None
+    assert run.p99_ms is not None
+    assert run.p50_ms <= run.p99_ms
+    assert "refused" not in run.config
+
+
+def test_refused_requests_are_errors_not_images(tmp_path: Path, photos: list[bytes]) -> None:
+    proc, url = _gateway(tmp_path, GATEWAY_API_KEYS="a-key-the-client-does-not-send")
+    try:
+        run = gateway_run(url, proc.pid, "t", photos, 2, 2, 1, WRK, tmp_path, {"client_threads": 1})
+    finally:
+        proc.terminate()
+        proc.wait(30)
+    assert run.images == 0
+    assert run.errors > 0
+    assert set(run.config["refused"]) == {"401"}
+    assert run.config["refused"]["401"] * 2 == run.errors
+
+
+def test_wrk_output_is_parsed() -> None:
+    out = """Running 5s test @ http://127.0.0.1:40735
+  4 threads and 256 connections
+  Latency Distribution
+     50%   15.49ms
+     75%  153.22ms
+     90%  559.32ms
+     99%    1.56s
+  55260 requests in 5.03s, 16.29MB read
+  Non-2xx or 3xx responses: 54442
+Requests/sec:  10977.16
+"""
+    requests, seconds, p50, p99, failed = parse_wrk(out)
+    assert (requests, failed) == (55260, 54442)
+    assert seconds == pytest.approx(5.03)
+    assert p50 == pytest.approx(15.49)
+    assert p99 == pytest.approx(1560.0)
+
+
+def test_the_bodies_are_valid_multipart(tmp_path: Path, photos: list[bytes]) -> None:
+    import httpx
+
+    from loadtests.gpu_figures import bodies
+
+    paths, ctype = bodies(photos, 3, tmp_path, count=2)
+    proc, url = _gateway(tmp_path)
+    try:
+        answer = httpx.post(f"{url}/classify", content=paths[1].read_bytes(), headers={"content-type": ctype})
+    finally:
+        proc.terminate()
+        proc.wait(30)
+    assert answer.status_code == 200, answer.text
+    assert [r["filename"] for r in answer.json()["results"]] == ["0.jpg", "1.jpg", "2.jpg"]
+    assert os.path.getsize(paths[0]) > sum(len(p) for p in photos[:3])
