@@ -117,7 +117,7 @@ class TritonModel:
 
     def _client(self) -> tritonclient.grpc.InferenceServerClient | tritonclient.http.InferenceServerClient:
         if self.protocol == "http":  # imported here: its gevent is needed by HTTP users only
-            import tritonclient.http
+            from tritonclient import http as triton_http  # a bare "import tritonclient.http" would shadow the module
 
-            return tritonclient.http.InferenceServerClient(self.url)
+            return triton_http.InferenceServerClient(self.url)
         return tritonclient.grpc.InferenceServerClient(self.url)
