@@ -10,7 +10,7 @@ What it measures, each in the same run:
   torchvision's batched ``decode_jpeg`` on the GPU (plus the crop and resize there), on 224 px JPEGs
   and on full-size photos;
 * **gateway**: ``gateway serve --backend torch`` with several workers, JPEGs in over HTTP, labels
-  out, loaded by ``wrk`` (C; its own CPU reported) or, without it, the aiohttp client; one image per
+  out, loaded by ``wrk`` (C; its own CPU reported); one image per
   request and several per request; a sync client (one request at a time) and many connections;
 * GPU utilisation and memory (NVML) and the CPU of gateway and client during every run; the ratio
   gateway / backend alone (PAPER.md's 410/458 = 0.895); the cost per million images at a GPU price.
@@ -27,7 +27,6 @@ import csv
 import json
 import os
 import platform
-import re
 import shutil
 import subprocess
 import sys
@@ -46,6 +45,7 @@ import numpy as np
 from loadtests.clients import _batch_totals, _mean_batch, session
 from loadtests.http_load import start_gateway
 from loadtests.resources import ResourceSampler, nvml
+from loadtests.wrk import POST_BODIES, parse
 from service.backends.torch_backend import TorchBackend
 from service.preprocess import PreprocessConfig, prepare
 
@@ -57,7 +57,6 @@ class Run:
     section: str
     """``backend``, ``decode`` or ``gateway``."""
     name: str
-    images_per_s: float
     batch: int | None = None
     in_flight: int | None = None
     images: int = 0
@@ -71,11 +70,20 @@ class Run:
     gpu_mem_max_gib: float | None = None
     server_cpu_cores: float | None = None
     """Mean cores the measured process (tree) used."""
-    server_cpu_ms_per_image: float | None = None
     client_cpu_cores: float | None = None
     mean_batch: float | None = None
     """Images per backend call in the gateway (from its /metrics)."""
     config: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def images_per_s(self) -> float:
+        return self.images / self.seconds if self.seconds else 0.0
+
+    @property
+    def server_cpu_ms_per_image(self) -> float | None:
+        if self.server_cpu_cores is None or not self.images:
+            return None
+        return 1000 * self.server_cpu_cores * self.seconds / self.images
 
 
 def environment(device: str) -> dict[str, str]:
@@ -118,8 +126,6 @@ def sampled(run: Run, processes: dict[str, int], with_children: tuple[str, ...] 
     cpu = {name: series.summary()["mean"] / 100 for name, series in sampler.cpu.items() if series.values}
     run.server_cpu_cores = cpu.get("server")
     run.client_cpu_cores = cpu.get("client")
-    if run.server_cpu_cores is not None and run.images:
-        run.server_cpu_ms_per_image = 1000 * run.server_cpu_cores * run.seconds / run.images
 
 
 # --- backend alone -----------------------------------------------------------------------------
@@ -145,7 +151,6 @@ async def drive(backend: TorchBackend, run: Run, inputs: list[np.ndarray], secon
         start = time.perf_counter()
         run.images = sum(await asyncio.gather(*(caller() for _ in range(run.in_flight or 1))))
         run.seconds = time.perf_counter() - start
-    run.images_per_s = run.images / run.seconds
     run.p50_ms, run.p99_ms = _percentiles(latencies)
     _show(run)
 
@@ -172,7 +177,7 @@ async def backend_alone(
                 inputs = [tensors[i % len(tensors)] for i in range(batch)]
                 for in_flight in flights:
                     name = f"torch b{batch} x{in_flight}" + (", cuDNN heuristics" if heuristics else "")
-                    runs.append(Run("backend", name, 0.0, batch, in_flight))
+                    runs.append(Run("backend", name, batch, in_flight))
                     await drive(backend, runs[-1], inputs, seconds)
         finally:
             await backend.aclose()
@@ -187,7 +192,7 @@ def cpu_decode(photos: list[bytes], label: str, seconds: float, threads: int) ->
 
     cv2.setNumThreads(1)
     config = PreprocessConfig()
-    run = Run("decode", f"OpenCV CPU, {label}", 0.0, config={"threads": threads})
+    run = Run("decode", f"OpenCV CPU, {label}", config={"threads": threads})
     with sampled(run, {"server": os.getpid()}), ThreadPoolExecutor(threads) as pool:
         end = time.perf_counter() + seconds
 
@@ -201,7 +206,6 @@ def cpu_decode(photos: list[bytes], label: str, seconds: float, threads: int) ->
         start = time.perf_counter()
         run.images = sum(pool.map(loop, range(threads)))
         run.seconds = time.perf_counter() - start
-    run.images_per_s = run.images / run.seconds
     _show(run)
     return run
 
@@ -232,7 +236,7 @@ def gpu_decode(photos: list[bytes], label: str, seconds: float, batch: int) -> R
         torch.cuda.synchronize()
 
     one_batch()
-    run = Run("decode", f"nvJPEG GPU, {label}", 0.0, batch=batch)
+    run = Run("decode", f"nvJPEG GPU, {label}", batch=batch)
     with sampled(run, {"server": os.getpid()}):
         end = time.perf_counter() + seconds
         start = time.perf_counter()
@@ -240,53 +244,11 @@ def gpu_decode(photos: list[bytes], label: str, seconds: float, batch: int) -> R
             one_batch()
             run.images += batch
         run.seconds = time.perf_counter() - start
-    run.images_per_s = run.images / run.seconds
     _show(run)
     return run
 
 
 # --- gateway over HTTP -------------------------------------------------------------------------
-
-WRK_SCRIPT = r"""
-local reqs = {}
-local i = 0
-init = function(args)
-  local ctype = os.getenv("GW_CTYPE")
-  for path in string.gmatch(os.getenv("GW_BODIES"), "[^,]+") do
-    local f = assert(io.open(path, "rb"))
-    local body = f:read("*a")
-    f:close()
-    table.insert(reqs, wrk.format("POST", "/classify", {["Content-Type"] = ctype}, body))
-  end
-end
-request = function()
-  i = i % #reqs + 1
-  return reqs[i]
-end
-refused = {}
-sample = nil
-response = function(status, headers, body)
-  if status ~= 200 then
-    refused[status] = (refused[status] or 0) + 1
-    sample = sample or body
-  end
-end
-local threads = {}
-setup = function(thread)
-  table.insert(threads, thread)
-end
-done = function(summary, latency, requests)
-  for _, thread in ipairs(threads) do
-    for status, n in pairs(thread:get("refused")) do
-      io.write(string.format("refused %d %d\n", status, n))
-    end
-    local body = thread:get("sample")
-    if body then
-      io.write("sample " .. string.sub(body, 1, 300) .. "\n")
-    end
-  end
-end
-"""
 
 
 def bodies(photos: list[bytes], per_request: int, folder: Path, count: int = 16) -> tuple[list[Path], str]:
@@ -313,31 +275,6 @@ def bodies(photos: list[bytes], per_request: int, folder: Path, count: int = 16)
     return paths, ctype
 
 
-def _ms(text: str) -> float:
-    value, unit = re.fullmatch(r"([\d.]+)(us|ms|s|m)", text).groups()  # type: ignore[union-attr]
-    return float(value) * {"us": 1e-3, "ms": 1.0, "s": 1e3, "m": 6e4}[unit]
-
-
-def parse_wrk(out: str) -> tuple[int, float, float | None, float | None, int]:
-    """(requests, seconds, p50 ms, p99 ms, failed requests) from ``wrk --latency`` output."""
-    match = re.search(r"(\d+) requests in ([\d.]+)(ms|s|m),", out)
-    assert match is not None, out
-    requests = int(match.group(1))
-    seconds = _ms(match.group(2) + match.group(3)) / 1000
-    pct = dict(re.findall(r"^\s+(50|99)\.000%\s+(\S+)", out, re.M))
-    if not pct:
-        pct = dict(re.findall(r"^\s+(50|99)%\s+(\S+)", out, re.M))
-    failed = sum(int(n) for n in re.findall(r"Non-2xx or 3xx responses: (\d+)", out))
-    failed += sum(int(n) for n in re.findall(r"Socket errors: connect \d+, read \d+, write \d+, timeout (\d+)", out))
-    return (
-        requests,
-        seconds,
-        _ms(pct["50"]) if "50" in pct else None,
-        _ms(pct["99"]) if "99" in pct else None,
-        failed,
-    )
-
-
 def gateway_run(
     url: str,
     pid: int,
@@ -346,53 +283,32 @@ def gateway_run(
     per_request: int,
     connections: int,
     seconds: float,
-    wrk: str | None,
+    wrk: str,
     workdir: Path,
     config: dict[str, Any],
 ) -> Run:
-    run = Run("gateway", name, 0.0, batch=per_request, in_flight=connections, config=dict(config))
-    if wrk is None:
-        from loadtests.clients import gateway_async, gateway_sync
-
-        async def load() -> Any:
-            total = max(per_request * connections * 20, int(seconds * 200))
-            if connections == 1:
-                return await gateway_sync(url, photos, per_request, total, 0)
-            return await gateway_async(url, photos, connections, total, 0)
-
-        with sampled(run, {"server": pid, "client": os.getpid()}, with_children=("server",)):
-            m = asyncio.run(load())
-            run.images, run.seconds, run.errors = m.images, m.seconds, m.errors
-        run.p50_ms, run.p99_ms = _percentiles(m.latencies)
-        run.config["client"] = "aiohttp"
-    else:
-        paths, ctype = bodies(photos, per_request, workdir / "bodies")
-        script = workdir / "post.lua"
-        script.write_text(WRK_SCRIPT)
-        threads = max(1, min(connections, int(config.get("client_threads", 4))))
-        env = {**os.environ, "GW_BODIES": ",".join(str(p) for p in paths), "GW_CTYPE": ctype}
-        cmd = [wrk, "-t", str(threads), "-c", str(connections), "-d", f"{seconds:.0f}s", "--timeout", "30s"]
-        cmd += ["--latency", "-s", str(script), url]
-        subprocess.run([*cmd[:6], "-d", "2s", *cmd[8:]], env=env, capture_output=True, check=False)  # warm-up
-        before = asyncio.run(_batches(url))
-        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        with sampled(run, {"server": pid, "client": proc.pid}, with_children=("server",)):
-            out, _ = proc.communicate()
-        run.mean_batch = _mean_batch(before, asyncio.run(_batches(url)))
-        requests, run.seconds, run.p50_ms, run.p99_ms, failed = parse_wrk(out)
-        refused: dict[str, int] = {}
-        for status, n in re.findall(r"^refused (\d+) (\d+)$", out, re.M):
-            refused[status] = refused.get(status, 0) + int(n)
-        if refused:
-            run.config["refused"] = refused
-            sample = re.search(r"^sample (.*)$", out, re.M)
-            print(f"refused: {refused}; e.g. {sample.group(1) if sample else ''}", file=sys.stderr)
-        run.errors = failed * per_request
-        run.images = (requests - failed) * per_request
-        if run.server_cpu_cores is not None and run.images:
-            run.server_cpu_ms_per_image = 1000 * run.server_cpu_cores * run.seconds / run.images
-        run.config["client"] = f"wrk -t{threads} -c{connections}"
-    run.images_per_s = run.images / run.seconds if run.seconds else 0.0
+    run = Run("gateway", name, batch=per_request, in_flight=connections, config=dict(config))
+    paths, ctype = bodies(photos, per_request, workdir / "bodies")
+    script = workdir / "post.lua"
+    script.write_text(POST_BODIES)
+    threads = max(1, min(connections, int(config.get("client_threads", 4))))
+    env = {**os.environ, "GW_BODIES": ",".join(str(p) for p in paths), "GW_CTYPE": ctype}
+    cmd = [wrk, "-t", str(threads), "-c", str(connections), "-d", f"{seconds:.0f}s", "--timeout", "30s"]
+    cmd += ["--latency", "-s", str(script), url]
+    subprocess.run([*cmd[:6], "-d", "2s", *cmd[8:]], env=env, capture_output=True, check=False)  # warm-up
+    before = asyncio.run(_batches(url))
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    with sampled(run, {"server": pid, "client": proc.pid}, with_children=("server",)):
+        result = parse(proc.communicate()[0])
+        run.seconds = result.seconds
+        run.images = (result.requests - result.failed) * per_request
+    run.mean_batch = _mean_batch(before, asyncio.run(_batches(url)))
+    run.p50_ms, run.p99_ms = result.latency_ms.get(50), result.latency_ms.get(99)
+    run.errors = result.failed * per_request
+    if result.refused:
+        run.config["refused"] = result.refused
+        print(f"refused: {result.refused}; e.g. {result.refused_sample}", file=sys.stderr)
+    run.config["client"] = f"wrk -t{threads} -c{connections}"
     _show(run)
     return run
 
@@ -407,7 +323,7 @@ def gateway_runs(
     photos: list[bytes],
     full: list[bytes],
     seconds: float,
-    wrk: str | None,
+    wrk: str,
     workdir: Path,
     device: str,
     max_batch: int,
@@ -475,11 +391,13 @@ def _fmt(value: float | None, digits: int = 0) -> str:
 def write_report(out: Path, env: dict[str, str], runs: list[Run], args: argparse.Namespace, elapsed: float) -> None:
     out.mkdir(parents=True, exist_ok=True)
     with (out / "runs.csv").open("w", newline="") as f:
-        writer = csv.DictWriter(f, [*asdict(runs[0]).keys()])
+        columns = [*asdict(runs[0]).keys(), "images_per_s", "server_cpu_ms_per_image"]
+        writer = csv.DictWriter(f, columns)
         writer.writeheader()
         for run in runs:
             row = asdict(run)
             row["config"] = json.dumps(run.config)
+            row["images_per_s"], row["server_cpu_ms_per_image"] = run.images_per_s, run.server_cpu_ms_per_image
             writer.writerow(row)
     backend = [r for r in runs if r.section == "backend"]
     gateway = [r for r in runs if r.section == "gateway"]
@@ -586,7 +504,7 @@ def main() -> None:
     parser.add_argument("--full-photos", type=Path, required=True, help="full-size JPEG photos")
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--device", default="cuda")
-    parser.add_argument("--wrk", default=shutil.which("wrk"), help="wrk binary (default: on PATH; else aiohttp)")
+    parser.add_argument("--wrk", default=shutil.which("wrk"), help="wrk binary (default: the one on PATH)")
     parser.add_argument("--batches", default="1,8,32,64,128,256")
     parser.add_argument("--in-flight", default="1,4")
     parser.add_argument("--workers", default="8,14", help="gateway worker counts to run, comma-separated")
@@ -596,6 +514,8 @@ def main() -> None:
     parser.add_argument("--skip", default="", help="sections to skip: backend,decode,gateway")
     parser.add_argument("--quick", action="store_true", help="short runs (to check the script)")
     args = parser.parse_args()
+    if args.wrk is None and "gateway" not in args.skip:
+        parser.error("the gateway runs need wrk (apt-get install wrk, or --wrk PATH; scripts/gpu-bundle carries it)")
     started = time.perf_counter()
     skip = set(filter(None, args.skip.split(",")))
     photos, full = _read(args.photos), _read(args.full_photos)

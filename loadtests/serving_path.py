@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import statistics
 import subprocess
 import sys
@@ -34,6 +33,7 @@ from loadtests.deployment import gateway
 from loadtests.http_load import wait_ready
 from loadtests.otlp_receiver import OTLPReceiver
 from loadtests.resources import children, cpu_seconds
+from loadtests.wrk import parse
 from service.tune.runner import free_port
 
 LUA = """
@@ -91,11 +91,6 @@ def _cpu(pid: int) -> float:
     return total
 
 
-def _seconds(text: str) -> float:
-    value, unit = re.fullmatch(r"([\d.]+)(us|ms|s|m)", text).groups()  # type: ignore[union-attr]
-    return float(value) * {"us": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0}[unit]
-
-
 def run_wrk(url: str, pid: int, script: Path, seconds: float, connections: int, threads: int, result: Result) -> None:
     server_before = _cpu(pid)
     wrk = subprocess.Popen(
@@ -120,17 +115,13 @@ def run_wrk(url: str, pid: int, script: Path, seconds: float, connections: int, 
         except psutil.NoSuchProcess:
             break
         time.sleep(0.2)
-    out = wrk.communicate()[0]
+    out = parse(wrk.communicate()[0])
     server_cpu = _cpu(pid) - server_before
-    requests = int(re.search(r"(\d+) requests in", out).group(1))  # type: ignore[union-attr]
-    rate = float(re.search(r"Requests/sec:\s+([\d.]+)", out).group(1))  # type: ignore[union-attr]
-    bad = re.search(r"Non-2xx or 3xx responses: (\d+)", out)
-    result.errors += int(bad.group(1)) if bad else 0
-    result.rates.append(rate)
-    result.server_cpu.append(1000 * server_cpu / max(requests, 1))
-    result.client_cpu.append(1000 * client_cpu / max(requests, 1))
-    p50 = re.search(r"50%\s+([\d.]+\w+)", out)
-    result.p50_ms.append(1000 * _seconds(p50.group(1)) if p50 else float("nan"))
+    result.errors += out.non_2xx
+    result.rates.append(out.rate)
+    result.server_cpu.append(1000 * server_cpu / max(out.requests, 1))
+    result.client_cpu.append(1000 * client_cpu / max(out.requests, 1))
+    result.p50_ms.append(out.latency_ms.get(50, float("nan")))
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -44,6 +44,25 @@ def test_a_stacked_batch_is_used_as_it_is() -> None:
     assert BatchBuffer().assemble(batch) is batch
 
 
+def test_a_padded_batch_has_the_rows_asked_for_from_the_given_allocator() -> None:
+    made: list[tuple[int, ...]] = []
+
+    def allocate(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:  # type: ignore[type-arg]
+        made.append(shape)
+        return np.full(shape, 255, dtype)
+
+    buffer = BatchBuffer(allocate)
+    padded = buffer.assemble(images(3), rows=4)
+    assert padded.shape == (4, 8, 8, 3)
+    assert np.array_equal(padded[:3], np.stack(images(3)))
+    assert made == [(4, 8, 8, 3)]
+    stacked = buffer.assemble(np.stack(images(2, start=20)), rows=4)  # a stacked batch too short is copied
+    assert stacked.shape == (4, 8, 8, 3)
+    assert np.array_equal(stacked[:2], np.stack(images(2, start=20)))
+    assert np.shares_memory(padded, stacked)
+    assert made == [(4, 8, 8, 3)]
+
+
 def test_images_of_different_shapes_are_refused() -> None:
     with pytest.raises(ValueError, match="same shape"):
         BatchBuffer().assemble([np.zeros((8, 8, 3), np.uint8), np.zeros((4, 4, 3), np.uint8)])

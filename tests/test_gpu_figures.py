@@ -10,9 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from loadtests.gpu_figures import gateway_run, parse_wrk
+from loadtests.gpu_figures import gateway_run
 from loadtests.http_load import start_gateway
 from loadtests.photos import sample_photos
+from loadtests.wrk import parse
 
 WRK = shutil.which("wrk")
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(WRK is None, reason="wrk is installed by scripts/test-deps")]
@@ -74,7 +75,9 @@ def test_wrk_output_is_parsed() -> None:
   Non-2xx or 3xx responses: 54442
 Requests/sec:  10977.16
 """
-    requests, seconds, p50, p99, failed = parse_wrk(out)
+    result = parse(out)
+    requests, seconds, failed = result.requests, result.seconds, result.failed
+    p50, p99 = result.latency_ms[50], result.latency_ms[99]
     assert (requests, failed) == (55260, 54442)
     assert seconds == pytest.approx(5.03)
     assert p50 == pytest.approx(15.49)

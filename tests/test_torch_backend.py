@@ -21,8 +21,6 @@ from service.models.store import ensure_model
 from service.preprocess import PreprocessConfig, prepare
 from tests.conftest import running_gateway
 
-pytest.importorskip("torch")
-
 
 @asynccontextmanager
 async def started(backend: TorchBackend) -> AsyncIterator[TorchBackend]:

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
-from typing import Protocol
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -39,31 +39,40 @@ class Backend(Protocol):
         """Release what ``start`` opened; called once at shutdown."""
 
 
+def _numpy_empty(shape: tuple[int, ...], dtype: np.dtype[Any]) -> np.ndarray:
+    return np.empty(shape, dtype)
+
+
 class BatchBuffer:
     """One ``[N, H, W, 3]`` array per thread, reused batch after batch, that a batch's images are
     copied into: one copy per image, into memory already mapped. ``np.stack`` would allocate a fresh
     batch each time, and a fresh multi-megabyte array costs a page fault per 4 KiB on first touch
     (on the event loop that was a tenth of the serving path's time).
 
+    ``allocate(shape, dtype)`` makes the arrays (default ``np.empty``; the torch backend's are
+    page-locked, so the copy to the GPU is asynchronous).
+
     The array returned by ``assemble`` is valid until the same thread's next call: a backend uses it
     for one synchronous call (ONNX Runtime's ``run``, a protobuf or shared-memory copy) and drops it."""
 
-    def __init__(self) -> None:
+    def __init__(self, allocate: Callable[[tuple[int, ...], np.dtype[Any]], np.ndarray] = _numpy_empty) -> None:
+        self._allocate = allocate
         self._local = threading.local()
 
-    def assemble(self, images: Images) -> np.ndarray:
-        if isinstance(images, np.ndarray):  # stacked already
+    def assemble(self, images: Images, rows: int | None = None) -> np.ndarray:
+        """The images as one batch. With ``rows`` (at least the number of images) the batch has that
+        many rows, the ones past the images holding whatever an earlier batch left there: a backend
+        that runs a few fixed batch shapes pads its batches so, and drops those rows' answers."""
+        rows = rows or len(images)
+        if isinstance(images, np.ndarray) and len(images) == rows:  # stacked already
             return images
         first = images[0]
         buffer: np.ndarray | None = getattr(self._local, "array", None)
-        if (
-            buffer is None
-            or buffer.shape[0] < len(images)
-            or buffer.shape[1:] != first.shape
-            or buffer.dtype != first.dtype
-        ):
-            rows = max(len(images), 0 if buffer is None else buffer.shape[0])
-            buffer = self._local.array = np.empty((rows, *first.shape), first.dtype)
-        batch = buffer[: len(images)]
-        np.stack(images, out=batch)  # ValueError if the images differ in shape
-        return batch
+        if buffer is None or buffer.shape[0] < rows or buffer.shape[1:] != first.shape or buffer.dtype != first.dtype:
+            size = max(rows, 0 if buffer is None else buffer.shape[0])
+            buffer = self._local.array = self._allocate((size, *first.shape), first.dtype)
+        if isinstance(images, np.ndarray):  # stacked, but shorter than the rows asked for
+            buffer[: len(images)] = images
+        else:
+            np.stack(images, out=buffer[: len(images)])  # ValueError if the images differ in shape
+        return buffer[:rows]

@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import torch
 from torch import nn
+from torch.nn.utils.fusion import fuse_conv_bn_eval
 
 from service.models import resnet
 from service.models.torch_reader import read_state_dict
@@ -85,3 +86,19 @@ def load(weights: Path | None) -> tuple[ResNet50, bool]:
     if missing:
         raise ValueError(f"weights file lacks {len(missing)} ResNet-50 parameters, e.g. {sorted(missing)[0]}")
     return model.eval(), weights is None
+
+
+def fold_batchnorms(model: ResNet50) -> None:
+    """Fold each BatchNorm into the convolution before it (inference only): one kernel instead of two."""
+
+    def fold(owner: nn.Module, conv: str, bn: str) -> None:
+        setattr(owner, conv, fuse_conv_bn_eval(getattr(owner, conv), getattr(owner, bn)))
+        setattr(owner, bn, nn.Identity())
+
+    fold(model, "conv1", "bn1")
+    for block in model.modules():
+        if isinstance(block, Bottleneck):
+            for i in (1, 2, 3):
+                fold(block, f"conv{i}", f"bn{i}")
+            if block.downsample is not None:
+                fold(block.downsample, "0", "1")
