@@ -31,6 +31,7 @@ from service.errors import (
     UnsupportedMediaType,
     error_response,
 )
+from service.fetch import check_destination, parse_allowlist
 from service.http_protocol import TIMED_OUT
 from service.jobs.client import OfflineImage, PendingJob
 from service.metrics import Metrics
@@ -45,6 +46,7 @@ from service.schemas import (
     UrlImage,
     UrlImages,
 )
+from service.settings import Settings
 
 
 async def reject_unknown_query(request: Request) -> None:
@@ -69,6 +71,8 @@ itself, on the hot path (see ``_classify_params``)."""
 CLASSIFY_PARAMS = ("top_k", "mode")
 IDEMPOTENCY_KEY = "Idempotency-Key"
 IDEMPOTENT_REPLAYED = "Idempotent-Replayed"
+WEBHOOK_URL = "Webhook-URL"
+MAX_WEBHOOK_URL = 2048
 _IDEMPOTENCY_KEY = re.compile(r"[\x21-\x7e]{1,255}")
 _INTEGER = re.compile(r"[+-]?[0-9]+")
 _QUERY_DOC: list[dict[str, Any]] = [
@@ -95,6 +99,21 @@ _QUERY_DOC: list[dict[str, Any]] = [
         "another replica; the same key with another body is 409. Remembered for GATEWAY_IDEMPOTENCY_TTL "
         "seconds, per API key. Ignored online (an online answer is computed again).",
         "schema": {"type": "string", "minLength": 1, "maxLength": 255},
+    },
+    {
+        "name": WEBHOOK_URL,
+        "in": "header",
+        "required": False,
+        "description": "mode=offline only: when each job finishes (done or failed), its result is POSTed to this "
+        'URL as JSON, `{"type": "job.done"|"job.failed", "timestamp": ..., "data": <the job\'s result>}`, signed '
+        "the Standard Webhooks way (`webhook-id`: the job id, `webhook-timestamp`, `webhook-signature`: "
+        "`v1,` + base64 HMAC-SHA256 of `id.timestamp.body` under GATEWAY_WEBHOOK_SECRET). A 2xx answer "
+        "accepts it; anything else is retried with growing delays (GATEWAY_WEBHOOK_RETRY_DELAYS) for up to "
+        "GATEWAY_WEBHOOK_MAX_AGE seconds. At least once: a receiver that remembers `webhook-id` sees each "
+        "job once. https only unless GATEWAY_WEBHOOK_ALLOW_HTTP; the host must resolve to public addresses "
+        "unless GATEWAY_WEBHOOK_ALLOWLIST holds them (403 `url_not_allowed`). 400 when webhooks are off "
+        "(no GATEWAY_WEBHOOK_SECRET), online, or the host cannot be resolved.",
+        "schema": {"type": "string", "format": "uri", "maxLength": MAX_WEBHOOK_URL},
     },
 ]
 
@@ -160,8 +179,8 @@ _ERRORS: dict[int | str, dict[str, Any]] = {
     for code, text in {
         400: "Empty, truncated or undecodable image, a malformed multipart or JSON body, or an image URL that "
         "could not be fetched (`url_fetch_failed`: no connection, not 200, too many redirects, too slow).",
-        403: "An image URL the SSRF guard refuses (`url_not_allowed`): a private, loopback, link-local or "
-        "metadata address not allow-listed, or http where only https is allowed.",
+        403: "An image URL or a Webhook-URL the SSRF guard refuses (`url_not_allowed`): a private, loopback, "
+        "link-local or metadata address not allow-listed, or http where only https is allowed.",
         401: "API keys are configured and the request carries no valid one (`Authorization: Bearer` or `X-API-Key`).",
         408: "The request body did not arrive within GATEWAY_BODY_TIMEOUT.",
         413: "Body, image count or an image's decoded size over its limit, or more images than the API key's "
@@ -255,7 +274,8 @@ async def _read_images(request: Request, max_images: int) -> list[ImageInput]:
         "If any image of a request is bad, the whole request is refused with that image's "
         "error (naming it) and none of its images is inferred; other requests are never affected. "
         "With `mode=offline` each image is validated from its header, queued in RabbitMQ, and the answer "
-        "is 202 with a job id per image (see GET /jobs/{job_id})."
+        "is 202 with a job id per image (see GET /jobs/{job_id}); with a `Webhook-URL` header each job's "
+        "result is also POSTed there, signed, when it finishes."
     ),
 )
 async def classify(request: Request) -> Response:
@@ -294,6 +314,8 @@ async def _admitted(request: Request, gateway: Any, images: list[ImageInput], to
     try:
         if mode == "offline":
             return await _classify_offline(request, images, top_k)
+        if WEBHOOK_URL in request.headers:
+            raise BadRequest(f"{WEBHOOK_URL} is for mode=offline: an online answer is the result itself")
         return await _classify_online(gateway, images, top_k, deadline)
     finally:
         gateway.active_requests -= 1
@@ -347,10 +369,11 @@ async def _classify_offline(request: Request, images: list[ImageInput], top_k: i
     if gateway.jobs is None:  # a property of this deployment, not a passing fault: retrying cannot help
         raise BadRequest("mode=offline is not available: this gateway has no message broker (GATEWAY_BROKER_URL)")
     key = _idempotency_key(request)
+    webhook = await _webhook_url(request, gateway.settings)
     await gateway.classifier.validate(images)
     offline = [OfflineImage(i.data, i.content_type or "application/octet-stream", i.filename) for i in images]
     scope = request.scope.get(API_KEY) or ""
-    submitted = await gateway.jobs.submit(offline, top_k, (scope, key) if key is not None else None)
+    submitted = await gateway.jobs.submit(offline, top_k, (scope, key) if key is not None else None, webhook)
     body = JobsAccepted(
         jobs=[
             AcceptedJob(job_id=job_id, filename=image.filename, status_url=f"/jobs/{job_id}")
@@ -368,6 +391,19 @@ def _idempotency_key(request: Request) -> str | None:
     if not _IDEMPOTENCY_KEY.fullmatch(key):
         raise BadRequest(f"{IDEMPOTENCY_KEY} must be 1-255 printable ASCII characters")
     return key
+
+
+async def _webhook_url(request: Request, settings: Settings) -> str | None:
+    url = request.headers.get(WEBHOOK_URL)
+    if url is None:
+        return None
+    if settings.webhook_secret is None:
+        raise BadRequest(f"{WEBHOOK_URL}: webhooks are turned off here (no GATEWAY_WEBHOOK_SECRET)")
+    if len(url) > MAX_WEBHOOK_URL:
+        raise BadRequest(f"{WEBHOOK_URL}: {len(url)} characters; at most {MAX_WEBHOOK_URL}")
+    return await check_destination(
+        url, WEBHOOK_URL, settings.webhook_allow_http, parse_allowlist(settings.webhook_allowlist)
+    )
 
 
 @router.get(

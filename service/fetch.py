@@ -45,6 +45,7 @@ from service.errors import (
 Network = ipaddress.IPv4Network | ipaddress.IPv6Network
 Address = ipaddress.IPv4Address | ipaddress.IPv6Address
 REDIRECTS = frozenset({301, 302, 303, 307, 308})
+RESOLVE_TIMEOUT = 5.0
 
 
 def parse_allowlist(text: str) -> tuple[Network, ...]:
@@ -71,6 +72,49 @@ def refusal(address: Address, allowlist: Sequence[Network]) -> str | None:
     return None
 
 
+def check_url(url: str, where: str, allow_http: bool, allowlist: Sequence[Network]) -> str:
+    """``url`` if its scheme is allowed and its host, when an address, is one the guard allows (a
+    host name is checked where it is resolved, by ``GuardedResolver``); ``where`` starts each error."""
+    parts = urlsplit(url)
+    schemes = ("https", "http") if allow_http else ("https",)
+    if parts.scheme not in schemes:
+        raise (BadRequest if parts.scheme not in ("http", "https") else UrlNotAllowed)(
+            f"{where}: scheme {parts.scheme or 'missing'!r}; only {' and '.join(schemes)} URLs are allowed"
+        )
+    if not parts.hostname:
+        raise BadRequest(f"{where}: no host in {url!r}")
+    if parts.username or parts.password:
+        raise BadRequest(f"{where}: credentials in the URL are not accepted")
+    try:
+        literal: Address | None = ipaddress.ip_address(parts.hostname)
+    except ValueError:
+        literal = None
+        if parts.hostname.replace(".", "").isdigit() or parts.hostname.startswith("0x"):
+            raise BadRequest(f"{where}: {parts.hostname!r} is not a canonical address") from None
+    if literal is not None and (why := refusal(literal, allowlist)) is not None:
+        raise UrlNotAllowed(f"{where}: {why}; the gateway does not connect to it")
+    return url
+
+
+async def check_destination(url: str, where: str, allow_http: bool, allowlist: Sequence[Network]) -> str:
+    """``check_url``, and the host name resolved now, every address it has checked: for a URL the
+    gateway will connect to later (a webhook), so that a refusal is an answer to the request that
+    gave it. The connection checks again (the name may resolve elsewhere by then)."""
+    check_url(url, where, allow_http, allowlist)
+    host = urlsplit(url).hostname or ""
+    resolver = GuardedResolver(allowlist)
+    try:
+        async with asyncio.timeout(RESOLVE_TIMEOUT):
+            await resolver.resolve(host, 0, socket.AF_UNSPEC)
+    except UrlNotAllowed as exc:
+        raise UrlNotAllowed(f"{where}: {exc.detail}") from None
+    except (OSError, TimeoutError):
+        raise BadRequest(f"{where}: the host {host!r} cannot be resolved") from None
+    finally:
+        await resolver.close()
+    return url
+
+
 class GuardedResolver(AbstractResolver):
     """The system resolver, answering only addresses the guard allows (and refusing a name with any
     other: one name, one verdict)."""
@@ -86,11 +130,29 @@ class GuardedResolver(AbstractResolver):
         for result in results:
             why = refusal(ipaddress.ip_address(result["host"]), self.allowlist)
             if why is not None:
-                raise UrlNotAllowed(f"{host} resolves to an address the gateway does not fetch from: {why}")
+                raise UrlNotAllowed(f"{host} resolves to an address the gateway does not connect to: {why}")
         return results
 
     async def close(self) -> None:
         await self._resolver.close()
+
+
+def guarded_session(
+    allowlist: Sequence[Network], *, timeout: float, limit: int, headers: dict[str, str]
+) -> aiohttp.ClientSession:
+    """An HTTP client that connects only to addresses the guard allows (checked where each name is
+    resolved), with a total ``timeout`` per request, at most ``limit`` connections (an eighth of
+    them per host: one slow host must not hold them all), and no decompression (a size cap is on
+    the bytes received, never on what they inflate to)."""
+    connector = aiohttp.TCPConnector(
+        resolver=GuardedResolver(allowlist), use_dns_cache=False, limit=limit, limit_per_host=max(1, limit // 8)
+    )
+    return aiohttp.ClientSession(
+        connector=connector,
+        timeout=aiohttp.ClientTimeout(total=timeout),
+        auto_decompress=False,
+        headers=headers,
+    )
 
 
 class Fetcher:
@@ -118,17 +180,10 @@ class Fetcher:
 
     def _client(self) -> aiohttp.ClientSession:
         if self._session is None:
-            connector = aiohttp.TCPConnector(
-                resolver=GuardedResolver(self.allowlist),
-                use_dns_cache=False,
+            self._session = guarded_session(
+                self.allowlist,
+                timeout=self.timeout,
                 limit=self._max_parallel,
-                # one slow host must not hold every connection while other requests' fetches wait
-                limit_per_host=max(1, self._max_parallel // 8),
-            )
-            self._session = aiohttp.ClientSession(
-                connector=connector,
-                timeout=aiohttp.ClientTimeout(total=self.timeout),
-                auto_decompress=False,  # the cap is on bytes received, never on what they inflate to
                 headers={"User-Agent": "inference-gateway (image fetch)", "Accept": "image/*"},
             )
         return self._session
@@ -147,32 +202,12 @@ class Fetcher:
         finally:
             self.buffered -= held[0]
 
-    def _check(self, url: str, where: str) -> str:
-        parts = urlsplit(url)
-        schemes = ("https", "http") if self.allow_http else ("https",)
-        if parts.scheme not in schemes:
-            raise (BadRequest if parts.scheme not in ("http", "https") else UrlNotAllowed)(
-                f"{where}: scheme {parts.scheme or 'missing'!r}; only {' and '.join(schemes)} URLs are fetched"
-            )
-        if not parts.hostname:
-            raise BadRequest(f"{where}: no host in {url!r}")
-        if parts.username or parts.password:
-            raise BadRequest(f"{where}: credentials in the URL are not accepted")
-        try:
-            literal: Address | None = ipaddress.ip_address(parts.hostname)
-        except ValueError:
-            literal = None
-            if parts.hostname.replace(".", "").isdigit() or parts.hostname.startswith("0x"):
-                raise BadRequest(f"{where}: {parts.hostname!r} is not a canonical address") from None
-        if literal is not None and (why := refusal(literal, self.allowlist)) is not None:
-            raise UrlNotAllowed(f"{where}: {why}; the gateway does not fetch from it")
-        return url
-
     async def _fetch(self, url: str, index: int, count: int, held: list[int]) -> ImageInput:
         where = origin = f"image {index + 1} ({url[:200]})" if count > 1 else url[:200]
         try:
             for _ in range(self.max_redirects + 1):
-                async with self._client().get(self._check(url, where), allow_redirects=False) as response:
+                checked = check_url(url, where, self.allow_http, self.allowlist)
+                async with self._client().get(checked, allow_redirects=False) as response:
                     if response.status in REDIRECTS and "Location" in response.headers:
                         url = urljoin(url, response.headers["Location"])
                         where = f"{origin}, redirected to {url[:200]}"

@@ -166,8 +166,21 @@ class Metrics:
         self.queue_messages = Counter(
             "gateway_queue_messages_total",
             "Offline-mode messages by event: published, consumed, acked, requeued, retried, dead_lettered, "
-            "results_published.",
+            "results_published, webhooks_published.",
             ["event"],
+            registry=r,
+        )
+        self.webhook_deliveries = Counter(
+            "gateway_webhook_deliveries_total",
+            "Completion webhook attempts by outcome: delivered (2xx), retried (to be tried again), "
+            "undeliverable (given up: dead-lettered).",
+            ["outcome"],
+            registry=r,
+        )
+        self.webhook_latency = Histogram(
+            "gateway_webhook_latency_seconds",
+            "From a job's end to its webhook's accepted delivery, retries included.",
+            buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0, 900.0, 3600.0, 21600.0),
             registry=r,
         )
         self.queue_depth_messages = Gauge(
@@ -183,8 +196,19 @@ class Metrics:
             ProcessCollector(registry=r)  # process_cpu_seconds_total, process_resident_memory_bytes...
         for mode in ("online", "offline"):
             self.images.labels(mode)
-        for event in ("published", "consumed", "acked", "requeued", "retried", "dead_lettered", "results_published"):
+        for event in (
+            "published",
+            "consumed",
+            "acked",
+            "requeued",
+            "retried",
+            "dead_lettered",
+            "results_published",
+            "webhooks_published",
+        ):
             self.queue_messages.labels(event)
+        for outcome in ("delivered", "retried", "undeliverable"):
+            self.webhook_deliveries.labels(outcome)
         for reason in (
             "bad_image",
             "bad_request",

@@ -8,10 +8,11 @@ import tempfile
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, SecretStr, model_validator
+from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from service.cpus import available_cpus
+from service.jobs.signing import parse_secret
 from service.quotas import ApiKey, Quota, parse_keys
 
 
@@ -31,8 +32,24 @@ RENAMED = {
 """Settings of earlier versions: still set, they would be ignored without a word."""
 
 
+def parse_delays(text: str) -> tuple[int, ...]:
+    """``"1,5,30"`` (seconds) in milliseconds, each at least 1 ms."""
+    try:
+        delays = tuple(max(1, round(float(part) * 1000)) for part in text.split(",") if part.strip())
+    except ValueError:
+        raise ValueError(f"webhook_retry_delays: {text!r} is not a comma-separated list of seconds") from None
+    if not delays:
+        raise ValueError("webhook_retry_delays: at least one delay")
+    return delays
+
+
 class Settings(BaseSettings):
-    model_config = SettingsConfigDict(env_prefix="GATEWAY_", extra="forbid", use_attribute_docstrings=True)
+    model_config = SettingsConfigDict(
+        env_prefix="GATEWAY_",
+        extra="forbid",
+        use_attribute_docstrings=True,
+        hide_input_in_errors=True,  # an error must not print the API keys, secrets or broker password it was given
+    )
 
     host: str = "127.0.0.1"
     """Address the HTTP server binds to."""
@@ -155,6 +172,24 @@ class Settings(BaseSettings):
     idempotency_ttl: float = Field(86400.0, gt=0.0)
     """Seconds an ``Idempotency-Key`` of an offline submit is remembered: a retry within it returns
     the same job ids and publishes nothing new."""
+    webhook_secret: SecretStr | None = None
+    """Key that signs completion webhooks (``whsec_`` + base64 of 24-64 random bytes, e.g.
+    ``whsec_$(openssl rand -base64 32)``); the API and the workers need the same one. Unset: a
+    ``Webhook-URL`` on a submit is refused, and workers deliver none (they stay queued)."""
+    webhook_allow_http: bool = False
+    """Deliver webhooks to plain http URLs too (https only by default)."""
+    webhook_allowlist: str = ""
+    """Comma-separated networks (CIDR) webhook URLs may resolve to although private, loopback or
+    link-local (e.g. an internal receiver's ``10.30.0.0/16``); everything else non-public is refused."""
+    webhook_timeout: float = Field(10.0, gt=0.0)
+    """Seconds a receiver has to answer one delivery attempt."""
+    webhook_retry_delays: str = "1,5,30,120,600,1800"
+    """Seconds before each retry of a failed delivery, the last one repeated; each is shortened by
+    up to a fifth at random."""
+    webhook_max_age: float = Field(86400.0, gt=0.0)
+    """Seconds after a job finished during which its webhook is retried; then it is undeliverable."""
+    webhook_concurrency: int = Field(32, ge=1, le=1024)
+    """Webhook deliveries one worker makes at once."""
     publish_timeout: float = Field(5.0, gt=0.0)
     """Seconds to wait for the broker to confirm a publish before answering 503."""
     worker_prefetch: int = Field(0, ge=0)
@@ -254,6 +289,18 @@ class Settings(BaseSettings):
         return self.max_decode_bytes or 2 * self.max_image_bytes
 
     @property
+    def webhook_key(self) -> bytes | None:
+        """The bytes of ``webhook_secret``."""
+        if self.webhook_secret is None:
+            return None
+        return parse_secret(self.webhook_secret.get_secret_value())
+
+    @property
+    def webhook_retry_delays_ms(self) -> tuple[int, ...]:
+        """``webhook_retry_delays`` in milliseconds, each at least 1 ms."""
+        return parse_delays(self.webhook_retry_delays)
+
+    @property
     def prefetch(self) -> int:
         return self.worker_prefetch or min(self.max_batch_size * self.max_inflight_batches * 2, self.max_queue_size)
 
@@ -262,6 +309,12 @@ class Settings(BaseSettings):
         if self.embedded_threads:
             return self.embedded_threads
         return max(1, available_cpus() // self.max_inflight_batches)
+
+    @field_validator("webhook_secret", mode="before")
+    @classmethod
+    def _unset_when_empty(cls, value: object) -> object:
+        """``GATEWAY_WEBHOOK_SECRET=`` (compose's default for an unset variable) means no webhooks."""
+        return None if isinstance(value, str) and not value.strip() else value
 
     @model_validator(mode="after")
     def _check(self) -> Settings:
@@ -273,11 +326,15 @@ class Settings(BaseSettings):
 
         if self.model not in PROFILES:
             raise ValueError(f"unknown model {self.model!r}; known: {', '.join(PROFILES)}")
-        for network in filter(None, (part.strip() for part in self.url_allowlist.split(","))):
-            try:
-                ipaddress.ip_network(network, strict=False)
-            except ValueError as exc:
-                raise ValueError(f"url_allowlist: {exc}") from None
+        for name in ("url_allowlist", "webhook_allowlist"):
+            for network in filter(None, (part.strip() for part in getattr(self, name).split(","))):
+                try:
+                    ipaddress.ip_network(network, strict=False)
+                except ValueError as exc:
+                    raise ValueError(f"{name}: {exc}") from None
+        if self.webhook_secret is not None:
+            parse_secret(self.webhook_secret.get_secret_value())  # a bad secret fails at start, not at first use
+        parse_delays(self.webhook_retry_delays)
         if self.max_buffered_body_bytes and self.max_buffered_body_bytes < self.max_body_bytes:
             raise ValueError("max_buffered_body_bytes must be at least max_body_bytes (or 0)")
         if self.max_decode_bytes and self.max_decode_bytes < self.max_image_bytes:

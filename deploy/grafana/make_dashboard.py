@@ -167,6 +167,17 @@ ROWS: list[tuple[str, list[dict[str, Any]]]] = [
                 "targets": [("{{event}}", "sum by (event) (rate(gateway_queue_messages_total[1m]))")],
             },
             {
+                "title": "Webhook deliveries/s and p95 delay",
+                "unit": "short",
+                "targets": [
+                    ("{{outcome}}", "sum by (outcome) (rate(gateway_webhook_deliveries_total[1m]))"),
+                    (
+                        "p95 job end to delivery (s)",
+                        "histogram_quantile(0.95, sum by (le) (rate(gateway_webhook_latency_seconds_bucket[5m])))",
+                    ),
+                ],
+            },
+            {
                 "title": "RabbitMQ rates",
                 "unit": "short",
                 "targets": [

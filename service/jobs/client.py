@@ -163,18 +163,23 @@ class JobsClient:
         return self.broker.status()
 
     async def submit(
-        self, images: list[OfflineImage], top_k: int, idempotency: tuple[str, str] | None = None
+        self,
+        images: list[OfflineImage],
+        top_k: int,
+        idempotency: tuple[str, str] | None = None,
+        webhook: str | None = None,
     ) -> Submitted:
         """Publish each image (confirmed) and return the job ids, in order. With ``idempotency``
         (scope, key), ids are derived from the key and a retry publishes only what no earlier
-        attempt did (``service.jobs.idempotency``)."""
+        attempt did (``service.jobs.idempotency``). With ``webhook``, each job's result is POSTed
+        there when it finishes (``service.jobs.webhooks``)."""
         assert all(i.data for i in images)
         if idempotency is None:
             ids = [new_job_id() for _ in images]
-            _raise_first(await self._publish_all(images, ids, range(len(images)), top_k))
+            _raise_first(await self._publish_all(images, ids, range(len(images)), top_k, webhook))
             return Submitted(ids)
         scope, key = idempotency
-        body = fingerprint([(i.data, i.content_type, i.filename) for i in images], top_k)
+        body = fingerprint([(i.data, i.content_type, i.filename) for i in images], top_k, webhook)
         async with self.idempotency.lock(scope, key):
             claim = self.idempotency.get(scope, key)
             if claim is not None and claim.fingerprint != body:
@@ -187,7 +192,7 @@ class JobsClient:
             todo = [index for index in range(len(images)) if index not in done]
             published: list[int] = []
             try:
-                outcomes = await self._publish_all(images, ids, todo, top_k)
+                outcomes = await self._publish_all(images, ids, todo, top_k, webhook)
                 published = [index for index, outcome in zip(todo, outcomes, strict=True) if outcome is None]
                 _raise_first(outcomes)
             finally:
@@ -204,16 +209,16 @@ class JobsClient:
             return Submitted(ids, replayed=not todo)
 
     async def _publish_all(
-        self, images: list[OfflineImage], ids: list[str], indices: Sequence[int], top_k: int
+        self, images: list[OfflineImage], ids: list[str], indices: Sequence[int], top_k: int, webhook: str | None
     ) -> list[BaseException | None]:
         """Publish together (the confirms overlap instead of costing a round trip each); each
         image's outcome, None where the broker confirmed it."""
         outcomes = await asyncio.gather(
-            *(self._publish(images[i], ids[i], top_k) for i in indices), return_exceptions=True
+            *(self._publish(images[i], ids[i], top_k, webhook) for i in indices), return_exceptions=True
         )
         return [outcome if isinstance(outcome, BaseException) else None for outcome in outcomes]
 
-    async def _publish(self, image: OfflineImage, job_id: str, top_k: int) -> None:
+    async def _publish(self, image: OfflineImage, job_id: str, top_k: int, webhook: str | None) -> None:
         with publishing(self.tracing, job_id) as trace:
             message = request_message(
                 image.data,
@@ -223,6 +228,7 @@ class JobsClient:
                 top_k=top_k,
                 reply_to=DEFAULT_REPLY_TO,
                 trace=trace,
+                webhook=webhook,
             )
             await self.broker.publish("requests", message, REQUEST_KEY)
         self.metrics.queue_messages.labels("published").inc()

@@ -54,9 +54,12 @@ def job_ids(scope: str, key: str, count: int) -> list[str]:
     return [hashlib.sha256(f"{scope}\0{key}\0{i}".encode()).hexdigest()[:32] for i in range(count)]
 
 
-def fingerprint(images: Sequence[tuple[bytes, str, str | None]], top_k: int) -> str:
-    """Of what a submit asks for: each image's bytes, type and filename, in order, and ``top_k``."""
+def fingerprint(images: Sequence[tuple[bytes, str, str | None]], top_k: int, webhook: str | None = None) -> str:
+    """Of what a submit asks for: each image's bytes, type and filename, in order, ``top_k`` and
+    the webhook URL (when there is one: a submit without keeps the fingerprint of earlier versions)."""
     digest = hashlib.sha256(f"top_k={top_k};n={len(images)}".encode())
+    if webhook is not None:
+        digest.update(f"webhook={webhook}\0".encode())
     for data, content_type, filename in images:
         digest.update(hashlib.sha256(data).digest())
         digest.update(f"\0{content_type}\0{filename or ''}\0".encode())

@@ -2,7 +2,8 @@
 
 A request is the encoded image itself as the body (validated cheaply before publishing, decoded by
 the worker), with ``message_id`` = job id, ``content_type`` the image type, ``reply_to`` the results
-routing key, and headers ``filename``, ``top_k`` and ``x-retries``. A result is JSON. Both carry
+routing key, and headers ``filename``, ``top_k``, ``x-retries`` and, when the submit gave one, the
+completion webhook's URL (``x-webhook-url``, see ``service.jobs.webhooks``). A result is JSON. Both carry
 the W3C trace headers (``traceparent``, ``tracestate``) of the span that sent them, when traced.
 """
 
@@ -23,6 +24,7 @@ REQUEUES_HEADER = "x-requeues"
 """Times a job went back to the queue for overload (not counted as retries)."""
 ERROR_HEADER = "x-gateway-error"
 DETAIL_HEADER = "x-gateway-detail"
+WEBHOOK_HEADER = "x-webhook-url"
 DEFAULT_REPLY_TO = "jobs"
 TRACE_HEADERS = ("traceparent", "tracestate")
 
@@ -64,10 +66,13 @@ def request_message(
     retries: int = 0,
     requeues: int = 0,
     trace: Mapping[str, str] | None = None,
+    webhook: str | None = None,
 ) -> aio_pika.Message:
     headers: dict[str, Any] = {"top_k": top_k, RETRIES_HEADER: retries, **(trace or {})}
     if requeues:
         headers[REQUEUES_HEADER] = requeues
+    if webhook is not None:
+        headers[WEBHOOK_HEADER] = webhook
     if filename is not None:
         headers["filename"] = filename
     return aio_pika.Message(

@@ -8,6 +8,8 @@ only and these policies carry the rest:
 * ``<prefix>-work`` (the quorum queue workers consume): ``delivery-limit`` (a message that crashed
   or hung that many workers is dead-lettered with reason ``delivery_limit`` instead of being
   redelivered for ever) and ``dead-letter-exchange`` (``<prefix>.dead``);
+* ``<prefix>-webhooks`` (the quorum queue of webhook deliveries): the same ``delivery-limit`` and
+  ``dead-letter-exchange``, for a delivery that keeps crashing the workers that take it;
 * ``<prefix>-results``: ``max-length`` with ``overflow: drop-head`` (a capped audit trail);
 * ``<prefix>-idempotency`` (the stream of idempotency claims): ``max-age``, the keys' TTL.
 
@@ -50,6 +52,12 @@ def gateway_policies(
             f"{names.prefix}-work",
             f"^{prefix}\\.work$",
             "queues",  # "quorum_queues" is RabbitMQ 3.12+; the pattern names one queue anyway
+            {"delivery-limit": delivery_limit, "dead-letter-exchange": names.dead},
+        ),
+        Policy(
+            f"{names.prefix}-webhooks",
+            f"^{prefix}\\.webhooks$",
+            "queues",
             {"delivery-limit": delivery_limit, "dead-letter-exchange": names.dead},
         ),
         Policy(

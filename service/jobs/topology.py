@@ -6,6 +6,10 @@
                                    -> each ingest run's durable queue   (binding "ingest.<run>")
 <prefix>.dead      fanout exchange -> durable queue <prefix>.dead       (reason in x-gateway-error,
                                                                          or x-death for the broker's)
+(default exchange)                 -> quorum queue <prefix>.webhooks    (deliveries to make)
+                                   -> quorum queues <prefix>.webhooks.retry.<ms>ms (deliveries to retry:
+                                      dead-lettered back to <prefix>.webhooks when their TTL expires;
+                                      see ``service.jobs.webhooks``)
 
 Queues are declared with no arguments but their type: the delivery limit, dead-letter exchange and
 length caps come from RabbitMQ policies (``service.jobs.policies``), which can change on a live
@@ -58,6 +62,15 @@ class Names:
         """The stream of idempotency claims API replicas share (``service.jobs.idempotency``)."""
         return f"{self.prefix}.idempotency"
 
+    @property
+    def webhooks(self) -> str:
+        """The quorum queue of webhook deliveries (``service.jobs.webhooks``)."""
+        return f"{self.prefix}.webhooks"
+
+    def webhook_retry(self, delay_ms: int) -> str:
+        """The queue where a delivery waits ``delay_ms`` before its next attempt."""
+        return f"{self.prefix}.webhooks.retry.{delay_ms}ms"
+
     def ingest_queue(self, run: str) -> str:
         return f"{self.prefix}.ingest.{run}"
 
@@ -84,6 +97,7 @@ async def declare(connection: AbstractConnection, channel: AbstractChannel, name
     await results_queue.bind(results_exchange, "#")
     dead_queue = await channel.declare_queue(names.dead, durable=True)
     await dead_queue.bind(dead_exchange)
+    await channel.declare_queue(names.webhooks, durable=True, arguments={"x-queue-type": "quorum"})
     return Topology(names, requests_exchange, requests_queue, results_exchange, dead_exchange, dead_queue)
 
 

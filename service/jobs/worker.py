@@ -4,7 +4,8 @@ Delivery is at least once: an input is acknowledged only after its result is con
 broker, so a worker killed at any point loses nothing (its unacknowledged messages go back to the
 queue). Outcomes per message:
 
-* classified -> result ``done`` published, input acked;
+* classified -> result ``done`` published (and, when the submit gave a ``Webhook-URL``, its
+  delivery to ``<prefix>.webhooks``: ``service.jobs.webhooks``), input acked;
 * bad input (undecodable, too large, not an image, bad headers) -> result ``failed`` published, the
   message copied to the dead-letter exchange with the reason in ``x-gateway-error`` /
   ``x-gateway-detail``, input acked: dead-lettered once, never redelivered in a loop;
@@ -63,6 +64,7 @@ from service.jobs.messages import (
     ERROR_HEADER,
     REQUEUES_HEADER,
     RETRIES_HEADER,
+    WEBHOOK_HEADER,
     JobError,
     JobResult,
     new_job_id,
@@ -71,6 +73,7 @@ from service.jobs.messages import (
     trace_headers,
 )
 from service.jobs.topology import REQUEST_KEY, Names, migrate_legacy
+from service.jobs.webhooks import WebhookSender, delivery_message
 from service.logs import JOB_ID
 from service.metrics import Metrics
 from service.pipeline import open_pipeline
@@ -121,6 +124,10 @@ def _filename(headers: Mapping[str, Any]) -> str | None:
     return str(headers["filename"]) if headers.get("filename") is not None else None
 
 
+def _webhook(headers: Mapping[str, Any]) -> str | None:
+    return str(headers[WEBHOOK_HEADER]) if headers.get(WEBHOOK_HEADER) else None
+
+
 class _BrokerLost(Exception):
     """Publishing failed because the broker went away; the input will be redelivered."""
 
@@ -158,16 +165,24 @@ class Worker:
         task.add_done_callback(self._tasks.discard)
 
     async def _publish(
-        self, target: Literal["requests", "results", "dead"], message: aio_pika.Message, key: str
+        self, target: Literal["requests", "results", "dead", "queue"], message: aio_pika.Message, key: str
     ) -> None:
         try:
             await self.broker.publish(target, message, key)
         except BackendUnavailable as exc:
             raise _BrokerLost(str(exc)) from exc
 
-    async def _publish_result(self, result: JobResult, reply_to: str) -> None:
-        await self._publish("results", result_message(result, current_headers()), reply_to)
+    async def _publish_result(self, result: JobResult, reply_to: str, message: AbstractIncomingMessage) -> None:
+        """Publish the result and, when the submit gave a webhook, its delivery (both confirmed
+        before the job is acked: a worker killed in between does the job again)."""
+        trace_context = current_headers()
+        await self._publish("results", result_message(result, trace_context), reply_to)
         self.metrics.queue_messages.labels("results_published").inc()
+        webhook = (message.headers or {}).get(WEBHOOK_HEADER)
+        if webhook:
+            delivery = delivery_message(result, str(webhook), trace_context)
+            await self._publish("queue", delivery, self.broker.names.webhooks)
+            self.metrics.queue_messages.labels("webhooks_published").inc()
 
     async def _dead_letter(self, message: AbstractIncomingMessage, error: GatewayError) -> None:
         headers = dict(message.headers or {})
@@ -188,7 +203,7 @@ class Worker:
         logger.warning("worker: job %s dead-lettered: %s: %s", base.job_id, error.error, error.detail)
         failed = base.model_copy(update={"status": "failed", "error": JobError(error=error.error, detail=error.detail)})
         _outcome("failed", error)
-        await self._publish_result(failed, reply)
+        await self._publish_result(failed, reply, message)
         await self._dead_letter(message, error)
         self.metrics.queue_messages.labels("acked").inc()
 
@@ -204,6 +219,7 @@ class Worker:
             retries=retries,
             requeues=requeues,
             trace=trace_headers(message.headers or {}),  # a retry stays in its job's trace
+            webhook=_webhook(message.headers or {}),
         )
         await self._publish("requests", again, REQUEST_KEY)
 
@@ -293,7 +309,7 @@ class Worker:
             self.metrics.images.labels("offline").inc()
             base.timings["processing"] = time.perf_counter() - started
             _outcome("done")
-            await self._publish_result(base, reply_to)
+            await self._publish_result(base, reply_to, message)
             self.metrics.queue_messages.labels("acked").inc()
         except POISON as exc:
             await self._fail(message, base, exc, reply_to)
@@ -398,6 +414,11 @@ async def run_worker(settings: Settings, stop: asyncio.Event | None = None, back
         await broker.connect()
         worker = Worker(settings, pipeline.classifier, broker, metrics, tracing)
         await worker.start()
+        webhooks = WebhookSender(settings, broker, metrics) if settings.webhook_secret is not None else None
+        if webhooks is not None:
+            await webhooks.start()
+        else:
+            logger.info("worker: no GATEWAY_WEBHOOK_SECRET; webhook deliveries wait for a worker that has it")
         background = [
             asyncio.create_task(_sample_depth(broker, metrics)),
             asyncio.create_task(_migrate_legacy_queue(broker)),
@@ -408,6 +429,8 @@ async def run_worker(settings: Settings, stop: asyncio.Event | None = None, back
         await stop.wait()
         logger.info("worker: stopping")
         await worker.stop(drain_timeout=settings.request_timeout)
+        if webhooks is not None:
+            await webhooks.stop(drain_timeout=settings.webhook_timeout)
         for task in background:
             task.cancel()
     await broker.aclose()

@@ -15,11 +15,12 @@ from pathlib import Path
 
 import aio_pika
 import cv2
+import httpx
 import numpy as np
 import pytest
 from skimage import data as skdata
 
-from service.jobs.messages import JobResult
+from service.jobs.messages import JobResult, request_message
 from service.jobs.topology import REQUEST_KEY, Names, declare
 from tests.conftest import png_bytes, solid_image
 
@@ -59,6 +60,13 @@ def broker_is_up() -> None:
         asyncio.run(check())
     except Exception as exc:  # CI starts RabbitMQ; a missing broker is a failure, not a skip
         pytest.fail(f"RabbitMQ is not reachable at {BROKER_URL}: {exc} (start it: rabbitmq-server -detached)")
+
+
+async def broker_ok(client: httpx.AsyncClient) -> None:
+    """Wait until the gateway behind ``client`` has connected to the broker."""
+    async with asyncio.timeout(30):
+        while (await client.get("/readyz")).json()["checks"].get("broker") != "ok":  # noqa: ASYNC110
+            await asyncio.sleep(0.05)
 
 
 async def queue_depth(name: str) -> int:
@@ -153,6 +161,19 @@ def worker_pids(prefix: str) -> list[int]:
         if b"worker" in args and b"service" in args and marker in environ:
             pids.append(pid)
     return pids
+
+
+def job(value: int, job_id: str, webhook: str | None = None) -> aio_pika.Message:
+    """A job of one 8x8 PNG of red value ``value`` (the fake backend's class)."""
+    return request_message(
+        png_bytes(solid_image(value, 8)),
+        job_id=job_id,
+        content_type="image/png",
+        filename=None,
+        top_k=1,
+        reply_to="jobs",
+        webhook=webhook,
+    )
 
 
 async def publish(names: Names, *messages: aio_pika.Message) -> None:

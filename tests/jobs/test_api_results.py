@@ -14,7 +14,7 @@ from service.jobs.messages import DEFAULT_REPLY_TO, JobResult, result_message
 from service.jobs.topology import Names
 from service.settings import Settings
 from tests.conftest import running_gateway
-from tests.jobs.conftest import BROKER_URL, publish
+from tests.jobs.conftest import BROKER_URL, broker_ok, publish
 
 MakeSettings = Callable[..., Settings]
 
@@ -25,12 +25,6 @@ async def publish_result(names: Names, result: JobResult, routing_key: str) -> N
         channel = await connection.channel(publisher_confirms=True)
         exchange = await channel.get_exchange(names.results)
         await exchange.publish(result_message(result), routing_key)
-
-
-async def broker_ok(client: httpx.AsyncClient) -> None:
-    async with asyncio.timeout(30):
-        while (await client.get("/readyz")).json()["checks"].get("broker") != "ok":  # noqa: ASYNC110
-            await asyncio.sleep(0.05)
 
 
 async def job_state(client: httpx.AsyncClient, job_id: str, want: str, timeout: float = 15) -> None:

@@ -17,7 +17,7 @@ from service.jobs.topology import Names
 from service.metrics import Metrics
 from service.settings import Settings
 from tests.conftest import png_bytes, running_gateway, solid_image
-from tests.jobs.conftest import BROKER_URL, queue_depth
+from tests.jobs.conftest import BROKER_URL, broker_ok, queue_depth
 
 MakeSettings = Callable[..., Settings]
 PNGS = [png_bytes(solid_image(v, 16)) for v in (10, 20, 30)]
@@ -30,12 +30,6 @@ def files(images: list[bytes]) -> list[tuple[str, tuple[str, bytes, str]]]:
 async def submit(client: httpx.AsyncClient, key: str | None, images: list[bytes]) -> httpx.Response:
     headers = {"Idempotency-Key": key} if key is not None else {}
     return await client.post("/classify?mode=offline", files=files(images), headers=headers)
-
-
-async def broker_ok(client: httpx.AsyncClient) -> None:
-    async with asyncio.timeout(30):
-        while (await client.get("/readyz")).json()["checks"].get("broker") != "ok":  # noqa: ASYNC110
-            await asyncio.sleep(0.05)
 
 
 def ids(response: httpx.Response) -> list[str]:

@@ -26,6 +26,7 @@ from service.settings import Settings
 from tests.conftest import CAT_CLASSES, ESPRESSO, free_port, png_bytes, running_gateway, solid_image
 from tests.jobs.conftest import (
     BROKER_URL,
+    broker_ok,
     class_pngs,
     collect_results,
     drain,
@@ -61,9 +62,7 @@ async def test_offline_request_is_queued_classified_and_reported(
     settings = offline_settings(gateway_factory, prefix)
     stop = asyncio.Event()
     async with running_gateway(settings) as client:
-        async with asyncio.timeout(30):
-            while (await client.get("/readyz")).json()["checks"].get("broker") != "ok":  # noqa: ASYNC110
-                await asyncio.sleep(0.05)
+        await broker_ok(client)
         files = [
             ("file", ("cat.jpg", cat_jpeg, "image/jpeg")),
             ("file", ("coffee.jpg", coffee_jpeg, "image/jpeg")),

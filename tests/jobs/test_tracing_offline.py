@@ -22,7 +22,7 @@ from service.jobs.worker import run_worker
 from service.logs import gateway_handler
 from service.settings import Settings
 from tests.conftest import png_bytes, running_gateway, solid_image
-from tests.jobs.conftest import BROKER_URL, class_pngs, collect_results, publish
+from tests.jobs.conftest import BROKER_URL, broker_ok, class_pngs, collect_results, publish
 
 TRACE = "5bf92f3577b34da6a3ce929d0e0e4736"
 
@@ -55,9 +55,7 @@ async def test_an_offline_job_is_one_trace_from_api_through_worker_and_back(
     settings = offline_traced(gateway_factory, prefix, receiver, 0.0)  # only what the caller sampled
     stop = asyncio.Event()
     async with running_gateway(settings, FakeBackend()) as client:
-        async with asyncio.timeout(30):
-            while (await client.get("/readyz")).json()["checks"].get("broker") != "ok":  # noqa: ASYNC110
-                await asyncio.sleep(0.05)
+        await broker_ok(client)
         files = [("file", (f"{i}.png", png_bytes(solid_image(i, 16)), "image/png")) for i in (3, 4)]
         accepted = await client.post(
             "/classify",

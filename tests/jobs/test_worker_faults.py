@@ -27,29 +27,18 @@ from service.jobs.topology import REQUEST_KEY, Names
 from service.jobs.worker import _sample_depth, run_worker
 from service.metrics import Metrics
 from service.settings import Settings
-from tests.conftest import png_bytes, solid_image
 from tests.jobs.conftest import (
     BROKER_URL,
     collect_results,
     drain,
     gateway_process,
+    job,
     publish,
     queue_depth,
     wait_for_line,
 )
 
 MakeSettings = Callable[..., Settings]
-
-
-def job(value: int, job_id: str) -> aio_pika.Message:
-    return request_message(
-        png_bytes(solid_image(value, 8)),
-        job_id=job_id,
-        content_type="image/png",
-        filename=None,
-        top_k=1,
-        reply_to="jobs",
-    )
 
 
 async def results(names: Names, count: int, timeout: float = 60) -> dict[str, JobResult]:
