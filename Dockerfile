@@ -16,12 +16,18 @@ RUN pip install ".[openvino]"
 # trivial model for measuring the serving path. Add resnet50 (100 MB) if you serve it embedded.
 ARG MODELS="efficientnet-lite0 trivial"
 RUN for m in $MODELS; do GATEWAY_MODELS_DIR=/opt/models gateway models build --model "$m"; done
+# Published checkpoints to fetch (needs internet at build time; SHA-256 checked), e.g.
+# `docker compose build --build-arg FETCH=resnet50`: ResNet-50 then has its real ImageNet weights
+# for the gateway, the workers and the Triton repository alike (one image, one models directory).
+ARG FETCH=""
+RUN for m in $FETCH; do GATEWAY_MODELS_DIR=/opt/models gateway models fetch "$m"; done
 
 FROM python:${PYTHON_VERSION}-slim-bookworm AS runtime
 RUN useradd --system --uid 10001 --no-create-home --shell /usr/sbin/nologin gateway \
     && mkdir -p /models && chown 10001 /models
 COPY --from=build /opt/venv /opt/venv
-COPY --from=build /opt/models /opt/models
+# Owned by the runtime user: a model not baked in (resnet50 for the Triton repository) is built at start.
+COPY --from=build --chown=10001 /opt/models /opt/models
 ENV PATH=/opt/venv/bin:$PATH \
     PYTHONUNBUFFERED=1 \
     PYTHONDONTWRITEBYTECODE=1 \

@@ -456,6 +456,12 @@ async def readyz(request: Request) -> JSONResponse:
     if runtime:  # informational: what runs the model, and any fallback it took (e.g. no bf16 kernels)
         checks["runtime"] = runtime
     checks["batcher"] = "shutting down" if gateway.closing else "ok"
+    model = gateway.classifier.model_info
+    checks["weights"] = (
+        f"RANDOM: {model.name}'s answers are meaningless (`gateway models fetch {model.name}` or GATEWAY_MODEL_WEIGHTS)"
+        if model.random_weights
+        else "ok"
+    )
     gpus = gateway.metrics.gpus_visible
     checks["gpu"] = f"ok: {gpus} visible" if gpus else "none visible: no GPU metrics from this process"
     if gateway.jobs is not None:  # informational: online requests do not need the broker
@@ -465,7 +471,7 @@ async def readyz(request: Request) -> JSONResponse:
         checks = {
             name: "ok" if value.endswith("ok") else "not ready"
             for name, value in checks.items()
-            if name not in ("gpu", "runtime")
+            if name not in ("gpu", "runtime", "weights")
         }
     body = Readiness(ready=ready, checks=checks)
     return JSONResponse(body.model_dump(), status_code=200 if ready else 503)

@@ -22,6 +22,7 @@ from service.imageinfo import probe
 from service.metrics import Metrics
 from service.models.profiles import ModelProfile, top_k
 from service.preprocess import PreprocessConfig, check_limits, prepare
+from service.schemas import ModelInfo
 from service.tracing import Tracing, sampled_context, trace_id_hex
 
 
@@ -56,6 +57,7 @@ class Classifier:
         config: PreprocessConfig,
         budget: ByteBudget | None = None,
         tracing: Tracing | None = None,
+        random_weights: bool = False,
     ) -> None:
         self.profile = profile
         self.batcher = batcher
@@ -65,8 +67,8 @@ class Classifier:
         self.budget = budget
         """Decoder memory shared by the pool's threads (None: each thread bounded by the config alone)."""
         self.tracing = tracing
-        self.model_info = {"name": profile.name, "version": profile.version}
-        self._model_json = json.dumps(self.model_info, separators=(",", ":"))
+        self.model_info = ModelInfo(name=profile.name, version=profile.version, random_weights=random_weights)
+        self._model_json = self.model_info.model_dump_json()
         self._labels_json = [json.dumps(label) for label in profile.labels]
 
     def _prepare_timed(self, data: bytes, deadline: float | None, parent: SpanContext | None = None) -> np.ndarray:

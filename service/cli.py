@@ -1,4 +1,4 @@
-"""Command line: ``gateway [serve]``, ``gateway models build``, ``gateway models list``.
+"""Command line: ``gateway [serve]``, ``gateway worker``, ``gateway models fetch|build|list|...``.
 
 Every setting is a flag of ``serve`` (``--max-batch-size 32`` for ``GATEWAY_MAX_BATCH_SIZE``);
 flags override the environment.
@@ -108,8 +108,7 @@ def _models_build(args: argparse.Namespace) -> int:
     settings = _settings(args)
     names = list(PROFILES) if args.all else [settings.model]
     for name in names:
-        weights = settings.model_weights if name == settings.model else None
-        path = ensure_model(settings.models_dir, get_profile(name), weights, force=args.force)
+        path = ensure_model(settings.models_dir, get_profile(name), settings.weights_for(name), force=args.force)
         print(path)
     return 0
 
@@ -136,8 +135,7 @@ def _models_triton_repo(args: argparse.Namespace) -> int:
         profile = get_profile(name)
         onnx = None
         if not args.config_only:
-            weights = settings.model_weights if name == settings.model else None
-            onnx = ensure_model(settings.models_dir, profile, weights)
+            onnx = ensure_model(settings.models_dir, profile, settings.weights_for(name))
         print(write_model(args.out, profile, options, onnx))
     return 0
 
@@ -150,7 +148,7 @@ def _models_quantize(args: argparse.Namespace) -> int:
     logging.basicConfig(level="INFO", format="%(levelname)s %(name)s: %(message)s")
     settings = _settings(args)
     profile = get_profile(settings.model)
-    onnx = ensure_model(settings.models_dir, profile, settings.model_weights)
+    onnx = ensure_model(settings.models_dir, profile, settings.weights_for(profile.name))
     try:
         path = ensure_int8(settings.models_dir, profile, onnx, args.photos, force=args.force)
     except QuantizationRefused as exc:
@@ -169,7 +167,44 @@ def _models_list(args: argparse.Namespace) -> int:
     for profile in PROFILES.values():
         path = model_path(settings.models_dir, profile)
         state = (recorded_sha256(path) or "not built")[:12]
-        print(f"{profile.name:20} v{profile.version}  {profile.image_size}px  {state}  {path}")
+        weights = settings.weights_for(profile.name)
+        source = weights.name if weights else "RANDOM weights" if profile.random_without_weights else "packaged weights"
+        print(f"{profile.name:20} v{profile.version}  {profile.image_size}px  {state:12}  {source:20}  {path}")
+    return 0
+
+
+def _models_fetch(args: argparse.Namespace) -> int:
+    from service.models.checkpoints import CHECKPOINTS, FetchFailed, fetch
+    from service.models.profiles import get_profile
+    from service.models.store import ensure_model
+    from service.triton.repository import TritonOptions, write_model
+
+    logging.basicConfig(level="INFO", format="%(levelname)s %(name)s: %(message)s")
+    settings = _settings(args)
+    name = args.model or settings.model
+    if name not in CHECKPOINTS:
+        known = ", ".join(CHECKPOINTS)
+        sys.exit(f"gateway models fetch: no published checkpoint is pinned for {name!r}; known: {known}")
+    shown = [-1]
+
+    def progress(received: int, total: int | None) -> None:
+        step = received * 10 // total if total else received // (10 * 1024 * 1024)
+        if step != shown[0]:
+            shown[0] = step
+            of = f" of {total / 1e6:.1f}" if total else ""
+            print(f"  {received / 1e6:.1f}{of} MB", file=sys.stderr, flush=True)
+
+    checkpoint = CHECKPOINTS[name]
+    try:
+        path = fetch(checkpoint, settings.models_dir, url=args.url, sha256=args.sha256, progress=progress)
+    except FetchFailed as exc:
+        sys.exit(f"gateway models fetch: {exc}")
+    print(f"checkpoint: {path} ({checkpoint.description if not args.sha256 else 'SHA-256 ' + args.sha256})")
+    profile = get_profile(name)
+    onnx = ensure_model(settings.models_dir, profile, path)
+    print(f"onnx: {onnx}")
+    if args.triton_repo is not None:
+        print(f"triton: {write_model(args.triton_repo, profile, TritonOptions(variant=args.variant), onnx)}")
     return 0
 
 
@@ -286,8 +321,20 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_arguments(tune)
     tune.set_defaults(func=_tune)
-    models = commands.add_parser("models", help="build or list the cached ONNX models")
+    models = commands.add_parser("models", help="fetch checkpoints, build or list the cached ONNX models")
     model_commands = models.add_subparsers(dest="models_command", required=True)
+    fetch = model_commands.add_parser(
+        "fetch",
+        help="download a model's published checkpoint (URL and SHA-256 pinned), verify it, and build the model "
+        "from it; it becomes the model's default weights",
+    )
+    _add_setting_flags(fetch)
+    fetch.add_argument("model", nargs="?", default=None, help="e.g. resnet50 (default: the configured model)")
+    fetch.add_argument("--url", default=None, help="a mirror of the checkpoint (the pinned SHA-256 is still checked)")
+    fetch.add_argument("--sha256", default=None, help="a checkpoint of one's own: the SHA-256 it must have")
+    fetch.add_argument("--triton-repo", type=Path, default=None, help="also write a Triton repository here")
+    fetch.add_argument("--variant", choices=["tensorrt", "onnxruntime", "openvino", "python"], default="onnxruntime")
+    fetch.set_defaults(func=_models_fetch)
     build = model_commands.add_parser("build", help="build the configured model's ONNX file (or --all)")
     _add_setting_flags(build)
     build.add_argument("--all", action="store_true", help="build every known model")

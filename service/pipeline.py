@@ -58,14 +58,14 @@ async def build_backend(settings: Settings, profile: ModelProfile) -> Backend:
         if profile.name != "resnet50":
             raise ValueError(f"the torch backend serves resnet50, not {profile.name}")
         return TorchBackend(
-            settings.model_weights,
+            settings.weights_for(profile.name),
             device=settings.torch_device,
             precision=settings.torch_precision,
             image_size=profile.image_size,
             max_batch_size=settings.max_batch_size,
             max_concurrency=settings.max_inflight_batches,
         )
-    path = await asyncio.to_thread(ensure_model, settings.models_dir, profile, settings.model_weights)
+    path = await asyncio.to_thread(ensure_model, settings.models_dir, profile, settings.weights_for(profile.name))
     if settings.backend == "openvino":
         from service.backends.openvino import OpenVINOBackend
 
@@ -133,8 +133,17 @@ async def open_pipeline(
         asyncio.create_task(_sample(metrics), name="sampler"),
     ]
     logger.info("pipeline ready: model %s v%s on the %s backend", profile.name, profile.version, chosen.name)
+    random_weights = profile.random_without_weights and settings.weights_for(profile.name) is None
+    if random_weights:
+        logger.warning(
+            "model %s has RANDOM weights: its answers are meaningless (every answer says random_weights: true); "
+            "`gateway models fetch %s` or GATEWAY_MODEL_WEIGHTS gives it real ones",
+            profile.name,
+            profile.name,
+        )
+    classifier = Classifier(profile, batcher, pool, metrics, config, budget, tracing, random_weights=random_weights)
     try:
-        yield Pipeline(Classifier(profile, batcher, pool, metrics, config, budget, tracing), chosen, health)
+        yield Pipeline(classifier, chosen, health)
     finally:
         for watcher in watchers:
             watcher.cancel()

@@ -37,6 +37,11 @@ class ImageResult(BaseModel):
 class ModelInfo(BaseModel):
     name: str
     version: str
+    random_weights: bool = Field(
+        False,
+        description="True when the model runs with random weights (no checkpoint was given or fetched): its "
+        "labels are meaningless. `gateway models fetch <model>` or GATEWAY_MODEL_WEIGHTS gives it real ones.",
+    )
 
 
 class ClassifyResponse(BaseModel):

@@ -13,6 +13,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from service.cpus import available_cpus
 from service.jobs.signing import parse_secret
+from service.models.checkpoints import fetched
 from service.quotas import ApiKey, Quota, parse_keys
 
 
@@ -130,8 +131,9 @@ class Settings(BaseSettings):
     """Model profile to serve: ``efficientnet-lite0`` (real ImageNet weights), ``resnet50``, or
     ``trivial`` (no real answers; almost no compute, for measuring the gateway itself)."""
     model_weights: Path | None = None
-    """Weights file for the model (a PyTorch state_dict); default: the packaged weights for
-    EfficientNet-Lite0, random He-initialised weights for ResNet-50."""
+    """Weights file for the model (a PyTorch state_dict); default: the checkpoint ``gateway models
+    fetch`` kept in ``models_dir``, else the packaged weights for EfficientNet-Lite0 and random
+    He-initialised weights for ResNet-50 (flagged in every answer)."""
     models_dir: Path = Field(default_factory=_default_models_dir)
     """Directory where built ONNX models are cached."""
     embedded_threads: int = Field(0, ge=0)
@@ -287,6 +289,13 @@ class Settings(BaseSettings):
     @property
     def max_decode_bytes_effective(self) -> int:
         return self.max_decode_bytes or 2 * self.max_image_bytes
+
+    def weights_for(self, model: str) -> Path | None:
+        """The weights file ``model`` is built from: ``model_weights`` for the configured model, else
+        the checkpoint ``gateway models fetch`` kept, else None (the profile's default weights)."""
+        if self.model_weights is not None and model == self.model:
+            return self.model_weights
+        return fetched(self.models_dir, model)
 
     @property
     def webhook_key(self) -> bytes | None:

@@ -53,7 +53,7 @@ async def test_real_photos_get_the_right_labels(
         )
         assert response.status_code == 200, response.text
         body = response.json()
-        assert body["model"] == {"name": "efficientnet-lite0", "version": "1"}
+        assert body["model"] == {"name": "efficientnet-lite0", "version": "1", "random_weights": False}
         cat, coffee = body["results"]
         assert cat["filename"] == "cat.jpg"
         assert len(cat["labels"]) == 3

@@ -70,7 +70,7 @@ def test_the_online_answer_is_the_documented_json(filename: str | None) -> None:
         results.append(Classification(filename, [(i, profile.labels[i], s) for i, s in top_k(row, 5)]))
     text = classifier.answer_json(results)
     expected = ClassifyResponse(
-        model=classifier.model_info,  # type: ignore[arg-type]
+        model=classifier.model_info,
         results=[
             {"filename": r.filename, "labels": [{"index": i, "label": lab, "score": s} for i, lab, s in r.labels]}
             for r in results

@@ -76,3 +76,6 @@ def test_the_readmes_example_request_gives_the_answer_it_shows(
     assert isinstance(results, list)
     assert results[0]["filename"] == "cat.jpg"
     assert results[0]["labels"][0]["label"] == expected.group(1), answer
+    model = re.search(r'"model":(\{[^}]*\})', shown)
+    assert model, shown
+    assert answer["model"] == json.loads(model.group(1))

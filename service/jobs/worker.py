@@ -77,7 +77,7 @@ from service.jobs.webhooks import WebhookSender, delivery_message
 from service.logs import JOB_ID
 from service.metrics import Metrics
 from service.pipeline import open_pipeline
-from service.schemas import Label, ModelInfo
+from service.schemas import Label
 from service.settings import Settings
 from service.tracing import Tracing, current_headers
 
@@ -276,13 +276,8 @@ class Worker:
         job_id = message.message_id or new_job_id()
         reply_to = message.reply_to or DEFAULT_REPLY_TO
         filename = _filename(headers)
-        profile = self.classifier.profile
         base = JobResult(
-            job_id=job_id,
-            status="done",
-            filename=filename,
-            model=ModelInfo(name=profile.name, version=profile.version),
-            worker=self.name,
+            job_id=job_id, status="done", filename=filename, model=self.classifier.model_info, worker=self.name
         )
         if message.timestamp is not None:
             base.timings["queued"] = max(0.0, time.time() - message.timestamp.timestamp())

@@ -28,6 +28,8 @@ class ModelProfile:
     """Bumped when the graph builder changes, so cached ONNX files are rebuilt."""
     build: Callable[[Path | None], onnx.ModelProto]
     """Builds the graph, from a weights file when one is given."""
+    random_without_weights: bool = False
+    """Without a weights file its weights are random (its answers meaningless), not packaged ones."""
 
     @property
     def labels(self) -> tuple[str, ...]:
@@ -64,8 +66,8 @@ PROFILES: dict[str, ModelProfile] = {
     p.name: p
     for p in (
         ModelProfile("efficientnet-lite0", "1", 224, 0.875, 1, _build_efficientnet_lite0),
-        ModelProfile("resnet50", "1", 224, 0.875, 1, _build_resnet50),
-        ModelProfile("trivial", "1", 224, 0.875, 2, _build_trivial),
+        ModelProfile("resnet50", "1", 224, 0.875, 1, _build_resnet50, random_without_weights=True),
+        ModelProfile("trivial", "1", 224, 0.875, 2, _build_trivial, random_without_weights=True),
     )
 }
 

@@ -80,7 +80,7 @@ async def test_offline_request_is_queued_classified_and_reported(
         assert cat["labels"][0]["index"] in CAT_CLASSES  # type: ignore[index]
         assert len(cat["labels"]) == 2  # type: ignore[arg-type]
         assert coffee["labels"][0]["index"] == ESPRESSO  # type: ignore[index]
-        assert coffee["model"] == {"name": "efficientnet-lite0", "version": "1"}
+        assert coffee["model"] == {"name": "efficientnet-lite0", "version": "1", "random_weights": False}
         assert tiny["status"] == "done"  # a 1x1 image is valid
 
         bad = await client.post(
