@@ -130,6 +130,8 @@ def _models_triton_repo(args: argparse.Namespace) -> int:
         kind={"gpu": "KIND_GPU", "cpu": "KIND_CPU", None: None}[args.triton_kind],
         intra_op_threads=args.triton_intra_op_threads,
         bf16=not args.triton_no_bf16,
+        tensorrt_accelerator=not args.triton_no_tensorrt,
+        engine_cache=args.triton_engine_cache,
     )
     for name in list(PROFILES) if args.all else [settings.model]:
         profile = get_profile(name)
@@ -367,6 +369,16 @@ def build_parser() -> argparse.ArgumentParser:
         "--triton-intra-op-threads", type=int, default=0, help="python and openvino variants: runtime threads"
     )
     repo.add_argument("--triton-no-bf16", action="store_true", help="openvino variant: fp32 kernels only")
+    repo.add_argument(
+        "--triton-no-tensorrt",
+        action="store_true",
+        help="onnxruntime variant on GPU: CUDA only, without the TensorRT accelerator (on by default, FP16)",
+    )
+    repo.add_argument(
+        "--triton-engine-cache",
+        default="/engine-cache",
+        help="onnxruntime variant on GPU: where Triton keeps TensorRT engines (mount a volume there)",
+    )
     repo.set_defaults(func=_models_triton_repo)
     quantize = model_commands.add_parser(
         "quantize", help="build the model's INT8 version for the openvino backend, calibrated on photos"

@@ -140,3 +140,48 @@ def test_committed_deploy_repositories_match_the_generator(tmp_path: Path) -> No
         if p.is_file() and p.name not in ("generate.sh", "README.md") and p.suffix not in (".onnx", ".plan")
     }
     assert kept == generated
+
+
+def test_onnxruntime_on_gpu_runs_through_tensorrt_with_cached_engines(tmp_path: Path) -> None:
+    """The GPU compose and Kubernetes paths serve this config: TensorRT (FP16) without a manual
+    step, engines in the mounted cache, built at load for every batch size up to the maximum."""
+    profile = get_profile("resnet50")
+    options = TritonOptions(variant="onnxruntime", max_batch_size=32, instances=2, engine_cache="/cache/")
+    config = parse(write_model(tmp_path, profile, options, onnx_path=None) / "config.pbtxt")
+    (accelerator,) = config.optimization.execution_accelerators.gpu_execution_accelerator
+    assert accelerator.name == "tensorrt"
+    assert dict(accelerator.parameters) == {
+        "precision_mode": "FP16",
+        "max_workspace_size_bytes": str(4 * 1024**3),
+        "trt_engine_cache_enable": "1",
+        "trt_engine_cache_path": "/cache/resnet50",
+    }
+    assert [w.batch_size for w in config.model_warmup] == [1, 32]
+    for warmup in config.model_warmup:
+        (name, tensor), *_ = warmup.inputs.items()
+        assert (name, tensor.data_type, list(tensor.dims), tensor.zero_data) == (
+            "images",
+            mc.TYPE_UINT8,
+            [224, 224, 3],
+            True,
+        )
+    for plain in (
+        TritonOptions(variant="onnxruntime", kind="KIND_CPU"),
+        TritonOptions(variant="onnxruntime", tensorrt_accelerator=False),
+        TritonOptions(variant="openvino"),
+    ):
+        config = parse(write_model(tmp_path / "plain", profile, plain, onnx_path=None) / "config.pbtxt")
+        assert not config.optimization.execution_accelerators.gpu_execution_accelerator
+        assert not config.model_warmup
+
+
+def test_the_gpu_deployments_mount_the_engine_cache() -> None:
+    compose = (ROOT / "docker-compose.gpu.yml").read_text()
+    assert "trt-engines:/engine-cache" in compose
+    assert "--variant ${TRITON_VARIANT:-onnxruntime}" in compose
+    kubernetes = (ROOT / "k8s" / "overlays" / "gpu" / "triton-gpu.yaml").read_text()
+    assert "mountPath: /engine-cache" in kubernetes
+    assert '"--variant", "onnxruntime"' in kubernetes
+    kept = parse(ROOT / "deploy" / "triton" / "onnxruntime" / "resnet50" / "config.pbtxt")
+    (accelerator,) = kept.optimization.execution_accelerators.gpu_execution_accelerator
+    assert accelerator.parameters["trt_engine_cache_path"] == "/engine-cache/resnet50"
