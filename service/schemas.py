@@ -38,7 +38,7 @@ class ModelInfo(BaseModel):
     name: str
     version: str
     random_weights: bool = Field(
-        False,
+        default=False,
         description="True when the model runs with random weights (no checkpoint was given or fetched): its "
         "labels are meaningless. `gateway models fetch <model>` or GATEWAY_MODEL_WEIGHTS gives it real ones.",
     )
