@@ -36,7 +36,7 @@ from concurrent.futures import Executor
 from contextlib import nullcontext, suppress
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Literal, Protocol
+from typing import Any, Literal, Protocol
 
 import numpy as np
 from opentelemetry import trace
@@ -63,7 +63,8 @@ class InferFn(Protocol):
 @dataclass(eq=False)
 class _Item:
     image: np.ndarray
-    future: asyncio.Future[np.ndarray]
+    future: asyncio.Future[Any]
+    """Its score row, or the row's answer when the batcher ranks."""
     deadline: float | None
     enqueued: float
     trace: SpanContext | None = None
@@ -122,7 +123,11 @@ class DynamicBatcher:
         tracing: Tracing | None = None,
         backend_name: str = "",
         policy: Policy = "fixed",
+        rank: Callable[[np.ndarray], Sequence[Any]] | None = None,
     ) -> None:
+        """``rank``, when given, turns a batch's scores into one answer per row, once per batch
+        (e.g. every row's top classes); each request then gets its rows' answers instead of the
+        score rows themselves."""
         if max_batch_size < 1 or max_queue_size < 1 or max_inflight_batches < 1 or max_delay < 0:
             raise ValueError("batcher limits must be positive")
         self.policy = policy
@@ -137,6 +142,7 @@ class DynamicBatcher:
         """Images of ``submit_prepared`` requests being decoded or waiting for a decode thread: they
         will be queued ahead of anything admitted now."""
         self._infer = infer
+        self._rank = rank
         self.max_batch_size = max_batch_size
         self.max_delay = max_delay
         self.max_queue_size = max_queue_size
@@ -243,7 +249,7 @@ class DynamicBatcher:
         if len(self._queue) >= self._wanted:
             self._wake.set()
 
-    async def _results(self, items: list[_Item], deadline: float | None) -> list[np.ndarray]:
+    async def _results(self, items: list[_Item], deadline: float | None) -> list[Any]:
         """Wait for the items' rows; at the deadline (one timer per request, not an asyncio
         timeout: this is the serving path's hottest code) the unfinished ones fail."""
         loop = asyncio.get_running_loop()
@@ -259,8 +265,9 @@ class DynamicBatcher:
 
     async def submit(
         self, images: Sequence[np.ndarray], *, deadline: float | None = None, parent: SpanContext | None = None
-    ) -> list[np.ndarray]:
-        """Queue the images as one request and return their score rows in order.
+    ) -> list[Any]:
+        """Queue the images as one request and return their score rows in order (their answers,
+        when the batcher ranks).
 
         ``deadline`` is on the event loop's clock (``loop.time()``); ``parent`` is the request's span
         context when its trace is sampled."""
@@ -281,7 +288,7 @@ class DynamicBatcher:
         *,
         deadline: float | None = None,
         parent: SpanContext | None = None,
-    ) -> np.ndarray:
+    ) -> Any:
         """Run ``prepare`` (decoding one image) in ``executor`` and queue its image from there, as a
         request of one image; return its score row. ``prepare``'s error is the request's error.
 
@@ -448,7 +455,8 @@ class DynamicBatcher:
             if len(scores) != len(batch):
                 raise BackendError(f"backend returned {len(scores)} results for a batch of {len(batch)} images")
             finite = np.isfinite(scores).all(axis=tuple(range(1, np.ndim(scores))))
-            for item, row, ok in zip(batch, scores, finite, strict=True):
+            rows: Sequence[Any] | np.ndarray = scores if self._rank is None else self._rank(scores)
+            for item, row, ok in zip(batch, rows, finite, strict=True):
                 if item.future.done():
                     continue
                 if ok:

@@ -47,6 +47,15 @@ class Classification:
     labels: list[tuple[int, str, float]]
 
 
+RANKED = 20
+"""Classes the batcher ranks per image, once per batch: the most a request may ask for (top_k)."""
+
+
+def _best(row: np.ndarray | list[tuple[int, float]], k: int) -> list[tuple[int, float]]:
+    """The k best classes of a row the batcher ranked already (``rank_rows``), or of a score row."""
+    return row[:k] if isinstance(row, list) else top_k(row, k)
+
+
 class Classifier:
     def __init__(
         self,
@@ -143,7 +152,7 @@ class Classifier:
         started = time.perf_counter()
         labels = self.profile.labels
         out = [
-            Classification(image.filename, [(i, labels[i], score) for i, score in top_k(row, k)])
+            Classification(image.filename, [(i, labels[i], score) for i, score in _best(row, k)])
             for image, row in zip(images, rows, strict=True)
         ]
         self.metrics.postprocess_duration.observe(time.perf_counter() - started)

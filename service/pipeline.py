@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from functools import partial
 
 import cv2
 import numpy as np
@@ -20,11 +21,11 @@ from service.backends.base import Backend
 from service.backends.circuit import CircuitBreaker
 from service.batcher import DynamicBatcher
 from service.budget import ByteBudget
-from service.classifier import Classifier
+from service.classifier import RANKED, Classifier
 from service.gpu import start_gpu_sampler
 from service.health import BackendHealth
 from service.metrics import Metrics
-from service.models.profiles import ModelProfile, get_profile
+from service.models.profiles import ModelProfile, get_profile, rank_rows
 from service.models.store import ensure_model
 from service.preprocess import PreprocessConfig
 from service.settings import Settings
@@ -117,6 +118,7 @@ async def open_pipeline(
         tracing=tracing,
         backend_name=chosen.name,
         policy=settings.batch_policy,
+        rank=partial(rank_rows, k=RANKED),  # once per batch, not once per image on the event loop
     )
     metrics.bind_batcher(batcher, chosen.name)
     pool = ThreadPoolExecutor(max_workers=settings.preprocess_workers, thread_name_prefix="preprocess")

@@ -13,6 +13,7 @@ import pytest
 from service.backends.fake import FakeBackend
 from service.batcher import BatchReport, DynamicBatcher
 from service.errors import BackendError, BackendUnavailable, BadImage, DeadlineExceeded, QueueFull
+from service.models.profiles import rank_rows, top_k
 from tests.conftest import solid_image
 
 Factory = Callable[..., DynamicBatcher]
@@ -329,3 +330,36 @@ async def test_prepared_images_respect_the_queue_limit(make: Factory, fake: Fake
     fake.gate.set()
     assert classes(await running) == [1]
     assert classes(await queued) == [2, 3]
+
+
+async def test_a_ranking_batcher_answers_each_image_with_its_rows_best_classes(
+    make: Factory, fake: FakeBackend
+) -> None:
+    """With ``rank`` the batch is ranked once and each request gets its own rows' answers, in order."""
+    ranked_batches: list[int] = []
+
+    def rank(scores: np.ndarray) -> list[list[tuple[int, float]]]:
+        ranked_batches.append(len(scores))
+        return rank_rows(scores, 3)
+
+    batcher = make(rank=rank)
+    first, second = submit(batcher, 11, 12), submit(batcher, 13)
+    await asyncio.sleep(0.05)
+    assert fake.gate is not None
+    fake.gate.set()
+    one, two = await first, await second
+    assert ranked_batches == [3]
+    assert [row[0][0] for row in one + two] == [11, 12, 13]  # the fake backend's class is the red value
+    assert all(len(row) == 3 and row[0][1] >= row[1][1] >= row[2][1] for row in one + two)
+
+
+def test_ranking_a_batch_gives_each_rows_top_k() -> None:
+    rng = np.random.default_rng(7)
+    scores = rng.random((9, 1000)).astype(np.float32)  # distinct values: one right answer per row
+    for k in (1, 5, 20):
+        assert rank_rows(scores, k) == [top_k(row, k) for row in scores]
+    tied = np.zeros((2, 6), np.float32)
+    tied[:, 3] = 1.0
+    for row in rank_rows(tied, 3):  # equal scores: the lower class index first
+        assert row[0] == (3, 1.0)
+        assert row[1][0] < row[2][0]
