@@ -127,7 +127,8 @@ def _premultiply(img: np.ndarray, rows: int = 256) -> None:
 
 def decode(data: bytes, info: ImageInfo, needed_short_side: int) -> np.ndarray:
     """Decode at the smallest size and depth that serves: JPEGs at reduced scale when large enough,
-    images without alpha straight to 8-bit BGR; orientation not applied, no conversion yet."""
+    colour images without alpha straight to 8-bit RGB (the decoder writes RGB as cheaply as BGR, so
+    no conversion pass follows), other images in OpenCV's BGR order; orientation not applied."""
     buf = np.frombuffer(data, np.uint8)
     factor = reduction_for(info, needed_short_side)
     if _keeps_samples(info):
@@ -135,11 +136,16 @@ def decode(data: bytes, info: ImageInfo, needed_short_side: int) -> np.ndarray:
     elif info.grey:
         flag = _REDUCED_GREY.get(factor, cv2.IMREAD_GRAYSCALE)
     else:
-        flag = dict(_REDUCED).get(factor, cv2.IMREAD_COLOR)
+        flag = (dict(_REDUCED).get(factor, cv2.IMREAD_COLOR) & ~cv2.IMREAD_COLOR) | cv2.IMREAD_COLOR_RGB
     img = cv2.imdecode(buf, flag | _IGNORE_ORIENTATION)
     if img is None or img.size == 0:
         raise BadImage(f"{info.format.upper()} data could not be decoded (truncated or corrupt)")
     return img
+
+
+def decodes_to_rgb(info: ImageInfo) -> bool:
+    """Whether ``decode`` gives this image as 8-bit RGB already."""
+    return not _keeps_samples(info) and not info.grey
 
 
 def centre_crop_resize(img: np.ndarray, size: int, crop_fraction: float) -> np.ndarray:
@@ -202,6 +208,8 @@ def prepare(
 
 def _prepare(data: bytes, info: ImageInfo, config: PreprocessConfig) -> np.ndarray:
     img = decode(data, info, config.needed_short_side)
+    if decodes_to_rgb(info):  # the common case: three 8-bit channels, RGB already
+        return orient(centre_crop_resize(img, config.image_size, config.crop_fraction), info.orientation)
     if img.ndim == 3 and img.shape[2] in (2, 4):
         _premultiply(img)
     img = centre_crop_resize(img, config.image_size, config.crop_fraction)  # at native depth, then convert

@@ -82,14 +82,14 @@ def get_profile(name: str) -> ModelProfile:
 def rank_rows(scores: np.ndarray, k: int) -> list[list[tuple[int, float]]]:
     """``top_k`` of every row of a batch at once: a handful of numpy calls per batch instead of a
     handful per image (each releases the GIL, and taking it back is what costs under load)."""
-    classes = scores.shape[1]
+    n, classes = scores.shape
     k = min(k, classes)
+    rows = np.arange(n)[:, None]
     idx = np.argpartition(scores, classes - k, axis=1)[:, -k:]
-    best = np.take_along_axis(scores, idx, axis=1)
+    best = scores[rows, idx]
     order = np.lexsort((idx, -best), axis=1)
-    ranked_idx = np.take_along_axis(idx, order, axis=1).tolist()
-    ranked_best = np.take_along_axis(best, order, axis=1).tolist()
-    return [list(zip(i, b, strict=True)) for i, b in zip(ranked_idx, ranked_best, strict=True)]
+    ranked = zip(idx[rows, order].tolist(), best[rows, order].tolist(), strict=True)
+    return [list(zip(i, b, strict=True)) for i, b in ranked]
 
 
 def top_k(scores: np.ndarray, k: int) -> list[tuple[int, float]]:
