@@ -36,6 +36,7 @@ from service.http_protocol import TIMED_OUT
 from service.jobs.client import OfflineImage, PendingJob
 from service.metrics import Metrics
 from service.middleware import API_KEY, AUTHENTICATED
+from service.models.checkpoints import real_weights_hint
 from service.schemas import (
     AcceptedJob,
     ClassifyResponse,
@@ -458,7 +459,7 @@ async def readyz(request: Request) -> JSONResponse:
     checks["batcher"] = "shutting down" if gateway.closing else "ok"
     model = gateway.classifier.model_info
     checks["weights"] = (
-        f"RANDOM: {model.name}'s answers are meaningless (`gateway models fetch {model.name}` or GATEWAY_MODEL_WEIGHTS)"
+        f"RANDOM: {model.name}'s answers are meaningless; {real_weights_hint(model.name)}"
         if model.random_weights
         else "ok"
     )

@@ -25,6 +25,7 @@ from service.classifier import RANKED, Classifier
 from service.gpu import start_gpu_sampler
 from service.health import BackendHealth
 from service.metrics import Metrics
+from service.models.checkpoints import real_weights_hint
 from service.models.profiles import ModelProfile, get_profile, rank_rows
 from service.models.store import ensure_model
 from service.preprocess import PreprocessConfig
@@ -138,10 +139,9 @@ async def open_pipeline(
     random_weights = profile.random_without_weights and settings.weights_for(profile.name) is None
     if random_weights:
         logger.warning(
-            "model %s has RANDOM weights: its answers are meaningless (every answer says random_weights: true); "
-            "`gateway models fetch %s` or GATEWAY_MODEL_WEIGHTS gives it real ones",
+            "model %s has RANDOM weights: its answers are meaningless (every answer says random_weights: true); %s",
             profile.name,
-            profile.name,
+            real_weights_hint(profile.name),
         )
     classifier = Classifier(profile, batcher, pool, metrics, config, budget, tracing, random_weights=random_weights)
     try:

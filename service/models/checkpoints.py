@@ -59,6 +59,13 @@ CHECKPOINTS: dict[str, Checkpoint] = {
 }
 
 
+def real_weights_hint(model: str) -> str:
+    """How to give ``model`` real weights, for the warnings that say it has none."""
+    if model in CHECKPOINTS:
+        return f"`gateway models fetch {model}` or GATEWAY_MODEL_WEIGHTS gives it real ones"
+    return "GATEWAY_MODEL_WEIGHTS gives it real ones (the trivial model has none: it measures the gateway)"
+
+
 class FetchFailed(Exception):
     """The checkpoint could not be fetched or is not the pinned one; nothing was kept."""
 
