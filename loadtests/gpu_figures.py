@@ -215,8 +215,9 @@ def gpu_decode(photos: list[bytes], label: str, seconds: float, batch: int) -> R
     resized (antialiased) there to the model's 224 x 224."""
     try:
         import torch
-        import torch.nn.functional as F
         from torchvision.io import decode_jpeg
+
+        from service.gpu_decode import square_resize
     except ImportError as exc:
         print(f"GPU decode skipped: {exc}", file=sys.stderr)
         return None
@@ -228,11 +229,7 @@ def gpu_decode(photos: list[bytes], label: str, seconds: float, batch: int) -> R
     def one_batch() -> None:
         decoded = decode_jpeg(datas, device="cuda")
         for img in decoded:
-            _, h, w = img.shape
-            side = max(1, round(min(h, w) * config.crop_fraction))
-            y, x = (h - side) // 2, (w - side) // 2
-            square = img[:, y : y + side, x : x + side].unsqueeze(0).float()
-            F.interpolate(square, size=(config.image_size, config.image_size), mode="bilinear", antialias=True)
+            square_resize(img, config.image_size, config.crop_fraction)  # what GATEWAY_DECODER=nvjpeg does
         torch.cuda.synchronize()
 
     one_batch()
@@ -328,6 +325,7 @@ def gateway_runs(
     device: str,
     max_batch: int,
     quick: bool,
+    decoder: str = "opencv",
 ) -> list[Run]:
     cores = os.cpu_count() or 2
     settings = {
@@ -340,11 +338,17 @@ def gateway_runs(
         "GATEWAY_REQUEST_TIMEOUT": "30",
         "GATEWAY_PREPROCESS_WORKERS": str(max(2, 2 * cores // workers)),
         "GATEWAY_MAX_IMAGES_PER_REQUEST": "64",
+        "GATEWAY_DECODER": decoder,
     }
     started = time.perf_counter()
     proc, url = start_gateway([], workdir / "models", timeout=600, env=settings)
     print(f"gateway with {workers} workers ready in {time.perf_counter() - started:.0f} s", flush=True)
-    config = {"workers": workers, "max_batch_size": max_batch, "client_threads": max(1, cores // 4)}
+    config = {
+        "workers": workers,
+        "max_batch_size": max_batch,
+        "client_threads": max(1, cores // 4),
+        "decoder": decoder,
+    }
     runs = []
     try:
         # connections: at most 64 in all, the default requests in flight per worker, so none is refused
@@ -354,10 +358,14 @@ def gateway_runs(
             ("224 px", photos, 32, 32),
             ("224 px", photos, 64, 1),
         ]
+        if decoder != "opencv":  # what GPU decode changes: the CPU-bound cases
+            plan = [("224 px", photos, 32, 32)]
         if not quick:
             plan += [("full-size", full, 1, 128)]
         for label, images, per_request, connections in plan:
             name = f"{workers} workers, {label}, {per_request}/request, {connections} conn"
+            if decoder != "opencv":
+                name += f", {decoder} decode"
             runs.append(
                 gateway_run(url, proc.pid, name, images, per_request, connections, seconds, wrk, workdir, config)
             )
@@ -513,6 +521,12 @@ def main() -> None:
     parser.add_argument("--gpu-hour-usd", type=float, default=3.0, help="assumed price of one GPU-hour")
     parser.add_argument("--skip", default="", help="sections to skip: backend,decode,gateway")
     parser.add_argument("--quick", action="store_true", help="short runs (to check the script)")
+    parser.add_argument(
+        "--no-decoder-runs",
+        dest="decoder_runs",
+        action="store_false",
+        help="skip the gateway with GATEWAY_DECODER=nvjpeg (224 px at 32/request, full-size photos)",
+    )
     args = parser.parse_args()
     if args.wrk is None and "gateway" not in args.skip:
         parser.error("the gateway runs need wrk (apt-get install wrk, or --wrk PATH; scripts/gpu-bundle carries it)")
@@ -548,6 +562,16 @@ def main() -> None:
                         workers, photos, full, seconds, args.wrk, Path(tmp), args.device, args.max_batch, args.quick
                     )
                 except (Exception, SystemExit):  # report what was measured before the failure
+                    traceback.print_exc()
+            if args.decoder_runs:
+                workers = max(int(w) for w in args.workers.split(","))
+                print(f"gateway, {workers} workers, nvJPEG decode...", flush=True)
+                try:
+                    runs += gateway_runs(
+                        workers, photos, full, seconds, args.wrk, Path(tmp), args.device, args.max_batch,
+                        args.quick, decoder="nvjpeg",
+                    )  # fmt: skip
+                except (Exception, SystemExit):
                     traceback.print_exc()
     write_report(args.out, env, runs, args, time.perf_counter() - started)
     print((args.out / "report.md").read_text())

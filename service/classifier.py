@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections.abc import Callable
 from concurrent.futures import Executor
 from dataclasses import dataclass
 from functools import partial
@@ -47,6 +48,8 @@ class Classification:
     labels: list[tuple[int, str, float]]
 
 
+Prepare = Callable[[bytes, PreprocessConfig, ByteBudget | None, float | None], np.ndarray]
+"""Encoded bytes to the model's input: ``preprocess.prepare`` and its GPU twin."""
 RANKED = 20
 """Classes the batcher ranks per image, once per batch: the most a request may ask for (top_k)."""
 
@@ -67,6 +70,7 @@ class Classifier:
         budget: ByteBudget | None = None,
         tracing: Tracing | None = None,
         random_weights: bool = False,
+        decode: Prepare = prepare,
     ) -> None:
         self.profile = profile
         self.batcher = batcher
@@ -76,6 +80,8 @@ class Classifier:
         self.budget = budget
         """Decoder memory shared by the pool's threads (None: each thread bounded by the config alone)."""
         self.tracing = tracing
+        self._decode = decode
+        """``preprocess.prepare`` (OpenCV), or the GPU decoder's (``service.gpu_decode``)."""
         self.model_info = ModelInfo(name=profile.name, version=profile.version, random_weights=random_weights)
         self._model_json = self.model_info.model_dump_json()
         self._labels_json = [json.dumps(label) for label in profile.labels]
@@ -88,7 +94,7 @@ class Classifier:
             span = self.tracing.child("decode", parent, attributes={"gateway.image.bytes": len(data)})
         start = time.perf_counter()
         try:
-            return prepare(data, self.config, self.budget, deadline)
+            return self._decode(data, self.config, self.budget, deadline)
         except Exception as exc:
             if span is not None:
                 span.set_status(StatusCode.ERROR, str(exc))

@@ -117,6 +117,13 @@ class Metrics:
             "Images that waited for decoder memory held by others (raise GATEWAY_MAX_DECODE_BYTES if it grows).",
             registry=r,
         )
+        self.decode_fallbacks = Counter(
+            "gateway_decode_fallbacks_total",
+            "GATEWAY_DECODER=nvjpeg: images decoded by OpenCV instead, by reason (format: not a JPEG; "
+            "refused: the GPU decoder failed on it).",
+            ["reason"],
+            registry=r,
+        )
         self.batch_model = Gauge(
             "gateway_batch_model_seconds",
             "Adaptive batching: the backend's batch time learned as a*n + b; term=per_image is a, "

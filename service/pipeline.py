@@ -28,7 +28,7 @@ from service.metrics import Metrics
 from service.models.checkpoints import real_weights_hint
 from service.models.profiles import ModelProfile, get_profile, rank_rows
 from service.models.store import ensure_model
-from service.preprocess import PreprocessConfig
+from service.preprocess import PreprocessConfig, prepare
 from service.settings import Settings
 from service.tracing import Tracing
 
@@ -101,6 +101,12 @@ async def open_pipeline(
 ) -> AsyncIterator[Pipeline]:
     """Start backend, batcher and preprocessing pool; on exit drain and close them in order."""
     profile = get_profile(settings.model)
+    decode = prepare  # before anything starts: a missing GPU decoder fails here, with nothing to undo
+    if settings.decoder == "nvjpeg":
+        from service.gpu_decode import NvJpegDecoder
+
+        decode = NvJpegDecoder(settings.torch_device, metrics).prepare
+        logger.info("decoder: JPEGs on %s (nvJPEG), other images on the CPU (OpenCV)", settings.torch_device)
     cv2.setNumThreads(1)  # parallelism comes from the preprocessing pool, one image per thread
     chosen = backend if backend is not None else await build_backend(settings, profile)
     if settings.breaker_threshold:
@@ -143,7 +149,9 @@ async def open_pipeline(
             profile.name,
             real_weights_hint(profile.name),
         )
-    classifier = Classifier(profile, batcher, pool, metrics, config, budget, tracing, random_weights=random_weights)
+    classifier = Classifier(
+        profile, batcher, pool, metrics, config, budget, tracing, random_weights=random_weights, decode=decode
+    )
     try:
         yield Pipeline(classifier, chosen, health)
     finally:

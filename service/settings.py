@@ -113,6 +113,10 @@ class Settings(BaseSettings):
     """Device of the ``torch`` backend: ``cuda``, ``cuda:N``, or ``cpu`` (for trying it without a GPU)."""
     torch_precision: Literal["fp16", "fp32"] = "fp16"
     """Precision of the ``torch`` backend on a GPU (on the CPU it always runs fp32)."""
+    decoder: Literal["opencv", "nvjpeg"] = "opencv"
+    """Image decoder: ``opencv`` on the CPU, or ``nvjpeg``: JPEGs decoded, cropped and resized on the
+    GPU ``torch_device`` (torchvision's ``decode_jpeg``; ``pip install '.[gpu]'``), other formats and
+    JPEGs it refuses by OpenCV, per image."""
     calibration_dir: Path | None = None
     """Photos like the traffic (at least 32) that calibrate the INT8 model; it is built once into
     the models directory, and refused if its top-1 answers agree with FP32 on under 99 % of the

@@ -1,0 +1,121 @@
+"""JPEG decoding on the GPU (nvJPEG through torchvision's ``decode_jpeg``): ``GATEWAY_DECODER=nvjpeg``.
+
+The same contract as ``service.preprocess.prepare`` (encoded bytes in, the model's uint8 RGB
+``(size, size, 3)`` out, errors as ``GatewayError``), with the same semantics: the header is probed
+and checked against the same limits first; then the centre square of ``crop_fraction`` of the shorter
+side is resized to ``size`` (antialiased when shrinking, as OpenCV's INTER_AREA; bilinear with
+half-pixel centres when enlarging, as INTER_LINEAR), and the EXIF orientation is applied to that
+square. Pixels differ from OpenCV's by rounding and by the two decoders' IDCTs, a level or two.
+
+Not every image goes to the GPU: other formats than JPEG, and JPEGs the GPU decoder refuses
+(progressive or arithmetic-coded ones some nvJPEG builds do not take, CMYK, corrupt data), are
+decoded by OpenCV in the same thread, counted in ``gateway_decode_fallbacks_total{reason}``. A
+corrupt image thus gets the same 400 ``bad_image`` as with the CPU decoder.
+
+This module imports torch only when the decoder is built; the gateway without ``GATEWAY_DECODER``
+never needs it.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from functools import partial
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from service.budget import ByteBudget
+from service.imageinfo import probe
+from service.metrics import Metrics
+from service.preprocess import PreprocessConfig, check_limits, prepare
+
+if TYPE_CHECKING:
+    import torch
+
+logger = logging.getLogger(__name__)
+
+DecodeJpeg = Callable[..., Any]
+"""torchvision's ``decode_jpeg(data, mode=..., device=...)``: uint8 CHW RGB."""
+
+
+def orient_chw(img: torch.Tensor, orientation: int) -> torch.Tensor:
+    """An EXIF orientation (1-8) applied to a CHW image, as ``service.preprocess.orient`` does to HWC."""
+    import torch
+
+    if orientation == 2:
+        return img.flip(-1)
+    if orientation == 3:
+        return img.flip(-1).flip(-2)
+    if orientation == 4:
+        return img.flip(-2)
+    if orientation == 5:
+        return img.transpose(-1, -2)
+    if orientation == 6:
+        return torch.rot90(img, k=-1, dims=(-2, -1))
+    if orientation == 7:
+        return img.transpose(-1, -2).flip(-1).flip(-2)
+    if orientation == 8:
+        return torch.rot90(img, k=1, dims=(-2, -1))
+    return img
+
+
+def square_resize(img: torch.Tensor, size: int, crop_fraction: float) -> torch.Tensor:
+    """The centre square of a uint8 CHW image resized to ``size``: ``centre_crop_resize`` on the device."""
+    import torch.nn.functional as F
+
+    _, h, w = img.shape
+    side = max(1, round(min(h, w) * crop_fraction))
+    y, x = (h - side) // 2, (w - side) // 2
+    square = img[:, y : y + side, x : x + side].unsqueeze(0).float()
+    resized = F.interpolate(square, size=(size, size), mode="bilinear", antialias=side > size, align_corners=False)
+    return resized.squeeze(0).round_().clamp_(0, 255).to(img.dtype)
+
+
+class NvJpegDecoder:
+    """``prepare`` with JPEGs decoded on ``device`` (see the module's docstring)."""
+
+    def __init__(self, device: str, metrics: Metrics, decode_jpeg: DecodeJpeg | None = None) -> None:
+        import torch
+
+        if decode_jpeg is None:
+            try:
+                from torchvision.io import ImageReadMode
+                from torchvision.io import decode_jpeg as torchvision_decode_jpeg
+            except ImportError as exc:
+                raise RuntimeError(
+                    f"GATEWAY_DECODER=nvjpeg needs torchvision built for CUDA (pip install '.[gpu]'): {exc}"
+                ) from None
+            if not device.startswith("cuda") or not torch.cuda.is_available():
+                raise RuntimeError(f"GATEWAY_DECODER=nvjpeg needs a CUDA device; {device!r} is not one here")
+            decode_jpeg = partial(torchvision_decode_jpeg, mode=ImageReadMode.RGB)  # grey and CMYK too
+        self.device = torch.device(device)
+        self.metrics = metrics
+        self._decode_jpeg = decode_jpeg
+
+    def prepare(
+        self, data: bytes, config: PreprocessConfig, budget: ByteBudget | None = None, deadline: float | None = None
+    ) -> np.ndarray:
+        info = probe(data)
+        check_limits(info, config)
+        if info.format != "jpeg":
+            self.metrics.decode_fallbacks.labels("format").inc()
+            return prepare(data, config, budget, deadline)
+        try:
+            square = self._prepare_jpeg(data, info.orientation, config)
+        except Exception as exc:  # the GPU decoder refused it: OpenCV decides (and names a bad image)
+            logger.debug("nvjpeg refused an image (%s); decoding it with OpenCV", exc)
+            self.metrics.decode_fallbacks.labels("refused").inc()
+            return prepare(data, config, budget, deadline)
+        return square
+
+    def _prepare_jpeg(self, data: bytes, orientation: int, config: PreprocessConfig) -> np.ndarray:
+        import torch
+
+        encoded = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        img = self._decode_jpeg(encoded, device=self.device)
+        if img.ndim != 3 or img.shape[0] != 3:
+            raise ValueError(f"decoded to {tuple(img.shape)}, not 3 channels")
+        square = orient_chw(square_resize(img, config.image_size, config.crop_fraction), orientation)
+        out: np.ndarray = square.permute(1, 2, 0).contiguous().cpu().numpy()
+        return out

@@ -1,0 +1,92 @@
+"""The GPU decoder's code on the CPU: its geometry and orientation against OpenCV's, its answers
+through the real model, and its per-image fallbacks. nvJPEG itself needs a GPU; here a CPU JPEG
+decoder stands in for it (``scripts/gpu-figures`` measures the real one on a device)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import cv2
+import numpy as np
+import onnxruntime as ort
+import pytest
+import torch
+
+from service.errors import BadImage
+from service.gpu_decode import NvJpegDecoder, orient_chw, square_resize
+from service.metrics import Metrics
+from service.models.profiles import get_profile
+from service.models.store import model_path
+from service.preprocess import PreprocessConfig, centre_crop_resize, orient, prepare
+from tests.conftest import encode, png_bytes
+
+CONFIG = PreprocessConfig()
+
+
+def cpu_decode_jpeg(encoded: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Stands in for nvJPEG: uint8 CHW RGB, orientation not applied (as torchvision's)."""
+    rgb = cv2.imdecode(encoded.numpy(), cv2.IMREAD_COLOR_RGB | cv2.IMREAD_IGNORE_ORIENTATION)
+    if rgb is None:
+        raise RuntimeError("nvjpeg stand-in: cannot decode")
+    return torch.from_numpy(rgb).permute(2, 0, 1).to(device)
+
+
+def decoder(metrics: Metrics | None = None, decode_jpeg: object = cpu_decode_jpeg) -> NvJpegDecoder:
+    return NvJpegDecoder("cpu", metrics or Metrics(), decode_jpeg=decode_jpeg)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("orientation", range(1, 9))
+def test_orientation_is_opencvs(orientation: int) -> None:
+    hwc = np.random.default_rng(orientation).integers(0, 256, (5, 7, 3), np.uint8)
+    chw = torch.from_numpy(hwc).permute(2, 0, 1)
+    assert np.array_equal(orient_chw(chw, orientation).permute(1, 2, 0).numpy(), orient(hwc, orientation))
+
+
+@pytest.mark.parametrize("shape", [(300, 451), (196, 260), (1200, 900), (224, 224)])
+def test_crop_and_resize_are_opencvs_within_rounding(cat_jpeg: bytes, shape: tuple[int, int]) -> None:
+    """Shrinking (antialiased, as INTER_AREA) and enlarging (bilinear, as INTER_LINEAR)."""
+    rgb = cv2.resize(cv2.imdecode(np.frombuffer(cat_jpeg, np.uint8), cv2.IMREAD_COLOR_RGB), shape[::-1])
+    ours = square_resize(torch.from_numpy(rgb).permute(2, 0, 1), 224, 0.875).permute(1, 2, 0).numpy()
+    theirs = centre_crop_resize(rgb, 224, 0.875)
+    difference = np.abs(ours.astype(int) - theirs)
+    assert ours.shape == theirs.shape == (224, 224, 3)
+    assert difference.mean() < 1.5
+    assert np.percentile(difference, 99) <= 8
+
+
+def test_the_same_photos_get_the_same_answers(models_dir: Path, cat_jpeg: bytes, coffee_jpeg: bytes) -> None:
+    profile = get_profile("efficientnet-lite0")
+    session = ort.InferenceSession(str(model_path(models_dir, profile)), providers=["CPUExecutionProvider"])
+    name = session.get_inputs()[0].name
+    gpu = decoder()
+    for photo in (
+        cat_jpeg,
+        coffee_jpeg,
+        encode(cv2.resize(cv2.imdecode(np.frombuffer(cat_jpeg, np.uint8), 1), (1600, 1066))),
+    ):
+        cpu_scores = session.run(None, {name: prepare(photo, CONFIG)[None]})[0][0]
+        gpu_scores = session.run(None, {name: gpu.prepare(photo, CONFIG)[None]})[0][0]
+        assert gpu_scores.argmax() == cpu_scores.argmax()
+        assert np.abs(gpu_scores - cpu_scores).max() < 0.05
+
+
+def test_what_the_gpu_decoder_does_not_take_goes_to_opencv(cat_jpeg: bytes) -> None:
+    metrics = Metrics()
+    png = png_bytes(np.full((40, 60, 3), 90, np.uint8))
+    assert np.array_equal(decoder(metrics).prepare(png, CONFIG), prepare(png, CONFIG))
+    assert metrics.decode_fallbacks.labels("format")._value.get() == 1
+
+    def refuses(encoded: torch.Tensor, device: torch.device) -> torch.Tensor:
+        raise RuntimeError("nvjpeg: unsupported JPEG")
+
+    refused = decoder(metrics, refuses)
+    assert np.array_equal(refused.prepare(cat_jpeg, CONFIG), prepare(cat_jpeg, CONFIG))
+    assert metrics.decode_fallbacks.labels("refused")._value.get() == 1
+    corrupt = cat_jpeg[:600] + bytes(2000)  # a valid header, then nothing a decoder can use
+    with pytest.raises(BadImage):
+        refused.prepare(corrupt, CONFIG)
+
+
+def test_without_a_gpu_decoder_the_setting_fails_at_start() -> None:
+    with pytest.raises(RuntimeError, match="GATEWAY_DECODER=nvjpeg needs"):
+        NvJpegDecoder("cuda", Metrics())
