@@ -157,6 +157,7 @@ async def open_pipeline(
     finally:
         for watcher in watchers:
             watcher.cancel()
+        await asyncio.gather(*watchers, return_exceptions=True)  # no readiness call left in flight
         if gpu is not None:
             gpu.stop()
         await batcher.aclose(drain_timeout=settings.request_timeout)

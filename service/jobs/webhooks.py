@@ -274,6 +274,7 @@ class WebhookSender:
             _, pending = await asyncio.wait(self._tasks, timeout=drain_timeout)
             for task in pending:
                 task.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)  # ended before the connection closes
         if self._session is not None:
             await self._session.close()
         if self._channel is not None and not self._channel.is_closed:

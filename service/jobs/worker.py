@@ -36,6 +36,7 @@ import signal
 import socket
 import time
 from collections.abc import Mapping
+from contextlib import suppress
 from pathlib import Path
 from typing import Any, Literal
 
@@ -98,6 +99,8 @@ OVERLOAD_PAUSE = 0.5
 """Seconds before the first requeue of a job refused for overload; doubled at each requeue."""
 OVERLOAD_PAUSE_MAX = 30.0
 HEARTBEAT_INTERVAL = 1.0
+BROKER_CALLS_TIMEOUT = 15.0
+"""Seconds the background broker calls get to finish at shutdown."""
 BROKER_PAUSE = 1.0
 """Seconds before a message whose outcome the broker refused goes back to the queue."""
 
@@ -334,13 +337,23 @@ class Worker:
             _, pending = await asyncio.wait(self._tasks, timeout=drain_timeout)
             for task in pending:
                 task.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)  # ended before the connection closes
 
 
-async def _sample_depth(broker: Broker, metrics: Metrics, interval: float = 5.0) -> None:
+async def _until(stop: asyncio.Event, seconds: float) -> None:
+    """Sleep ``seconds``, or less once ``stop`` is set."""
+    with suppress(TimeoutError):
+        await asyncio.wait_for(stop.wait(), seconds)
+
+
+async def _sample_depth(broker: Broker, metrics: Metrics, stop: asyncio.Event, interval: float = 5.0) -> None:
     """Queue lengths as the broker counts them now. A passive declare on aio-pika's robust channel
     returns the queue object it cached, with the count of its first declaration, so ask the
-    underlying channel each time."""
-    while True:
+    underlying channel each time.
+
+    Ends when ``stop`` is set, after the broker call in progress: it is never cancelled mid-call (an
+    AMQP call cancelled while its answer is due left its task waiting for ever at shutdown)."""
+    while not stop.is_set():
         if broker.is_open and broker.channel is not None:
             for name in (broker.names.work, broker.names.dead):
                 try:
@@ -349,13 +362,14 @@ async def _sample_depth(broker: Broker, metrics: Metrics, interval: float = 5.0)
                     metrics.queue_depth_messages.labels(name).set(declared.message_count or 0)
                 except Exception as exc:
                     logger.debug("worker: cannot sample %s: %s", name, exc)
-        await asyncio.sleep(interval)
+        await _until(stop, interval)
 
 
-async def _migrate_legacy_queue(broker: Broker, interval: float = 60.0) -> None:
+async def _migrate_legacy_queue(broker: Broker, stop: asyncio.Event, interval: float = 60.0) -> None:
     """Drain the classic requests queue of earlier versions into the quorum queue, now and then
-    (an API replica of the old version may still publish to it during a rolling upgrade)."""
-    while True:
+    (an API replica of the old version may still publish to it during a rolling upgrade). Ends
+    when ``stop`` is set, like ``_sample_depth``."""
+    while not stop.is_set():
         if broker.is_open and broker.connection is not None:
             try:
                 moved = await migrate_legacy(broker.connection, broker.names)
@@ -368,7 +382,7 @@ async def _migrate_legacy_queue(broker: Broker, interval: float = 60.0) -> None:
                     )
             except Exception as exc:
                 logger.warning("worker: could not migrate %s: %s", broker.names.legacy_requests, exc)
-        await asyncio.sleep(interval)
+        await _until(stop, interval)
 
 
 async def _heartbeat(path: Path, interval: float) -> None:
@@ -414,19 +428,24 @@ async def run_worker(settings: Settings, stop: asyncio.Event | None = None, back
             await webhooks.start()
         else:
             logger.info("worker: no GATEWAY_WEBHOOK_SECRET; webhook deliveries wait for a worker that has it")
-        background = [
-            asyncio.create_task(_sample_depth(broker, metrics)),
-            asyncio.create_task(_migrate_legacy_queue(broker)),
+        broker_tasks = [  # they end by themselves once stop is set, each after its broker call
+            asyncio.create_task(_sample_depth(broker, metrics, stop)),
+            asyncio.create_task(_migrate_legacy_queue(broker, stop)),
         ]
+        heartbeat = None
         if settings.worker_heartbeat_file is not None:
-            background.append(asyncio.create_task(_heartbeat(settings.worker_heartbeat_file, HEARTBEAT_INTERVAL)))
+            heartbeat = asyncio.create_task(_heartbeat(settings.worker_heartbeat_file, HEARTBEAT_INTERVAL))
         print("worker ready", flush=True)
         await stop.wait()
         logger.info("worker: stopping")
         await worker.stop(drain_timeout=settings.request_timeout)
         if webhooks is not None:
             await webhooks.stop(drain_timeout=settings.webhook_timeout)
-        for task in background:
+        if heartbeat is not None:
+            heartbeat.cancel()
+        # before the connection closes; bounded, for a broker that stopped answering
+        _, stuck = await asyncio.wait(broker_tasks, timeout=BROKER_CALLS_TIMEOUT)
+        for task in stuck:
             task.cancel()
     await broker.aclose()
     if tracing is not None:

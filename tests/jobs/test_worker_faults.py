@@ -256,7 +256,8 @@ async def test_the_queue_depth_gauge_follows_the_broker(prefix: str) -> None:
     broker = Broker(BROKER_URL, names)
     await broker.connect(timeout=10)
     metrics = Metrics()
-    sampler = asyncio.create_task(_sample_depth(broker, metrics, interval=0.1))
+    stop = asyncio.Event()
+    sampler = asyncio.create_task(_sample_depth(broker, metrics, stop, interval=0.1))
     try:
         for expected in (2, 5):
             await publish(names, *(job(v, f"d{v}") for v in range(expected - await queue_depth(names.work))))
@@ -264,7 +265,8 @@ async def test_the_queue_depth_gauge_follows_the_broker(prefix: str) -> None:
                 while metrics.queue_depth_messages.labels(names.work)._value.get() != expected:  # noqa: ASYNC110
                     await asyncio.sleep(0.05)
     finally:
-        sampler.cancel()
+        stop.set()
+        await sampler  # ends by itself, after its broker call
         await broker.aclose()
 
 
