@@ -100,13 +100,13 @@ class NvJpegDecoder:
         check_limits(info, config)
         if info.format != "jpeg":
             self.metrics.decode_fallbacks.labels("format").inc()
-            return prepare(data, config, budget, deadline)
+            return prepare(data, config, budget, deadline, info)
         try:
             square = self._prepare_jpeg(data, info.orientation, config)
         except Exception as exc:  # the GPU decoder refused it: OpenCV decides (and names a bad image)
             logger.debug("nvjpeg refused an image (%s); decoding it with OpenCV", exc)
             self.metrics.decode_fallbacks.labels("refused").inc()
-            return prepare(data, config, budget, deadline)
+            return prepare(data, config, budget, deadline, info)
         return square
 
     def _prepare_jpeg(self, data: bytes, orientation: int, config: PreprocessConfig) -> np.ndarray:

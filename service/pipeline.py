@@ -21,7 +21,7 @@ from service.backends.base import Backend
 from service.backends.circuit import CircuitBreaker
 from service.batcher import DynamicBatcher
 from service.budget import ByteBudget
-from service.classifier import RANKED, Classifier
+from service.classifier import RANKED, Classifier, Prepare
 from service.gpu import start_gpu_sampler
 from service.health import BackendHealth
 from service.metrics import Metrics
@@ -101,7 +101,7 @@ async def open_pipeline(
 ) -> AsyncIterator[Pipeline]:
     """Start backend, batcher and preprocessing pool; on exit drain and close them in order."""
     profile = get_profile(settings.model)
-    decode = prepare  # before anything starts: a missing GPU decoder fails here, with nothing to undo
+    decode: Prepare = prepare  # before anything starts: a missing GPU decoder fails here, with nothing to undo
     if settings.decoder == "nvjpeg":
         from service.gpu_decode import NvJpegDecoder
 

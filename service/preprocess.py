@@ -192,13 +192,18 @@ def check_limits(info: ImageInfo, config: PreprocessConfig) -> int:
 
 
 def prepare(
-    data: bytes, config: PreprocessConfig, budget: ByteBudget | None = None, deadline: float | None = None
+    data: bytes,
+    config: PreprocessConfig,
+    budget: ByteBudget | None = None,
+    deadline: float | None = None,
+    info: ImageInfo | None = None,
 ) -> np.ndarray:
     """Encoded image bytes to the model input: uint8 RGB ``(size, size, 3)``.
 
     With a ``budget``, the decoder memory the header promises is reserved from it first (waiting,
-    until ``deadline`` at most, while other threads hold it) and given back once the image is small."""
-    info = probe(data)
+    until ``deadline`` at most, while other threads hold it) and given back once the image is small.
+    ``info``: the header, when the caller has probed it already."""
+    info = info or probe(data)
     needed = check_limits(info, config)
     if budget is None:
         return _prepare(data, info, config)

@@ -15,6 +15,7 @@ from collections.abc import Mapping
 from typing import Any, Literal
 
 import aio_pika
+from aio_pika.abc import AbstractIncomingMessage
 from pydantic import BaseModel, Field
 
 from service.schemas import Label, ModelInfo
@@ -84,6 +85,29 @@ def request_message(
         delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
         timestamp=time.time(),
     )
+
+
+def copy_message(message: AbstractIncomingMessage, headers: Mapping[str, Any], **properties: Any) -> aio_pika.Message:
+    """A persistent copy of a received message (body, id, content type, reply-to) with ``headers``
+    and any other ``properties``, to publish elsewhere."""
+    return aio_pika.Message(
+        message.body,
+        message_id=message.message_id,
+        content_type=message.content_type,
+        reply_to=message.reply_to,
+        headers=dict(headers),
+        delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
+        **properties,
+    )
+
+
+def dead_letter_message(message: AbstractIncomingMessage, error: str, detail: str) -> aio_pika.Message:
+    """The copy of ``message`` for ``<prefix>.dead``: its headers (not the broker's ``x-death``,
+    which grows with every round) with the reason in ``x-gateway-error`` and ``x-gateway-detail``."""
+    headers = {k: v for k, v in (message.headers or {}).items() if k != "x-death"}
+    headers[ERROR_HEADER] = error
+    headers[DETAIL_HEADER] = detail[:1000]
+    return copy_message(message, headers)
 
 
 def result_message(result: JobResult, trace: Mapping[str, str] | None = None) -> aio_pika.Message:

@@ -28,6 +28,8 @@ from dataclasses import dataclass
 import aio_pika
 from aio_pika.abc import AbstractChannel, AbstractConnection, AbstractExchange, AbstractQueue
 
+from service.jobs.messages import copy_message
+
 REQUEST_KEY = "classify"
 
 
@@ -128,15 +130,7 @@ async def migrate_legacy(connection: AbstractConnection, names: Names) -> int:
         await legacy.unbind(exchange, REQUEST_KEY)
         moved = 0
         while (message := await legacy.get(fail=False, no_ack=False)) is not None:
-            copy = aio_pika.Message(
-                message.body,
-                message_id=message.message_id,
-                content_type=message.content_type,
-                reply_to=message.reply_to,
-                headers=dict(message.headers or {}),
-                timestamp=message.timestamp,
-                delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
-            )
+            copy = copy_message(message, message.headers or {}, timestamp=message.timestamp)
             await exchange.publish(copy, REQUEST_KEY, mandatory=True)
             await message.ack()
             moved += 1

@@ -53,7 +53,7 @@ from aio_pika.abc import AbstractChannel, AbstractIncomingMessage, AbstractQueue
 from service.errors import GatewayError, UrlNotAllowed
 from service.fetch import check_url, guarded_session, parse_allowlist
 from service.jobs.broker import Broker
-from service.jobs.messages import DETAIL_HEADER, ERROR_HEADER, WEBHOOK_HEADER, JobResult, trace_headers
+from service.jobs.messages import WEBHOOK_HEADER, JobResult, copy_message, dead_letter_message, trace_headers
 from service.jobs.signing import signature
 from service.metrics import Metrics
 from service.settings import Settings
@@ -230,16 +230,6 @@ class WebhookSender:
             )
         return self._session
 
-    def _copy(self, message: AbstractIncomingMessage, headers: dict[str, Any], **properties: Any) -> aio_pika.Message:
-        return aio_pika.Message(
-            message.body,
-            message_id=message.message_id,
-            content_type=message.content_type,
-            headers=headers,
-            delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
-            **properties,
-        )
-
     async def _retry(self, message: AbstractIncomingMessage, attempts: int, delay: int) -> None:
         source = message.headers or {}
         headers: dict[str, Any] = {
@@ -250,17 +240,13 @@ class WebhookSender:
         }  # not the broker's x-death: it would grow with every round
         wait = delay * random.uniform(1 - JITTER, 1.0) / 1000
         queue = self.broker.names.webhook_retry(delay)
-        await self.broker.publish("queue", self._copy(message, headers, expiration=wait), queue)
+        await self.broker.publish("queue", copy_message(message, headers, expiration=wait), queue)
         self.metrics.webhook_deliveries.labels("retried").inc()
 
     async def _give_up(self, message: AbstractIncomingMessage, why: str) -> None:
-        headers = dict(message.headers or {})
-        headers.pop("x-death", None)
-        headers[ERROR_HEADER] = "webhook_undeliverable"
-        headers[DETAIL_HEADER] = why[:1000]
-        await self.broker.publish("dead", self._copy(message, headers), "")
+        await self.broker.publish("dead", dead_letter_message(message, "webhook_undeliverable", why), "")
         self.metrics.webhook_deliveries.labels("undeliverable").inc()
-        url = str(headers.get(WEBHOOK_HEADER) or "")
+        url = str((message.headers or {}).get(WEBHOOK_HEADER) or "")
         logger.warning("webhooks: job %s to %s undeliverable: %s", message.message_id, _where(url), why)
 
     async def stop(self, drain_timeout: float) -> None:

@@ -61,13 +61,12 @@ from service.errors import (
 from service.jobs.broker import Broker
 from service.jobs.messages import (
     DEFAULT_REPLY_TO,
-    DETAIL_HEADER,
-    ERROR_HEADER,
     REQUEUES_HEADER,
     RETRIES_HEADER,
     WEBHOOK_HEADER,
     JobError,
     JobResult,
+    dead_letter_message,
     new_job_id,
     request_message,
     result_message,
@@ -181,25 +180,14 @@ class Worker:
         trace_context = current_headers()
         await self._publish("results", result_message(result, trace_context), reply_to)
         self.metrics.queue_messages.labels("results_published").inc()
-        webhook = (message.headers or {}).get(WEBHOOK_HEADER)
-        if webhook:
-            delivery = delivery_message(result, str(webhook), trace_context)
+        webhook = _webhook(message.headers or {})
+        if webhook is not None:
+            delivery = delivery_message(result, webhook, trace_context)
             await self._publish("queue", delivery, self.broker.names.webhooks)
             self.metrics.queue_messages.labels("webhooks_published").inc()
 
     async def _dead_letter(self, message: AbstractIncomingMessage, error: GatewayError) -> None:
-        headers = dict(message.headers or {})
-        headers[ERROR_HEADER] = error.error
-        headers[DETAIL_HEADER] = error.detail[:1000]
-        copy = aio_pika.Message(
-            message.body,
-            message_id=message.message_id,
-            content_type=message.content_type,
-            reply_to=message.reply_to,
-            headers=headers,
-            delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
-        )
-        await self._publish("dead", copy, "")
+        await self._publish("dead", dead_letter_message(message, error.error, error.detail), "")
         self.metrics.queue_messages.labels("dead_lettered").inc()
 
     async def _fail(self, message: AbstractIncomingMessage, base: JobResult, error: GatewayError, reply: str) -> None:
