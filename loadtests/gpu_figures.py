@@ -5,13 +5,15 @@
 What it measures, each in the same run:
 
 * **backend alone**: the ``torch`` backend (ResNet-50, fp16) called in this process on decoded
-  224 px tensors, at each batch size, one batch in flight ("sync") and four ("async");
+  224 px tensors, at each batch size, one batch in flight ("sync") and four ("async"), with CUDA
+  graphs and eager, side by side;
 * **decode alone**: OpenCV on every core (the gateway's ``prepare``) against nvJPEG through
   torchvision's batched ``decode_jpeg`` on the GPU (plus the crop and resize there), on 224 px JPEGs
   and on full-size photos;
-* **gateway**: ``gateway serve --backend torch`` with several workers, JPEGs in over HTTP, labels
-  out, loaded by ``wrk`` (C; its own CPU reported); one image per
-  request and several per request; a sync client (one request at a time) and many connections;
+* **gateway**: ``gateway serve --backend torch`` in each ``--gateways`` configuration (workers,
+  OpenCV or nvJPEG decode, CUDA graphs or eager), JPEGs in over HTTP, labels out, loaded by ``wrk``
+  (C; its own CPU reported); one image per request and several per request; a sync client (one
+  request at a time) and many connections;
 * GPU utilisation and memory (NVML) and the CPU of gateway and client during every run; the ratio
   gateway / backend alone (PAPER.md's 410/458 = 0.895); the cost per million images at a GPU price.
 
@@ -156,31 +158,46 @@ async def drive(backend: TorchBackend, run: Run, inputs: list[np.ndarray], secon
 
 
 async def backend_alone(
-    tensors: list[np.ndarray], batches: list[int], in_flights: list[int], seconds: float, device: str
+    tensors: list[np.ndarray], batches: list[int], in_flights: list[int], seconds: float, device: str, modes: list[str]
 ) -> list[Run]:
-    """Every batch size with each number of batches in flight; then the largest batch with cuDNN's
-    heuristics instead of its benchmark search."""
+    """Every batch size with each number of batches in flight, for each mode: ``graphs`` (CUDA
+    graphs, the default) and ``eager`` (PyTorch launching every layer from Python), side by side."""
     runs = []
-    for heuristics in (False, True):
-        sizes = [max(batches)] if heuristics else batches
-        flights = [max(in_flights)] if heuristics else in_flights
+    answers: dict[str, list[np.ndarray]] = {}
+    for mode in modes:
         backend = TorchBackend(
-            None, device=device, max_batch_size=max(sizes), max_concurrency=max(flights), cudnn_benchmark=not heuristics
+            None,
+            device=device,
+            max_batch_size=max(batches),
+            max_concurrency=max(in_flights),
+            cuda_graphs=mode == "graphs",
         )
+        started = time.perf_counter()
         await backend.start()
         problem = await backend.ready()
         if problem:
             raise SystemExit(f"torch backend not ready: {problem}")
-        print(f"backend: {backend.detail}", flush=True)
+        print(f"backend: {backend.detail} (ready in {time.perf_counter() - started:.0f} s)", flush=True)
         try:
-            for batch in sizes:
+            # the same images at a padded bucket (5 of 8), a full one and batch 1, to compare the modes
+            answers[mode] = [await backend.infer(tensors[: min(n, max(batches))]) for n in (5, 8, 1)]
+            for batch in batches:
                 inputs = [tensors[i % len(tensors)] for i in range(batch)]
-                for in_flight in flights:
-                    name = f"torch b{batch} x{in_flight}" + (", cuDNN heuristics" if heuristics else "")
-                    runs.append(Run("backend", name, batch, in_flight))
+                for in_flight in in_flights:
+                    runs.append(Run("backend", f"torch {mode} b{batch} x{in_flight}", batch, in_flight))
+                    runs[-1].config["mode"] = mode
                     await drive(backend, runs[-1], inputs, seconds)
         finally:
             await backend.aclose()
+    if len(answers) > 1:
+        first, *others = answers
+        for other in others:
+            diff = max(float(np.abs(a - b).max()) for a, b in zip(answers[first], answers[other], strict=True))
+            top1 = all(
+                np.array_equal(a.argmax(1), b.argmax(1)) for a, b in zip(answers[first], answers[other], strict=True)
+            )
+            print(f"backend answers, {first} vs {other}: max |difference| {diff:.2e}, same top-1: {top1}", flush=True)
+            runs[0].config[f"vs {other}"] = {"max_abs_difference": diff, "same_top1": top1}
     return runs
 
 
@@ -234,6 +251,18 @@ def gpu_decode(photos: list[bytes], label: str, seconds: float, batch: int) -> R
 
     one_batch()
     run = Run("decode", f"nvJPEG GPU, {label}", batch=batch)
+    from service.gpu_decode import NvJpegDecoder
+    from service.metrics import Metrics
+
+    ours = NvJpegDecoder("cuda", Metrics()).prepare_many(photos[:16], config)
+    differences = [
+        float(np.abs(a.astype(np.int16) - prepare(photo, config)).mean())
+        for a, photo in zip(ours, photos[:16], strict=True)
+        if isinstance(a, np.ndarray)
+    ]
+    run.config["decoded"] = f"{len(differences)} of {min(16, len(photos))}"
+    worst = run.config["mean_abs_pixel_difference_vs_opencv"] = max(differences) if differences else None
+    print(f"  nvJPEG vs OpenCV, {label}: mean |pixel difference| at most {worst}", flush=True)
     with sampled(run, {"server": os.getpid()}):
         end = time.perf_counter() + seconds
         start = time.perf_counter()
@@ -310,13 +339,56 @@ def gateway_run(
     return run
 
 
+def _gpu_settled(processes: int, timeout: float, steady: int = 3) -> int:
+    """Wait until ``processes`` processes hold the GPU and its used memory has not moved for
+    ``steady`` seconds: /readyz answers from the first worker that is ready, and the others are
+    still warming up (each captures its CUDA graphs) then. Returns the processes seen."""
+    lib: Any = nvml()
+    if lib is None:
+        return 0
+    handle = lib.nvmlDeviceGetHandleByIndex(0)
+    deadline, last, same, seen = time.monotonic() + timeout, -1, 0, 0
+    while time.monotonic() < deadline:
+        seen = len(lib.nvmlDeviceGetComputeRunningProcesses(handle))
+        used = lib.nvmlDeviceGetMemoryInfo(handle).used
+        same = same + 1 if used == last and seen >= processes else 0
+        if same >= steady:
+            break
+        last = used
+        time.sleep(1)
+    return seen
+
+
 async def _batches(url: str) -> dict[str, float]:
     async with session(url, 1) as client:
         return await _batch_totals(client)
 
 
+@dataclass(frozen=True)
+class GatewaySpec:
+    """One gateway configuration to run: ``WORKERS[:DECODER][:MODE]``, e.g. ``14``, ``4:nvjpeg``,
+    ``14:opencv:eager``. The default (OpenCV, CUDA graphs) gets every load; the others the loads
+    that tell them apart."""
+
+    workers: int
+    decoder: str = "opencv"
+    mode: str = "graphs"
+
+    @classmethod
+    def parse(cls, text: str) -> GatewaySpec:
+        parts = text.split(":")
+        spec = cls(int(parts[0]), *parts[1:])
+        if spec.decoder not in ("opencv", "nvjpeg") or spec.mode not in ("graphs", "eager") or spec.workers < 1:
+            raise ValueError(f"not a gateway spec: {text!r} (WORKERS[:opencv|nvjpeg][:graphs|eager])")
+        return spec
+
+    @property
+    def full_plan(self) -> bool:
+        return self.decoder == "opencv" and self.mode == "graphs"
+
+
 def gateway_runs(
-    workers: int,
+    spec: GatewaySpec,
     photos: list[bytes],
     full: list[bytes],
     seconds: float,
@@ -325,9 +397,9 @@ def gateway_runs(
     device: str,
     max_batch: int,
     quick: bool,
-    decoder: str = "opencv",
 ) -> list[Run]:
     cores = os.cpu_count() or 2
+    workers, decoder = spec.workers, spec.decoder
     settings = {
         "GATEWAY_BACKEND": "torch",
         "GATEWAY_MODEL": "resnet50",
@@ -339,15 +411,22 @@ def gateway_runs(
         "GATEWAY_PREPROCESS_WORKERS": str(max(2, 2 * cores // workers)),
         "GATEWAY_MAX_IMAGES_PER_REQUEST": "64",
         "GATEWAY_DECODER": decoder,
+        "GATEWAY_TORCH_CUDA_GRAPHS": str(spec.mode == "graphs").lower(),
     }
     started = time.perf_counter()
     proc, url = start_gateway([], workdir / "models", timeout=600, env=settings)
-    print(f"gateway with {workers} workers ready in {time.perf_counter() - started:.0f} s", flush=True)
+    settled = _gpu_settled(workers, timeout=300)
+    print(
+        f"gateway with {workers} workers ready in {time.perf_counter() - started:.0f} s"
+        f" ({settled} processes on the GPU, memory steady)",
+        flush=True,
+    )
     config = {
         "workers": workers,
         "max_batch_size": max_batch,
         "client_threads": max(1, cores // 4),
         "decoder": decoder,
+        "mode": spec.mode,
     }
     runs = []
     try:
@@ -358,14 +437,16 @@ def gateway_runs(
             ("224 px", photos, 32, 32),
             ("224 px", photos, 64, 1),
         ]
-        if decoder != "opencv":  # what GPU decode changes: the CPU-bound cases
-            plan = [("224 px", photos, 32, 32)]
-        if not quick:
+        if not spec.full_plan:  # what tells the variants apart: small batches and the CPU-bound cases
+            plan = [("224 px", photos, 1, 64), ("224 px", photos, 32, 32)]
+        if not quick and (spec.full_plan or decoder != "opencv"):
             plan += [("full-size", full, 1, 128)]
         for label, images, per_request, connections in plan:
             name = f"{workers} workers, {label}, {per_request}/request, {connections} conn"
             if decoder != "opencv":
                 name += f", {decoder} decode"
+            if spec.mode != "graphs":
+                name += f", {spec.mode}"
             runs.append(
                 gateway_run(url, proc.pid, name, images, per_request, connections, seconds, wrk, workdir, config)
             )
@@ -477,11 +558,11 @@ def _plot(out: Path, backend: list[Run]) -> None:
     except ImportError:
         return
     fig, ax = plt.subplots(figsize=(6, 4))
-    searched = [r for r in backend if "heuristics" not in r.name]
-    for in_flight in sorted({r.in_flight for r in searched if r.in_flight}):
-        rows = [r for r in searched if r.in_flight == in_flight]
-        sizes, rates = [r.batch or 0 for r in rows], [r.images_per_s for r in rows]
-        ax.plot(sizes, rates, marker="o", label=f"{in_flight} in flight")
+    for mode in sorted({str(r.config.get("mode", "")) for r in backend}):
+        for in_flight in sorted({r.in_flight for r in backend if r.in_flight}):
+            rows = [r for r in backend if r.in_flight == in_flight and r.config.get("mode", "") == mode]
+            sizes, rates = [r.batch or 0 for r in rows], [r.images_per_s for r in rows]
+            ax.plot(sizes, rates, marker="o", label=f"{mode}, {in_flight} in flight")
     ax.set_xscale("log", base=2)
     ax.set_xlabel("batch size")
     ax.set_ylabel("img/s")
@@ -515,18 +596,17 @@ def main() -> None:
     parser.add_argument("--wrk", default=shutil.which("wrk"), help="wrk binary (default: the one on PATH)")
     parser.add_argument("--batches", default="1,8,32,64,128,256")
     parser.add_argument("--in-flight", default="1,4")
-    parser.add_argument("--workers", default="8,14", help="gateway worker counts to run, comma-separated")
+    parser.add_argument(
+        "--gateways",
+        default="8,14,14:opencv:eager,4:nvjpeg,14:nvjpeg",
+        help="gateway configurations, comma-separated: WORKERS[:opencv|nvjpeg][:graphs|eager]",
+    )
+    parser.add_argument("--modes", default="graphs,eager", help="backend-alone modes: graphs, eager")
     parser.add_argument("--max-batch", type=int, default=128, help="the gateway's GATEWAY_MAX_BATCH_SIZE")
     parser.add_argument("--seconds", type=float, default=8.0)
     parser.add_argument("--gpu-hour-usd", type=float, default=3.0, help="assumed price of one GPU-hour")
     parser.add_argument("--skip", default="", help="sections to skip: backend,decode,gateway")
     parser.add_argument("--quick", action="store_true", help="short runs (to check the script)")
-    parser.add_argument(
-        "--no-decoder-runs",
-        dest="decoder_runs",
-        action="store_false",
-        help="skip the gateway with GATEWAY_DECODER=nvjpeg (224 px at 32/request, full-size photos)",
-    )
     args = parser.parse_args()
     if args.wrk is None and "gateway" not in args.skip:
         parser.error("the gateway runs need wrk (apt-get install wrk, or --wrk PATH; scripts/gpu-bundle carries it)")
@@ -539,13 +619,21 @@ def main() -> None:
     tensors = [prepare(p, config) for p in photos[:64]]
     runs: list[Run] = []
     seconds = 1.0 if args.quick else args.seconds
+    gateways = [GatewaySpec.parse(text) for text in args.gateways.split(",") if text]
+
+    def report() -> None:  # after every section: a run cut off at its time limit keeps what it measured
+        if runs:
+            write_report(args.out, env, runs, args, time.perf_counter() - started)
+
     if "backend" not in skip:
         batches = [int(b) for b in args.batches.split(",")]
         in_flights = [int(n) for n in args.in_flight.split(",")]
+        modes = [m for m in args.modes.split(",") if m]
         runs += _timed(
             "backend alone",
-            lambda: asyncio.run(backend_alone(tensors, batches, in_flights, seconds / 2, args.device)),
+            lambda: asyncio.run(backend_alone(tensors, batches, in_flights, seconds / 2, args.device, modes)),
         )
+        report()
     if "decode" not in skip:
         cores = os.cpu_count() or 2
         for label, images in (("224 px", photos), ("full-size", full)):
@@ -553,27 +641,19 @@ def main() -> None:
             gpu = gpu_decode(images, label, seconds / 2, 64 if label == "224 px" else 16)
             if gpu is not None:
                 runs.append(gpu)
+        report()
     if "gateway" not in skip:
         with tempfile.TemporaryDirectory(prefix="gpu-figures-") as tmp:
-            for workers in (int(w) for w in args.workers.split(",")):
-                print(f"gateway, {workers} workers...", flush=True)
+            for spec in gateways:
+                print(f"gateway, {spec}...", flush=True)
                 try:
                     runs += gateway_runs(
-                        workers, photos, full, seconds, args.wrk, Path(tmp), args.device, args.max_batch, args.quick
+                        spec, photos, full, seconds, args.wrk, Path(tmp), args.device, args.max_batch, args.quick
                     )
                 except (Exception, SystemExit):  # report what was measured before the failure
                     traceback.print_exc()
-            if args.decoder_runs:
-                workers = max(int(w) for w in args.workers.split(","))
-                print(f"gateway, {workers} workers, nvJPEG decode...", flush=True)
-                try:
-                    runs += gateway_runs(
-                        workers, photos, full, seconds, args.wrk, Path(tmp), args.device, args.max_batch,
-                        args.quick, decoder="nvjpeg",
-                    )  # fmt: skip
-                except (Exception, SystemExit):
-                    traceback.print_exc()
-    write_report(args.out, env, runs, args, time.perf_counter() - started)
+                report()
+    report()
     print((args.out / "report.md").read_text())
 
 

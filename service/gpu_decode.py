@@ -12,6 +12,10 @@ Not every image goes to the GPU: other formats than JPEG, and JPEGs the GPU deco
 decoded by OpenCV in the same thread, counted in ``gateway_decode_fallbacks_total{reason}``. A
 corrupt image thus gets the same 400 ``bad_image`` as with the CPU decoder.
 
+The images of one request are decoded together (``prepare_many``): one batched nvJPEG call, each
+image cropped and resized on the GPU, and one copy of them all back to the host, instead of a
+synchronising copy per image.
+
 This module imports torch only when the decoder is built; the gateway without ``GATEWAY_DECODER``
 never needs it.
 """
@@ -109,13 +113,65 @@ class NvJpegDecoder:
             return prepare(data, config, budget, deadline, info)
         return square
 
+    def prepare_many(
+        self,
+        datas: list[bytes],
+        config: PreprocessConfig,
+        budget: ByteBudget | None = None,
+        deadline: float | None = None,
+    ) -> list[np.ndarray | Exception]:
+        """``prepare`` of each image, the JPEGs decoded in one batched call; each entry is the
+        image's array or the error ``prepare`` would have raised for it (the others are unaffected).
+        If the batched call fails, each JPEG goes through ``prepare`` alone (and its fallback)."""
+        out: list[np.ndarray | Exception] = []
+        jpegs: dict[int, int] = {}  # index -> EXIF orientation
+        for i, data in enumerate(datas):
+            try:
+                info = probe(data)
+                check_limits(info, config)
+                if info.format == "jpeg":
+                    jpegs[i] = info.orientation
+                    out.append(_PENDING)
+                    continue
+                self.metrics.decode_fallbacks.labels("format").inc()
+                out.append(prepare(data, config, budget, deadline, info))
+            except Exception as exc:
+                out.append(exc)
+        if not jpegs:
+            return out
+        try:
+            squares = self._decode_squares([datas[i] for i in jpegs], list(jpegs.values()), config)
+        except Exception as exc:
+            logger.debug("nvjpeg refused a batch (%s); decoding its images one by one", exc)
+            for i in jpegs:
+                try:
+                    out[i] = self.prepare(datas[i], config, budget, deadline)
+                except Exception as one:
+                    out[i] = one
+            return out
+        for i, square in zip(jpegs, squares, strict=True):
+            out[i] = square
+        return out
+
     def _prepare_jpeg(self, data: bytes, orientation: int, config: PreprocessConfig) -> np.ndarray:
+        return self._decode_squares([data], [orientation], config)[0]
+
+    def _decode_squares(
+        self, datas: list[bytes], orientations: list[int], config: PreprocessConfig
+    ) -> list[np.ndarray]:
+        """JPEGs decoded in one nvJPEG call, cropped, resized and oriented on the device, then copied
+        back to the host together: HWC uint8 arrays."""
         import torch
 
-        encoded = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-        img = self._decode_jpeg(encoded, device=self.device)
-        if img.ndim != 3 or img.shape[0] != 3:
-            raise ValueError(f"decoded to {tuple(img.shape)}, not 3 channels")
-        square = orient_chw(square_resize(img, config.image_size, config.crop_fraction), orientation)
-        out: np.ndarray = square.permute(1, 2, 0).contiguous().cpu().numpy()
-        return out
+        encoded = [torch.frombuffer(bytearray(data), dtype=torch.uint8) for data in datas]
+        decoded = self._decode_jpeg(encoded, device=self.device)
+        squares = []
+        for img, orientation in zip(decoded, orientations, strict=True):
+            if img.ndim != 3 or img.shape[0] != 3:
+                raise ValueError(f"decoded to {tuple(img.shape)}, not 3 channels")
+            squares.append(orient_chw(square_resize(img, config.image_size, config.crop_fraction), orientation))
+        host: np.ndarray = torch.stack(squares).permute(0, 2, 3, 1).contiguous().cpu().numpy()
+        return list(host)
+
+
+_PENDING: Exception = Exception("not decoded yet")

@@ -21,7 +21,7 @@ from service.backends.base import Backend
 from service.backends.circuit import CircuitBreaker
 from service.batcher import DynamicBatcher
 from service.budget import ByteBudget
-from service.classifier import RANKED, Classifier, Prepare
+from service.classifier import RANKED, Classifier, Prepare, PrepareMany
 from service.gpu import start_gpu_sampler
 from service.health import BackendHealth
 from service.metrics import Metrics
@@ -63,6 +63,7 @@ async def build_backend(settings: Settings, profile: ModelProfile) -> Backend:
             settings.weights_for(profile.name),
             device=settings.torch_device,
             precision=settings.torch_precision,
+            cuda_graphs=settings.torch_cuda_graphs,
             image_size=profile.image_size,
             max_batch_size=settings.max_batch_size,
             max_concurrency=settings.max_inflight_batches,
@@ -102,10 +103,12 @@ async def open_pipeline(
     """Start backend, batcher and preprocessing pool; on exit drain and close them in order."""
     profile = get_profile(settings.model)
     decode: Prepare = prepare  # before anything starts: a missing GPU decoder fails here, with nothing to undo
+    decode_many: PrepareMany | None = None
     if settings.decoder == "nvjpeg":
         from service.gpu_decode import NvJpegDecoder
 
-        decode = NvJpegDecoder(settings.torch_device, metrics).prepare
+        gpu_decoder = NvJpegDecoder(settings.torch_device, metrics)
+        decode, decode_many = gpu_decoder.prepare, gpu_decoder.prepare_many
         logger.info("decoder: JPEGs on %s (nvJPEG), other images on the CPU (OpenCV)", settings.torch_device)
     cv2.setNumThreads(1)  # parallelism comes from the preprocessing pool, one image per thread
     chosen = backend if backend is not None else await build_backend(settings, profile)
@@ -150,7 +153,16 @@ async def open_pipeline(
             real_weights_hint(profile.name),
         )
     classifier = Classifier(
-        profile, batcher, pool, metrics, config, budget, tracing, random_weights=random_weights, decode=decode
+        profile,
+        batcher,
+        pool,
+        metrics,
+        config,
+        budget,
+        tracing,
+        random_weights=random_weights,
+        decode=decode,
+        decode_many=decode_many,
     )
     try:
         yield Pipeline(classifier, chosen, health)

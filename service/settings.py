@@ -113,6 +113,9 @@ class Settings(BaseSettings):
     """Device of the ``torch`` backend: ``cuda``, ``cuda:N``, or ``cpu`` (for trying it without a GPU)."""
     torch_precision: Literal["fp16", "fp32"] = "fp16"
     """Precision of the ``torch`` backend on a GPU (on the CPU it always runs fp32)."""
+    torch_cuda_graphs: bool = True
+    """Run the ``torch`` backend's batches as CUDA graphs captured at start (one per batch bucket and
+    backend thread): one launch per batch instead of one per layer. Off: eager PyTorch."""
     decoder: Literal["opencv", "nvjpeg"] = "opencv"
     """Image decoder: ``opencv`` on the CPU, or ``nvjpeg``: JPEGs decoded, cropped and resized on the
     GPU ``torch_device`` (torchvision's ``decode_jpeg``; ``pip install '.[gpu]'``), other formats and

@@ -23,8 +23,13 @@ from tests.conftest import encode, png_bytes
 CONFIG = PreprocessConfig()
 
 
-def cpu_decode_jpeg(encoded: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """Stands in for nvJPEG: uint8 CHW RGB, orientation not applied (as torchvision's)."""
+def cpu_decode_jpeg(
+    encoded: torch.Tensor | list[torch.Tensor], device: torch.device
+) -> torch.Tensor | list[torch.Tensor]:
+    """Stands in for nvJPEG: uint8 CHW RGB, orientation not applied; a list in, a list out (as
+    torchvision's batched call); one undecodable image fails the whole call (as nvJPEG's batch)."""
+    if isinstance(encoded, list):
+        return [cpu_decode_jpeg(one, device) for one in encoded]  # type: ignore[misc]
     rgb = cv2.imdecode(encoded.numpy(), cv2.IMREAD_COLOR_RGB | cv2.IMREAD_IGNORE_ORIENTATION)
     if rgb is None:
         raise RuntimeError("nvjpeg stand-in: cannot decode")
@@ -76,7 +81,7 @@ def test_what_the_gpu_decoder_does_not_take_goes_to_opencv(cat_jpeg: bytes) -> N
     assert np.array_equal(decoder(metrics).prepare(png, CONFIG), prepare(png, CONFIG))
     assert metrics.decode_fallbacks.labels("format")._value.get() == 1
 
-    def refuses(encoded: torch.Tensor, device: torch.device) -> torch.Tensor:
+    def refuses(encoded: object, device: torch.device) -> torch.Tensor:
         raise RuntimeError("nvjpeg: unsupported JPEG")
 
     refused = decoder(metrics, refuses)
@@ -85,6 +90,34 @@ def test_what_the_gpu_decoder_does_not_take_goes_to_opencv(cat_jpeg: bytes) -> N
     corrupt = cat_jpeg[:600] + bytes(2000)  # a valid header, then nothing a decoder can use
     with pytest.raises(BadImage):
         refused.prepare(corrupt, CONFIG)
+
+
+def test_a_requests_images_decode_together_and_each_keeps_its_own_outcome(cat_jpeg: bytes, coffee_jpeg: bytes) -> None:
+    """One batched call for the JPEGs; a PNG goes to OpenCV, a corrupt JPEG (which fails the batched
+    call) gets its own BadImage, and every good image is what ``prepare`` alone gives."""
+    metrics = Metrics()
+    calls: list[int] = []
+
+    def batched(encoded: list[torch.Tensor], device: torch.device) -> object:
+        calls.append(len(encoded))
+        return cpu_decode_jpeg(encoded, device)
+
+    gpu = decoder(metrics, batched)
+    png = png_bytes(np.full((40, 60, 3), 90, np.uint8))
+    photos = [cat_jpeg, png, coffee_jpeg]
+    outcomes = gpu.prepare_many(photos, CONFIG)
+    assert calls == [2]
+    for photo, outcome in zip(photos, outcomes, strict=True):
+        assert isinstance(outcome, np.ndarray)
+        assert np.array_equal(outcome, gpu.prepare(photo, CONFIG))
+    assert metrics.decode_fallbacks.labels("format")._value.get() == 2
+
+    corrupt = cat_jpeg[:600] + bytes(2000)
+    outcomes = gpu.prepare_many([coffee_jpeg, corrupt, b"not an image", cat_jpeg], CONFIG)
+    assert isinstance(outcomes[1], BadImage)
+    assert isinstance(outcomes[2], BadImage)
+    assert np.array_equal(outcomes[0], gpu.prepare(coffee_jpeg, CONFIG))  # type: ignore[arg-type]
+    assert np.array_equal(outcomes[3], gpu.prepare(cat_jpeg, CONFIG))  # type: ignore[arg-type]
 
 
 def test_without_a_gpu_decoder_the_setting_fails_at_start() -> None:
