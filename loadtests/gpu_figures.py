@@ -629,10 +629,13 @@ def main() -> None:
         batches = [int(b) for b in args.batches.split(",")]
         in_flights = [int(n) for n in args.in_flight.split(",")]
         modes = [m for m in args.modes.split(",") if m]
-        runs += _timed(
-            "backend alone",
-            lambda: asyncio.run(backend_alone(tensors, batches, in_flights, seconds / 2, args.device, modes)),
-        )
+        try:
+            runs += _timed(
+                "backend alone",
+                lambda: asyncio.run(backend_alone(tensors, batches, in_flights, seconds / 2, args.device, modes)),
+            )
+        except (Exception, SystemExit):  # the other sections still run
+            traceback.print_exc()
         report()
     if "decode" not in skip:
         cores = os.cpu_count() or 2
