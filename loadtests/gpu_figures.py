@@ -42,6 +42,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+import httpx
 import numpy as np
 
 from loadtests.clients import _batch_totals, _mean_batch, session
@@ -339,6 +340,13 @@ def gateway_run(
     return run
 
 
+def _metrics_text(url: str) -> str:
+    try:
+        return httpx.get(f"{url}/metrics", timeout=10).text
+    except httpx.HTTPError as exc:
+        return f"# /metrics: {exc}"
+
+
 def _gpu_settled(processes: int, timeout: float, steady: int = 3) -> int:
     """Wait until ``processes`` processes hold the GPU and its used memory has not moved for
     ``steady`` seconds: /readyz answers from the first worker that is ready, and the others are
@@ -397,7 +405,10 @@ def gateway_runs(
     device: str,
     max_batch: int,
     quick: bool,
+    loads: list[tuple[int, int]] | None = None,
 ) -> list[Run]:
+    """``loads`` (images per request, connections) replaces the spec's plan with those loads on 224 px
+    photos (e.g. a sweep over worker counts)."""
     cores = os.cpu_count() or 2
     workers, decoder = spec.workers, spec.decoder
     settings = {
@@ -441,6 +452,8 @@ def gateway_runs(
             plan = [("224 px", photos, 1, 64), ("224 px", photos, 32, 32)]
         if not quick and (spec.full_plan or decoder != "opencv"):
             plan += [("full-size", full, 1, 128)]
+        if loads:
+            plan = [("224 px", photos, per_request, connections) for per_request, connections in loads]
         for label, images, per_request, connections in plan:
             name = f"{workers} workers, {label}, {per_request}/request, {connections} conn"
             if decoder != "opencv":
@@ -450,6 +463,8 @@ def gateway_runs(
             runs.append(
                 gateway_run(url, proc.pid, name, images, per_request, connections, seconds, wrk, workdir, config)
             )
+        gpu_series = [line for line in _metrics_text(url).splitlines() if line.startswith("gateway_gpu_")]
+        print("  the gateway's own GPU series at the end:", *gpu_series, sep="\n    ", flush=True)
     finally:
         proc.terminate()
         try:
@@ -601,6 +616,11 @@ def main() -> None:
         default="8,14,14:opencv:eager,4:nvjpeg,14:nvjpeg",
         help="gateway configurations, comma-separated: WORKERS[:opencv|nvjpeg][:graphs|eager]",
     )
+    parser.add_argument(
+        "--loads",
+        default="",
+        help="PER_REQUEST:CONNECTIONS,... on 224 px photos for every gateway instead of its plan (e.g. 1:64,32:32)",
+    )
     parser.add_argument("--modes", default="graphs,eager", help="backend-alone modes: graphs, eager")
     parser.add_argument("--max-batch", type=int, default=128, help="the gateway's GATEWAY_MAX_BATCH_SIZE")
     parser.add_argument("--seconds", type=float, default=8.0)
@@ -620,6 +640,7 @@ def main() -> None:
     runs: list[Run] = []
     seconds = 1.0 if args.quick else args.seconds
     gateways = [GatewaySpec.parse(text) for text in args.gateways.split(",") if text]
+    loads = [(int(a), int(b)) for a, b in (text.split(":") for text in args.loads.split(",") if text)]
 
     def report() -> None:  # after every section: a run cut off at its time limit keeps what it measured
         if runs:
@@ -651,7 +672,7 @@ def main() -> None:
                 print(f"gateway, {spec}...", flush=True)
                 try:
                     runs += gateway_runs(
-                        spec, photos, full, seconds, args.wrk, Path(tmp), args.device, args.max_batch, args.quick
+                        spec, photos, full, seconds, args.wrk, Path(tmp), args.device, args.max_batch, args.quick, loads
                     )
                 except (Exception, SystemExit):  # report what was measured before the failure
                     traceback.print_exc()
