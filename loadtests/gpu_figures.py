@@ -374,25 +374,43 @@ async def _batches(url: str) -> dict[str, float]:
 
 @dataclass(frozen=True)
 class GatewaySpec:
-    """One gateway configuration to run: ``WORKERS[:DECODER][:MODE]``, e.g. ``14``, ``4:nvjpeg``,
-    ``14:opencv:eager``. The default (OpenCV, CUDA graphs) gets every load; the others the loads
-    that tell them apart."""
+    """One gateway configuration to run: ``WORKERS[:OPTION...]``, the options ``opencv``/``nvjpeg``
+    (decoder), ``graphs``/``eager`` (CUDA graphs or not) and ``blocking``/``spin`` (how backend
+    threads wait for the GPU), e.g. ``14``, ``4:nvjpeg``, ``14:eager``, ``8:spin``. The default
+    (OpenCV, graphs, blocking) gets every load; the others the loads that tell them apart."""
 
     workers: int
     decoder: str = "opencv"
     mode: str = "graphs"
+    sync: str = "blocking"
 
     @classmethod
     def parse(cls, text: str) -> GatewaySpec:
-        parts = text.split(":")
-        spec = cls(int(parts[0]), *parts[1:])
-        if spec.decoder not in ("opencv", "nvjpeg") or spec.mode not in ("graphs", "eager") or spec.workers < 1:
-            raise ValueError(f"not a gateway spec: {text!r} (WORKERS[:opencv|nvjpeg][:graphs|eager])")
+        workers, *options = text.split(":")
+        fields: dict[str, str] = {}
+        for option in options:
+            field = {"opencv": "decoder", "nvjpeg": "decoder", "graphs": "mode", "eager": "mode"}.get(option)
+            field = field or {"blocking": "sync", "spin": "sync"}.get(option)
+            if field is None or field in fields:
+                raise ValueError(
+                    f"not a gateway spec: {text!r} (WORKERS[:opencv|nvjpeg][:graphs|eager][:blocking|spin])"
+                )
+            fields[field] = option
+        spec = cls(int(workers), **fields)
+        if spec.workers < 1:
+            raise ValueError(f"not a gateway spec: {text!r}")
         return spec
 
     @property
     def full_plan(self) -> bool:
-        return self.decoder == "opencv" and self.mode == "graphs"
+        return (self.decoder, self.mode, self.sync) == ("opencv", "graphs", "blocking")
+
+    @property
+    def label(self) -> str:
+        """What differs from the default, for run names."""
+        parts = [f"{self.decoder} decode" if self.decoder != "opencv" else ""]
+        parts += [self.mode if self.mode != "graphs" else "", f"{self.sync} wait" if self.sync != "blocking" else ""]
+        return "".join(f", {part}" for part in parts if part)
 
 
 def gateway_runs(
@@ -423,6 +441,7 @@ def gateway_runs(
         "GATEWAY_MAX_IMAGES_PER_REQUEST": "64",
         "GATEWAY_DECODER": decoder,
         "GATEWAY_TORCH_CUDA_GRAPHS": str(spec.mode == "graphs").lower(),
+        "GATEWAY_TORCH_SYNC": spec.sync,
     }
     started = time.perf_counter()
     proc, url = start_gateway([], workdir / "models", timeout=600, env=settings)
@@ -438,6 +457,7 @@ def gateway_runs(
         "client_threads": max(1, cores // 4),
         "decoder": decoder,
         "mode": spec.mode,
+        "sync": spec.sync,
     }
     runs = []
     try:
@@ -456,10 +476,7 @@ def gateway_runs(
             plan = [("224 px", photos, per_request, connections) for per_request, connections in loads]
         for label, images, per_request, connections in plan:
             name = f"{workers} workers, {label}, {per_request}/request, {connections} conn"
-            if decoder != "opencv":
-                name += f", {decoder} decode"
-            if spec.mode != "graphs":
-                name += f", {spec.mode}"
+            name += spec.label
             runs.append(
                 gateway_run(url, proc.pid, name, images, per_request, connections, seconds, wrk, workdir, config)
             )
@@ -614,7 +631,7 @@ def main() -> None:
     parser.add_argument(
         "--gateways",
         default="8,14,14:opencv:eager,4:nvjpeg,14:nvjpeg",
-        help="gateway configurations, comma-separated: WORKERS[:opencv|nvjpeg][:graphs|eager]",
+        help="gateway configurations, comma-separated: WORKERS[:opencv|nvjpeg][:graphs|eager][:blocking|spin]",
     )
     parser.add_argument(
         "--loads",

@@ -64,6 +64,7 @@ async def build_backend(settings: Settings, profile: ModelProfile) -> Backend:
             device=settings.torch_device,
             precision=settings.torch_precision,
             cuda_graphs=settings.torch_cuda_graphs,
+            sync=settings.torch_sync,
             image_size=profile.image_size,
             max_batch_size=settings.max_batch_size,
             max_concurrency=settings.max_inflight_batches,

@@ -116,6 +116,9 @@ class Settings(BaseSettings):
     torch_cuda_graphs: bool = True
     """Run the ``torch`` backend's batches as CUDA graphs captured at start (one per batch bucket and
     backend thread): one launch per batch instead of one per layer. Off: eager PyTorch."""
+    torch_sync: Literal["blocking", "spin"] = "blocking"
+    """How a ``torch`` backend thread waits for its batch on the GPU: ``blocking`` sleeps until it is
+    done, leaving the core to decoding; ``spin`` busy-waits (CUDA's default with few processes)."""
     decoder: Literal["opencv", "nvjpeg"] = "opencv"
     """Image decoder: ``opencv`` on the CPU, or ``nvjpeg``: JPEGs decoded, cropped and resized on the
     GPU ``torch_device`` (torchvision's ``decode_jpeg``; ``pip install '.[gpu]'``), other formats and

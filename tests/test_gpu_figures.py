@@ -99,3 +99,17 @@ def test_the_bodies_are_valid_multipart(tmp_path: Path, photos: list[bytes]) -> 
     assert answer.status_code == 200, answer.text
     assert [r["filename"] for r in answer.json()["results"]] == ["0.jpg", "1.jpg", "2.jpg"]
     assert os.path.getsize(paths[0]) > sum(len(p) for p in photos[:3])
+
+
+def test_gateway_specs_name_what_differs_from_the_default() -> None:
+    from loadtests.gpu_figures import GatewaySpec
+
+    assert GatewaySpec.parse("14") == GatewaySpec(14)
+    assert GatewaySpec.parse("14").full_plan
+    spec = GatewaySpec.parse("4:spin:nvjpeg")
+    assert (spec.workers, spec.decoder, spec.mode, spec.sync) == (4, "nvjpeg", "graphs", "spin")
+    assert spec.label == ", nvjpeg decode, spin wait"
+    assert not spec.full_plan
+    for bad in ("0", "4:foo", "4:eager:graphs", "x"):
+        with pytest.raises(ValueError, match=r"spec|invalid literal"):
+            GatewaySpec.parse(bad)

@@ -19,6 +19,11 @@ the pace (an H100 runs ResNet-50 at batch 8 in well under a millisecond, and lau
 Python takes longer), and several worker processes share the GPU on small batches. A thread's
 graphs share one memory pool: they never run at once, and each keeps its own output alive. A capture
 that fails leaves that thread on the eager path, said in ``detail`` and the log.
+
+A backend thread waits for its batch on a blocking CUDA event (``sync="blocking"``): it sleeps
+until the GPU is done. CUDA's default wait, with fewer contexts than cores, spins a core at 100 %
+for the whole batch; with several worker processes time-slicing one GPU, those spinning threads
+took the cores that decoding needed (``sync="spin"`` keeps CUDA's default, for comparison).
 """
 
 from __future__ import annotations
@@ -64,6 +69,7 @@ class TorchBackend(InProcessBackend):
         max_concurrency: int = 1,
         cudnn_benchmark: bool = True,
         cuda_graphs: bool = True,
+        sync: str = "blocking",
     ) -> None:
         super().__init__(weights or Path("resnet50 with random weights"), max_concurrency=max_concurrency)
         self._weights = weights
@@ -75,6 +81,7 @@ class TorchBackend(InProcessBackend):
         self._cudnn_benchmark = cudnn_benchmark
         self._cuda_graphs = cuda_graphs and cuda
         self._graph_failures: list[str] = []
+        self._sync = sync
         self._buffer = BatchBuffer(self._host_array)
         self._streams = threading.local()
         self._model: torch_resnet.ResNet50 | None = None
@@ -194,7 +201,24 @@ class TorchBackend(InProcessBackend):
                 graph.replay()
             else:
                 scores = self._forward(x.to(self._device, non_blocking=True))
-            out: np.ndarray = scores.to("cpu").numpy()  # waits for this stream: the batch's array is free again
+            if stream is None:
+                cpu: np.ndarray = scores.numpy()
+                return cpu
+            return self._fetch(scores, stream)
+
+    def _fetch(self, scores: torch.Tensor, stream: torch.cuda.Stream) -> np.ndarray:
+        """The scores copied to this thread's page-locked array, waiting for the stream as
+        ``sync`` says; after it the batch's staging array is free again. A copy is returned: the
+        array is reused by the thread's next batch while the caller still reads this one."""
+        local = self._streams
+        host: torch.Tensor | None = getattr(local, "scores", None)
+        if host is None or host.shape != scores.shape:
+            host = local.scores = torch.empty(scores.shape, dtype=scores.dtype, pin_memory=True)
+            local.done = torch.cuda.Event(blocking=self._sync == "blocking")  # type: ignore[no-untyped-call]
+        host.copy_(scores, non_blocking=True)
+        local.done.record(stream)
+        local.done.synchronize()
+        out: np.ndarray = host.numpy().copy()
         return out
 
     def _close(self) -> None:
