@@ -582,6 +582,8 @@ def write_report(out: Path, env: dict[str, str], runs: list[Run], args: argparse
 
 
 def _plot(out: Path, backend: list[Run]) -> None:
+    if not backend:
+        return
     try:
         import matplotlib
 
