@@ -74,17 +74,18 @@ class Measurement:
         return ordered[min(len(ordered) - 1, int(q * len(ordered)))] * 1000
 
 
-async def _batch_totals(session: aiohttp.ClientSession) -> dict[str, float]:
-    """The batch-size histogram's ``sum`` and ``count`` from the gateway's /metrics."""
+async def _batch_totals(session: aiohttp.ClientSession, histogram: str = "gateway_batch_size") -> dict[str, float]:
+    """The batch-size histogram's ``sum`` and ``count`` from the gateway's /metrics (``histogram``:
+    ``gateway_engine_batch_size`` for the shared engine's batches)."""
     async with session.get("/metrics") as r:
         if r.status != 200:  # a gateway given by URL may key its metrics
             return {}
         text = await r.text()
     totals: dict[str, float] = {}
     for family in text_string_to_metric_families(text):
-        if family.name == "gateway_batch_size":
+        if family.name == histogram:
             for sample in family.samples:
-                kind = sample.name.removeprefix("gateway_batch_size_")
+                kind = sample.name.removeprefix(f"{histogram}_")
                 if kind in ("sum", "count"):
                     totals[kind] = totals.get(kind, 0.0) + sample.value
     return totals

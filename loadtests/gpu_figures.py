@@ -323,13 +323,17 @@ def gateway_run(
     cmd = [wrk, "-t", str(threads), "-c", str(connections), "-d", f"{seconds:.0f}s", "--timeout", "30s"]
     cmd += ["--latency", "-s", str(script), url]
     subprocess.run([*cmd[:6], "-d", "2s", *cmd[8:]], env=env, capture_output=True, check=False)  # warm-up
-    before = asyncio.run(_batches(url))
+    before, engine_before = asyncio.run(_batches(url))
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     with sampled(run, {"server": pid, "client": proc.pid}, with_children=("server",)):
         result = parse(proc.communicate()[0])
         run.seconds = result.seconds
         run.images = (result.requests - result.failed) * per_request
-    run.mean_batch = _mean_batch(before, asyncio.run(_batches(url)))
+    after, engine_after = asyncio.run(_batches(url))
+    run.mean_batch = _mean_batch(before, after)
+    engine_mean = _mean_batch(engine_before, engine_after)
+    if engine_mean is not None:  # the GPU's batches are the engine's; the workers' go in config
+        run.config["worker_mean_batch"], run.mean_batch = run.mean_batch, engine_mean
     run.p50_ms, run.p99_ms = result.latency_ms.get(50), result.latency_ms.get(99)
     run.errors = result.failed * per_request
     if result.refused:
@@ -367,22 +371,25 @@ def _gpu_settled(processes: int, timeout: float, steady: int = 3) -> int:
     return seen
 
 
-async def _batches(url: str) -> dict[str, float]:
+async def _batches(url: str) -> tuple[dict[str, float], dict[str, float]]:
+    """The workers' and the shared engine's batch-size totals."""
     async with session(url, 1) as client:
-        return await _batch_totals(client)
+        return await _batch_totals(client), await _batch_totals(client, "gateway_engine_batch_size")
 
 
 @dataclass(frozen=True)
 class GatewaySpec:
     """One gateway configuration to run: ``WORKERS[:OPTION...]``, the options ``opencv``/``nvjpeg``
-    (decoder), ``graphs``/``eager`` (CUDA graphs or not) and ``blocking``/``spin`` (how backend
-    threads wait for the GPU), e.g. ``14``, ``4:nvjpeg``, ``14:eager``, ``8:spin``. The default
-    (OpenCV, graphs, blocking) gets every load; the others the loads that tell them apart."""
+    (decoder), ``graphs``/``eager`` (CUDA graphs or not), ``blocking``/``spin`` (how backend
+    threads wait for the GPU) and ``per-worker``/``shared`` (a model in every worker, or one engine
+    process), e.g. ``14``, ``4:nvjpeg``, ``14:eager``, ``8:spin``, ``16:shared``. The default
+    (OpenCV, graphs, blocking, a model per worker) gets every load; the others the loads that tell them apart."""
 
     workers: int
     decoder: str = "opencv"
     mode: str = "graphs"
     sync: str = "blocking"
+    engine: str = "per-worker"
 
     @classmethod
     def parse(cls, text: str) -> GatewaySpec:
@@ -390,10 +397,13 @@ class GatewaySpec:
         fields: dict[str, str] = {}
         for option in options:
             field = {"opencv": "decoder", "nvjpeg": "decoder", "graphs": "mode", "eager": "mode"}.get(option)
-            field = field or {"blocking": "sync", "spin": "sync"}.get(option)
+            field = field or {"blocking": "sync", "spin": "sync", "shared": "engine", "per-worker": "engine"}.get(
+                option
+            )
             if field is None or field in fields:
                 raise ValueError(
-                    f"not a gateway spec: {text!r} (WORKERS[:opencv|nvjpeg][:graphs|eager][:blocking|spin])"
+                    f"not a gateway spec: {text!r} "
+                    "(WORKERS[:opencv|nvjpeg][:graphs|eager][:blocking|spin][:per-worker|shared])"
                 )
             fields[field] = option
         spec = cls(int(workers), **fields)
@@ -403,13 +413,14 @@ class GatewaySpec:
 
     @property
     def full_plan(self) -> bool:
-        return (self.decoder, self.mode, self.sync) == ("opencv", "graphs", "blocking")
+        return (self.decoder, self.mode, self.sync, self.engine) == ("opencv", "graphs", "blocking", "per-worker")
 
     @property
     def label(self) -> str:
         """What differs from the default, for run names."""
         parts = [f"{self.decoder} decode" if self.decoder != "opencv" else ""]
         parts += [self.mode if self.mode != "graphs" else "", f"{self.sync} wait" if self.sync != "blocking" else ""]
+        parts += ["shared engine" if self.engine == "shared" else ""]
         return "".join(f", {part}" for part in parts if part)
 
 
@@ -442,10 +453,11 @@ def gateway_runs(
         "GATEWAY_DECODER": decoder,
         "GATEWAY_TORCH_CUDA_GRAPHS": str(spec.mode == "graphs").lower(),
         "GATEWAY_TORCH_SYNC": spec.sync,
+        "GATEWAY_TORCH_ENGINE": spec.engine,
     }
     started = time.perf_counter()
     proc, url = start_gateway([], workdir / "models", timeout=600, env=settings)
-    settled = _gpu_settled(workers, timeout=300)
+    settled = _gpu_settled(1 if spec.engine == "shared" else workers, timeout=300)
     print(
         f"gateway with {workers} workers ready in {time.perf_counter() - started:.0f} s"
         f" ({settled} processes on the GPU, memory steady)",
@@ -458,6 +470,7 @@ def gateway_runs(
         "decoder": decoder,
         "mode": spec.mode,
         "sync": spec.sync,
+        "engine": spec.engine,
     }
     runs = []
     try:
@@ -633,7 +646,8 @@ def main() -> None:
     parser.add_argument(
         "--gateways",
         default="8,14,14:opencv:eager,4:nvjpeg,14:nvjpeg",
-        help="gateway configurations, comma-separated: WORKERS[:opencv|nvjpeg][:graphs|eager][:blocking|spin]",
+        help="gateway configurations, comma-separated: "
+        "WORKERS[:opencv|nvjpeg][:graphs|eager][:blocking|spin][:per-worker|shared]",
     )
     parser.add_argument(
         "--loads",

@@ -7,11 +7,12 @@ flags override the environment.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import re
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -71,6 +72,51 @@ def _logging(settings: Settings) -> dict[str, Any]:
     return configure_logging(settings.log_level, settings.log_format, settings.log_repeat_interval)
 
 
+@contextlib.contextmanager
+def _shared_engine(settings: Settings) -> Iterator[None]:
+    """With ``GATEWAY_TORCH_ENGINE=shared`` (and the torch backend), the engine process that owns
+    the GPU, for the workers spawned inside the block; stopped after them."""
+    if settings.backend != "torch" or settings.torch_engine != "shared" or settings.engine_socket:
+        yield  # per-worker models, or an engine the operator runs (GATEWAY_ENGINE_SOCKET)
+        return
+    import subprocess
+    import tempfile
+
+    socket_path = os.path.join(tempfile.mkdtemp(prefix="gateway-engine-"), "engine.sock")
+    os.environ["GATEWAY_ENGINE_SOCKET"] = socket_path
+    engine = subprocess.Popen([sys.executable, "-m", "service", "engine", "--socket", socket_path])
+    try:
+        yield
+    finally:
+        engine.terminate()
+        try:
+            engine.wait(30)
+        except subprocess.TimeoutExpired:
+            engine.kill()
+        with contextlib.suppress(OSError):
+            os.unlink(socket_path)
+            os.rmdir(os.path.dirname(socket_path))
+
+
+def _engine(args: argparse.Namespace) -> int:
+    import asyncio
+    import signal
+
+    from service.backends.engine import run_engine
+
+    _logging(_settings(args))
+
+    async def main() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(signum, stop.set)
+        await run_engine(args.socket, stop)
+
+    asyncio.run(main())
+    return 0
+
+
 def _serve(args: argparse.Namespace) -> int:
     import uvicorn
 
@@ -92,7 +138,8 @@ def _serve(args: argparse.Namespace) -> int:
     }
     if settings.workers > 1:
         _prepare_multiprocess(args)
-        uvicorn.run("service.app:app_from_environment", factory=True, workers=settings.workers, **common)
+        with _shared_engine(settings):
+            uvicorn.run("service.app:app_from_environment", factory=True, workers=settings.workers, **common)
     else:
         from service.app import create_app
 
@@ -287,6 +334,12 @@ def build_parser() -> argparse.ArgumentParser:
     worker = commands.add_parser("worker", help="consume queued images from RabbitMQ and publish results")
     _add_setting_flags(worker)
     worker.set_defaults(func=_worker)
+    engine = commands.add_parser(
+        "engine", help="the process that owns the GPU for serve's workers (GATEWAY_TORCH_ENGINE=shared)"
+    )
+    _add_setting_flags(engine)
+    engine.add_argument("--socket", required=True, help="Unix socket the workers connect to")
+    engine.set_defaults(func=_engine)
     queues = commands.add_parser("queues", help="RabbitMQ set-up for offline mode")
     queue_commands = queues.add_subparsers(dest="queues_command", required=True)
     policies = queue_commands.add_parser(

@@ -54,6 +54,15 @@ async def build_backend(settings: Settings, profile: ModelProfile) -> Backend:
             shared_memory=settings.triton_shared_memory,
             shared_memory_regions=settings.max_inflight_batches,
         )
+    if settings.backend == "torch" and settings.torch_engine == "shared" and settings.engine_socket:
+        from service.backends.engine import EngineClient, Geometry
+
+        return EngineClient(
+            settings.engine_socket,
+            Geometry(profile.image_size, len(profile.labels)),
+            max_batch_size=settings.max_batch_size,
+            slots=settings.max_inflight_batches,
+        )
     if settings.backend == "torch":
         from service.backends.torch_backend import TorchBackend
 

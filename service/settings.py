@@ -116,6 +116,14 @@ class Settings(BaseSettings):
     torch_cuda_graphs: bool = True
     """Run the ``torch`` backend's batches as CUDA graphs captured at start (one per batch bucket and
     backend thread): one launch per batch instead of one per layer. Off: eager PyTorch."""
+    torch_engine: Literal["per-worker", "shared"] = "per-worker"
+    """With several ``workers`` and the ``torch`` backend: ``per-worker`` loads the model in every
+    worker, each batching alone; ``shared`` starts one engine process that owns the GPU, and the
+    workers (decoding, batching) hand it their batches through shared memory, where one batcher
+    merges them (``service.backends.engine``)."""
+    engine_socket: str | None = None
+    """The shared engine's Unix socket (set by ``gateway serve`` for its workers; or an engine run
+    on its own with ``gateway engine --socket``)."""
     torch_sync: Literal["blocking", "spin"] = "blocking"
     """How a ``torch`` backend thread waits for its batch on the GPU: ``blocking`` sleeps until it is
     done, leaving the core to decoding; ``spin`` busy-waits (CUDA's default with few processes)."""

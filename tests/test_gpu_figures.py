@@ -110,6 +110,8 @@ def test_gateway_specs_name_what_differs_from_the_default() -> None:
     assert (spec.workers, spec.decoder, spec.mode, spec.sync) == (4, "nvjpeg", "graphs", "spin")
     assert spec.label == ", nvjpeg decode, spin wait"
     assert not spec.full_plan
-    for bad in ("0", "4:foo", "4:eager:graphs", "x"):
+    shared = GatewaySpec.parse("16:shared")
+    assert (shared.engine, shared.label, shared.full_plan) == ("shared", ", shared engine", False)
+    for bad in ("0", "4:foo", "4:eager:graphs", "4:shared:per-worker", "x"):
         with pytest.raises(ValueError, match=r"spec|invalid literal"):
             GatewaySpec.parse(bad)

@@ -1,0 +1,168 @@
+"""The shared GPU engine (``GATEWAY_TORCH_ENGINE=shared``): workers hand their batches to one
+process through shared memory and a Unix socket, and its batcher merges them.
+
+The wire and the merging are tested in one event loop with the fake backend (its answers name each
+image, so a crossed answer shows); then a real ``gateway serve --workers 2`` with the torch backend
+on the CPU and its engine process, against the same model called directly, and with the engine killed."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import httpx
+import numpy as np
+import psutil
+import pytest
+from prometheus_client import CollectorRegistry
+
+from loadtests.http_load import start_gateway
+from service.backends.engine import EngineClient, EngineServer, Geometry
+from service.backends.fake import FakeBackend
+from service.backends.torch_backend import TorchBackend
+from service.batcher import DynamicBatcher
+from service.errors import BackendError, BackendUnavailable
+from service.preprocess import PreprocessConfig, prepare
+
+GEOMETRY = Geometry(image_size=8, classes=1000)
+
+
+def images(*classes: int) -> list[np.ndarray]:
+    """Tiny images whose fake-backend answer is ``classes`` (the first pixel's red value)."""
+    out = []
+    for c in classes:
+        img = np.zeros((8, 8, 3), np.uint8)
+        img[0, 0, 0] = c
+        out.append(img)
+    return out
+
+
+@asynccontextmanager
+async def engine(socket: Path, backend: FakeBackend) -> AsyncIterator[EngineServer]:
+    batcher = DynamicBatcher(
+        backend.infer, max_batch_size=64, max_delay=0.0, max_queue_size=1000, max_inflight_batches=1
+    )
+    server = EngineServer(backend, batcher, GEOMETRY, "fake engine", CollectorRegistry())  # type: ignore[arg-type]
+    batcher._on_batch = lambda report: server.observe(report.size)
+    batcher.start()
+    listening = await asyncio.start_unix_server(server.handle, path=str(socket))
+    try:
+        yield server
+    finally:
+        listening.close()
+        server.close()
+        await batcher.aclose()
+
+
+@asynccontextmanager
+async def worker(socket: Path) -> AsyncIterator[EngineClient]:
+    client = EngineClient(str(socket), GEOMETRY, max_batch_size=4, slots=2)
+    await client.start()
+    try:
+        yield client
+    finally:
+        await client.aclose()
+
+
+async def test_the_engine_merges_the_workers_batches_and_each_gets_its_own_answers(tmp_path: Path) -> None:
+    socket = tmp_path / "engine.sock"
+    fake = FakeBackend()
+    async with engine(socket, fake), worker(socket) as one, worker(socket) as two:
+        assert await one.ready() is None
+        assert one.detail == "fake engine"
+        fake.gate = asyncio.Event()  # the first batch waits, so the rest queue up behind it
+        first = asyncio.create_task(one.infer(images(1)))
+        await asyncio.sleep(0.05)
+        calls = [one.infer(images(10, 11)), two.infer(images(20, 21, 22)), two.infer(images(30, 31, 32, 33))]
+        tasks = [asyncio.create_task(call) for call in calls]
+        await asyncio.sleep(0.1)
+        fake.gate.set()
+        answers = [await first, *await asyncio.gather(*tasks)]
+        assert [list(a.argmax(axis=1)) for a in answers] == [[1], [10, 11], [20, 21, 22], [30, 31, 32, 33]]
+        assert fake.batches == [1, 9]  # three batches from two workers ran as one
+        assert all(a.dtype == np.float32 and a.shape[1] == 1000 for a in answers)
+
+
+async def test_a_failed_engine_batch_fails_that_batch_only(tmp_path: Path) -> None:
+    socket = tmp_path / "engine.sock"
+    fake = FakeBackend()
+    async with engine(socket, fake), worker(socket) as one:
+        fake.fail_next = BackendError("the model fell over")
+        with pytest.raises(BackendError, match="the model fell over"):
+            await one.infer(images(5))
+        assert list((await one.infer(images(6, 7))).argmax(axis=1)) == [6, 7]
+        with pytest.raises(ValueError, match="over max_batch_size"):
+            await one.infer(images(1, 2, 3, 4, 5))
+
+
+async def test_a_worker_without_its_engine_is_not_ready_and_reconnects(tmp_path: Path) -> None:
+    socket = tmp_path / "engine.sock"
+    async with worker(socket) as one:
+        assert "not reachable" in (await one.ready() or "")
+        with pytest.raises(BackendUnavailable):
+            await one.infer(images(1))
+        async with engine(socket, FakeBackend()):
+            async with asyncio.timeout(5):
+                while await one.ready() is not None:  # noqa: ASYNC110
+                    await asyncio.sleep(0.05)
+            assert list((await one.infer(images(3))).argmax(axis=1)) == [3]
+        socket.unlink()
+        async with asyncio.timeout(5):
+            while await one.ready() is None:  # noqa: ASYNC110
+                await asyncio.sleep(0.05)
+
+
+@pytest.mark.slow
+def test_serve_with_a_shared_engine_answers_as_the_model_does(
+    tmp_path: Path, cat_jpeg: bytes, coffee_jpeg: bytes
+) -> None:
+    """Two workers, one engine process (the torch backend on the CPU): the scores are the model's,
+    the engine's batches are on every worker's /metrics, and without the engine nothing is ready."""
+    env = {
+        "GATEWAY_BACKEND": "torch",
+        "GATEWAY_TORCH_DEVICE": "cpu",
+        "GATEWAY_TORCH_ENGINE": "shared",
+        "GATEWAY_MODEL": "resnet50",
+        "GATEWAY_WORKERS": "2",
+        "GATEWAY_MAX_BATCH_SIZE": "4",
+    }
+    proc, url = start_gateway([], tmp_path / "models", env=env)
+    try:
+        ready = httpx.get(f"{url}/readyz").json()
+        assert "engine shared by the workers" in ready["checks"]["runtime"]
+        model = TorchBackend(None, device="cpu", max_batch_size=2)
+
+        async def direct() -> np.ndarray:
+            await model.start()
+            try:
+                return await model.infer([prepare(p, PreprocessConfig()) for p in (cat_jpeg, coffee_jpeg)])
+            finally:
+                await model.aclose()
+
+        expected = asyncio.run(direct())
+        for photo, scores in zip((cat_jpeg, coffee_jpeg), expected, strict=True):
+            answer = httpx.post(f"{url}/classify?top_k=3", content=photo, headers={"content-type": "image/jpeg"})
+            assert answer.status_code == 200, answer.text
+            labels = answer.json()["results"][0]["labels"]
+            assert [label["index"] for label in labels] == list(np.argsort(-scores)[:3])
+            assert labels[0]["score"] == pytest.approx(float(scores.max()), abs=1e-4)
+        metrics = httpx.get(f"{url}/metrics").text
+        assert "gateway_engine_batch_size_count 2.0" in metrics
+
+        engines = [p for p in psutil.Process(proc.pid).children(recursive=True) if "engine" in p.cmdline()]
+        assert len(engines) == 1
+        engines[0].send_signal(signal.SIGKILL)
+        for _ in range(100):
+            response = httpx.get(f"{url}/readyz")
+            if response.status_code == 503:
+                break
+            asyncio.run(asyncio.sleep(0.05))
+        assert response.status_code == 503
+        refused = httpx.post(f"{url}/classify", content=cat_jpeg, headers={"content-type": "image/jpeg"})
+        assert refused.status_code == 503
+    finally:
+        proc.terminate()
+        proc.wait(30)
