@@ -24,7 +24,7 @@ from service.backends.engine import EngineClient, EngineServer, Geometry
 from service.backends.fake import FakeBackend
 from service.backends.torch_backend import TorchBackend
 from service.batcher import DynamicBatcher
-from service.errors import BackendError, BackendUnavailable
+from service.errors import BackendError, BackendUnavailable, QueueFull
 from service.preprocess import PreprocessConfig, prepare
 
 GEOMETRY = Geometry(image_size=8, classes=1000)
@@ -41,9 +41,9 @@ def images(*classes: int) -> list[np.ndarray]:
 
 
 @asynccontextmanager
-async def engine(socket: Path, backend: FakeBackend) -> AsyncIterator[EngineServer]:
+async def engine(socket: Path, backend: FakeBackend, queue: int = 1000) -> AsyncIterator[EngineServer]:
     batcher = DynamicBatcher(
-        backend.infer, max_batch_size=64, max_delay=0.0, max_queue_size=1000, max_inflight_batches=1
+        backend.infer, max_batch_size=64, max_delay=0.0, max_queue_size=queue, max_inflight_batches=1
     )
     server = EngineServer(backend, batcher, GEOMETRY, "fake engine", CollectorRegistry())  # type: ignore[arg-type]
     batcher._on_batch = lambda report: server.observe(report.size)
@@ -96,6 +96,23 @@ async def test_a_failed_engine_batch_fails_that_batch_only(tmp_path: Path) -> No
         assert list((await one.infer(images(6, 7))).argmax(axis=1)) == [6, 7]
         with pytest.raises(ValueError, match="over max_batch_size"):
             await one.infer(images(1, 2, 3, 4, 5))
+
+
+async def test_a_full_engine_says_so_as_the_gateway_does(tmp_path: Path) -> None:
+    """The engine's queue full is the worker's 429 (QueueFull), not a failed batch."""
+    socket = tmp_path / "engine.sock"
+    fake = FakeBackend()
+    async with engine(socket, fake, queue=3), worker(socket) as one:
+        fake.gate = asyncio.Event()
+        running = asyncio.create_task(one.infer(images(1)))  # in the backend, held at the gate
+        await asyncio.sleep(0.05)
+        queued = asyncio.create_task(one.infer(images(2, 3)))
+        await asyncio.sleep(0.05)
+        async with worker(socket) as two:
+            with pytest.raises(QueueFull, match="queue is full"):
+                await two.infer(images(4, 5))
+        fake.gate.set()
+        assert [list(a.argmax(axis=1)) for a in await asyncio.gather(running, queued)] == [[1], [2, 3]]
 
 
 async def test_a_worker_without_its_engine_is_not_ready_and_reconnects(tmp_path: Path) -> None:

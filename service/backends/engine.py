@@ -38,13 +38,14 @@ from prometheus_client import REGISTRY, CollectorRegistry, Histogram
 
 from service.backends.base import Backend, Images
 from service.batcher import DynamicBatcher
-from service.errors import BackendError, BackendUnavailable
+from service.errors import BackendError, BackendUnavailable, QueueFull
 
 logger = logging.getLogger(__name__)
 
 _HELLO = struct.Struct("<IIII")  # name length, slots, images per slot, image bytes
 _REQUEST = struct.Struct("<QII")  # id, slot, count
-_REPLY = struct.Struct("<QIII")  # id, status (0 ok, 1 error), count, payload bytes
+_REPLY = struct.Struct("<QIII")  # id, status (_OK, _FAILED, _FULL, _UNAVAILABLE), count, payload bytes
+_OK, _FAILED, _FULL, _UNAVAILABLE = range(4)
 _READY = struct.Struct("<I")  # length of the engine's JSON description
 
 
@@ -150,12 +151,19 @@ class EngineServer:
             rows = await self.batcher.submit(list(images))
             scores = np.ascontiguousarray(np.stack(rows), dtype=np.float32)
             payload = scores.tobytes()
-            writer.write(_REPLY.pack(request_id, 0, len(rows), len(payload)) + payload)
+            writer.write(_REPLY.pack(request_id, _OK, len(rows), len(payload)) + payload)
         except asyncio.CancelledError:
             raise
-        except Exception as exc:
-            message = f"{type(exc).__name__}: {exc}".encode()
-            writer.write(_REPLY.pack(request_id, 1, 0, len(message)) + message)
+        except Exception as exc:  # the worker raises the same kind: full is 429, shutting down 503
+            status = (
+                _FULL
+                if isinstance(exc, QueueFull)
+                else _UNAVAILABLE
+                if isinstance(exc, BackendUnavailable)
+                else _FAILED
+            )
+            message = (str(exc) if status != _FAILED else f"{type(exc).__name__}: {exc}").encode()
+            writer.write(_REPLY.pack(request_id, status, 0, len(message)) + message)
 
 
 async def run_engine(socket_path: str, stop: asyncio.Event) -> None:
@@ -271,11 +279,15 @@ class EngineClient:
             future = self._pending.pop(request_id, None)
             if future is None or future.done():
                 continue
-            if status == 0:
-                scores = np.frombuffer(payload, np.float32).reshape(count, self.geometry.classes)
-                future.set_result(scores)
+            message = payload.decode(errors="replace") if status != _OK else ""
+            if status == _OK:
+                future.set_result(np.frombuffer(payload, np.float32).reshape(count, self.geometry.classes))
+            elif status == _FULL:
+                future.set_exception(QueueFull(f"the shared engine's queue is full: {message}"))
+            elif status == _UNAVAILABLE:
+                future.set_exception(BackendUnavailable(f"engine: {message}"))
             else:
-                future.set_exception(BackendError(f"engine: {payload.decode(errors='replace')}"))
+                future.set_exception(BackendError(f"engine: {message}"))
 
     async def infer(self, images: Images, *, timeout: float | None = None) -> np.ndarray:
         count = len(images)
