@@ -4,7 +4,6 @@ its own network namespace), and where to find RabbitMQ's process for sampling.""
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 import uuid
@@ -15,7 +14,7 @@ from pathlib import Path
 
 import psutil
 
-from loadtests.http_load import start_gateway
+from loadtests.http_load import start_gateway, stop_process
 from loadtests.network import LinkedNamespace, Shaping
 from service.models.profiles import get_profile
 from service.models.store import ensure_model
@@ -110,17 +109,7 @@ def gateway(args: list[str], models_dir: Path, cwd: Path | None = None) -> Itera
     try:
         yield proc.pid, url
     finally:
-        _stop(proc)
-
-
-def _stop(proc: subprocess.Popen[str] | subprocess.Popen[bytes]) -> None:
-    """SIGTERM (a graceful drain), SIGKILL after a minute."""
-    proc.send_signal(signal.SIGTERM)
-    try:
-        proc.wait(timeout=60)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
+        stop_process(proc)
 
 
 @contextmanager
@@ -144,7 +133,7 @@ def worker(env: dict[str, str]) -> Iterator[tuple[subprocess.Popen[str], Setting
                 raise SystemExit(f"gateway worker exited with status {proc.returncode}")
         yield proc, Settings.model_validate({"broker_url": BROKER, "queue_prefix": prefix})
     finally:
-        _stop(proc)
+        stop_process(proc)
         for queue in ("requests", "results", "dead"):
             subprocess.run(["rabbitmqctl", "delete_queue", f"{prefix}.{queue}"], capture_output=True)
 

@@ -46,7 +46,7 @@ import httpx
 import numpy as np
 
 from loadtests.clients import _batch_totals, _mean_batch, session
-from loadtests.http_load import start_gateway
+from loadtests.http_load import start_gateway, stop_process
 from loadtests.resources import ResourceSampler, nvml
 from loadtests.wrk import POST_BODIES, parse
 from service.backends.torch_backend import TorchBackend
@@ -396,15 +396,9 @@ class GatewaySpec:
         workers, *options = text.split(":")
         fields: dict[str, str] = {}
         for option in options:
-            field = {"opencv": "decoder", "nvjpeg": "decoder", "graphs": "mode", "eager": "mode"}.get(option)
-            field = field or {"blocking": "sync", "spin": "sync", "shared": "engine", "per-worker": "engine"}.get(
-                option
-            )
+            field = _SPEC_OPTIONS.get(option)
             if field is None or field in fields:
-                raise ValueError(
-                    f"not a gateway spec: {text!r} "
-                    "(WORKERS[:opencv|nvjpeg][:graphs|eager][:blocking|spin][:per-worker|shared])"
-                )
+                raise ValueError(f"not a gateway spec: {text!r} (WORKERS{''.join(f'[:{c}]' for c in _SPEC_CHOICES)})")
             fields[field] = option
         spec = cls(int(workers), **fields)
         if spec.workers < 1:
@@ -413,15 +407,27 @@ class GatewaySpec:
 
     @property
     def full_plan(self) -> bool:
-        return (self.decoder, self.mode, self.sync, self.engine) == ("opencv", "graphs", "blocking", "per-worker")
+        return self == GatewaySpec(self.workers)
 
     @property
     def label(self) -> str:
         """What differs from the default, for run names."""
-        parts = [f"{self.decoder} decode" if self.decoder != "opencv" else ""]
-        parts += [self.mode if self.mode != "graphs" else "", f"{self.sync} wait" if self.sync != "blocking" else ""]
-        parts += ["shared engine" if self.engine == "shared" else ""]
-        return "".join(f", {part}" for part in parts if part)
+        names = {"decoder": "{} decode", "mode": "{}", "sync": "{} wait", "engine": "{} engine"}
+        default = GatewaySpec(self.workers)
+        return "".join(
+            f", {form.format(getattr(self, field))}"
+            for field, form in names.items()
+            if getattr(self, field) != getattr(default, field)
+        )
+
+
+_SPEC_CHOICES = ("opencv|nvjpeg", "graphs|eager", "blocking|spin", "per-worker|shared")
+_SPEC_OPTIONS = {
+    option: field
+    for field, choices in zip(("decoder", "mode", "sync", "engine"), _SPEC_CHOICES, strict=True)
+    for option in choices.split("|")
+}
+"""Each option of a gateway spec to the field it sets."""
 
 
 def gateway_runs(
@@ -496,11 +502,7 @@ def gateway_runs(
         gpu_series = [line for line in _metrics_text(url).splitlines() if line.startswith("gateway_gpu_")]
         print("  the gateway's own GPU series at the end:", *gpu_series, sep="\n    ", flush=True)
     finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop_process(proc, 30)
     return runs
 
 

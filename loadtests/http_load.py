@@ -79,6 +79,16 @@ def start_gateway(
     return proc, url
 
 
+def stop_process(proc: subprocess.Popen[str] | subprocess.Popen[bytes], timeout: float = 60) -> None:
+    """SIGTERM (a graceful drain), SIGKILL after ``timeout`` seconds."""
+    proc.terminate()
+    try:
+        proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
 def wait_ready(proc: subprocess.Popen[bytes], url: str, timeout: float, what: str) -> None:
     """Return once ``url`` answers 200; if ``proc`` exits first or ``timeout`` passes, kill it and
     stop the benchmark."""

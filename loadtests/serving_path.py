@@ -30,7 +30,7 @@ import psutil
 from skimage import data as skdata
 
 from loadtests.deployment import gateway
-from loadtests.http_load import wait_ready
+from loadtests.http_load import stop_process, wait_ready
 from loadtests.otlp_receiver import OTLPReceiver
 from loadtests.resources import children, cpu_seconds
 from loadtests.wrk import parse
@@ -72,8 +72,7 @@ def reference_server() -> Iterator[tuple[int, str]]:
         wait_ready(proc, f"{url}/docs", 60, "reference app")
         yield proc.pid, url
     finally:
-        proc.terminate()
-        proc.wait()
+        stop_process(proc)
 
 
 def gateway_server(
