@@ -22,6 +22,7 @@ never needs it.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Callable
 from functools import partial
@@ -30,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from service.budget import ByteBudget
-from service.imageinfo import probe
+from service.imageinfo import ImageInfo, probe
 from service.metrics import Metrics
 from service.preprocess import PreprocessConfig, check_limits, prepare
 
@@ -100,18 +101,10 @@ class NvJpegDecoder:
     def prepare(
         self, data: bytes, config: PreprocessConfig, budget: ByteBudget | None = None, deadline: float | None = None
     ) -> np.ndarray:
-        info = probe(data)
-        check_limits(info, config)
-        if info.format != "jpeg":
-            self.metrics.decode_fallbacks.labels("format").inc()
-            return prepare(data, config, budget, deadline, info)
-        try:
-            square = self._prepare_jpeg(data, info.orientation, config)
-        except Exception as exc:  # the GPU decoder refused it: OpenCV decides (and names a bad image)
-            logger.debug("nvjpeg refused an image (%s); decoding it with OpenCV", exc)
-            self.metrics.decode_fallbacks.labels("refused").inc()
-            return prepare(data, config, budget, deadline, info)
-        return square
+        (outcome,) = self.prepare_many([data], config, budget, deadline)
+        if isinstance(outcome, Exception):
+            raise outcome
+        return outcome
 
     def prepare_many(
         self,
@@ -121,40 +114,54 @@ class NvJpegDecoder:
         deadline: float | None = None,
     ) -> list[np.ndarray | Exception]:
         """``prepare`` of each image, the JPEGs decoded in one batched call; each entry is the
-        image's array or the error ``prepare`` would have raised for it (the others are unaffected).
-        If the batched call fails, each JPEG goes through ``prepare`` alone (and its fallback)."""
+        image's array or its error (the others are unaffected). If the batched call fails, each JPEG
+        is tried alone, then by OpenCV."""
         out: list[np.ndarray | Exception] = []
-        jpegs: dict[int, int] = {}  # index -> EXIF orientation
+        jpegs: dict[int, ImageInfo] = {}
         for i, data in enumerate(datas):
             try:
                 info = probe(data)
                 check_limits(info, config)
-                if info.format == "jpeg":
-                    jpegs[i] = info.orientation
-                    out.append(_PENDING)
-                    continue
-                self.metrics.decode_fallbacks.labels("format").inc()
-                out.append(prepare(data, config, budget, deadline, info))
             except Exception as exc:
                 out.append(exc)
+                continue
+            if info.format == "jpeg":
+                jpegs[i] = info
+                out.append(_PENDING)
+            else:
+                self.metrics.decode_fallbacks.labels("format").inc()
+                out.append(_outcome(prepare, data, config, budget, deadline, info))
         if not jpegs:
             return out
         try:
-            squares = self._decode_squares([datas[i] for i in jpegs], list(jpegs.values()), config)
-        except Exception as exc:
-            logger.debug("nvjpeg refused a batch (%s); decoding its images one by one", exc)
-            for i in jpegs:
-                try:
-                    out[i] = self.prepare(datas[i], config, budget, deadline)
-                except Exception as one:
-                    out[i] = one
+            squares = self._decode_squares(
+                [datas[i] for i in jpegs], [info.orientation for info in jpegs.values()], config
+            )
+        except Exception as exc:  # one image the GPU decoder refuses fails the whole call
+            logger.debug("nvjpeg refused a batch of %d (%s)", len(jpegs), exc)
+            for i, info in jpegs.items():
+                out[i] = self._alone(datas[i], info, config, budget, deadline, retry=len(jpegs) > 1)
             return out
         for i, square in zip(jpegs, squares, strict=True):
             out[i] = square
         return out
 
-    def _prepare_jpeg(self, data: bytes, orientation: int, config: PreprocessConfig) -> np.ndarray:
-        return self._decode_squares([data], [orientation], config)[0]
+    def _alone(
+        self,
+        data: bytes,
+        info: ImageInfo,
+        config: PreprocessConfig,
+        budget: ByteBudget | None,
+        deadline: float | None,
+        retry: bool,
+    ) -> np.ndarray | Exception:
+        """One JPEG of a refused batch: on the GPU alone (``retry``), else by OpenCV, which decides
+        (and names a bad image)."""
+        if retry:
+            with contextlib.suppress(Exception):
+                return self._decode_squares([data], [info.orientation], config)[0]
+        self.metrics.decode_fallbacks.labels("refused").inc()
+        return _outcome(prepare, data, config, budget, deadline, info)
 
     def _decode_squares(
         self, datas: list[bytes], orientations: list[int], config: PreprocessConfig
@@ -175,3 +182,10 @@ class NvJpegDecoder:
 
 
 _PENDING: Exception = Exception("not decoded yet")
+
+
+def _outcome(decode: Callable[..., np.ndarray], *args: Any) -> np.ndarray | Exception:
+    try:
+        return decode(*args)
+    except Exception as exc:
+        return exc

@@ -45,7 +45,7 @@ async def engine(socket: Path, backend: FakeBackend, queue: int = 1000) -> Async
     batcher = DynamicBatcher(
         backend.infer, max_batch_size=64, max_delay=0.0, max_queue_size=queue, max_inflight_batches=1
     )
-    server = EngineServer(backend, batcher, GEOMETRY, "fake engine", CollectorRegistry())  # type: ignore[arg-type]
+    server = EngineServer(batcher, GEOMETRY, "fake engine", CollectorRegistry())
     batcher._on_batch = lambda report: server.observe(report.size)
     batcher.start()
     listening = await asyncio.start_unix_server(server.handle, path=str(socket))

@@ -43,6 +43,15 @@ def _numpy_empty(shape: tuple[int, ...], dtype: np.dtype[Any]) -> np.ndarray:
     return np.empty(shape, dtype)
 
 
+def stack_into(out: np.ndarray, images: Images) -> None:
+    """The images copied into ``out`` (``[N, H, W, 3]``, N = the number of images), one copy each;
+    ValueError if they differ in shape from it."""
+    if isinstance(images, np.ndarray):  # stacked already
+        out[...] = images
+    else:
+        np.stack(images, out=out)
+
+
 class BatchBuffer:
     """One ``[N, H, W, 3]`` array per thread, reused batch after batch, that a batch's images are
     copied into: one copy per image, into memory already mapped. ``np.stack`` would allocate a fresh
@@ -71,8 +80,5 @@ class BatchBuffer:
         if buffer is None or buffer.shape[0] < rows or buffer.shape[1:] != first.shape or buffer.dtype != first.dtype:
             size = max(rows, 0 if buffer is None else buffer.shape[0])
             buffer = self._local.array = self._allocate((size, *first.shape), first.dtype)
-        if isinstance(images, np.ndarray):  # stacked, but shorter than the rows asked for
-            buffer[: len(images)] = images
-        else:
-            np.stack(images, out=buffer[: len(images)])  # ValueError if the images differ in shape
+        stack_into(buffer[: len(images)], images)
         return buffer[:rows]

@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 from prometheus_client import REGISTRY, CollectorRegistry, Histogram
 
-from service.backends.base import Backend, Images
+from service.backends.base import Images, stack_into
 from service.batcher import DynamicBatcher
 from service.errors import BackendError, BackendUnavailable, QueueFull
 
@@ -79,11 +79,10 @@ def _shared_memory(name: str) -> shared_memory.SharedMemory:
 
 
 class EngineServer:
-    """Serves ``backend`` to the workers through one batcher (in the engine process)."""
+    """Serves the workers through one batcher over the engine's backend (in the engine process)."""
 
     def __init__(
         self,
-        backend: Backend,
         batcher: DynamicBatcher,
         geometry: Geometry,
         detail: str,
@@ -91,7 +90,6 @@ class EngineServer:
     ) -> None:
         """``registry``: where the batch-size histogram registers (in multiprocess mode its values
         go to the shared files whatever the registry)."""
-        self.backend = backend
         self.batcher = batcher
         self.geometry = geometry
         self.detail = detail
@@ -179,19 +177,17 @@ async def run_engine(socket_path: str, stop: asyncio.Event) -> None:
     problem = await backend.ready()
     if problem:
         raise SystemExit(f"engine: the backend is not ready: {problem}")
-    server_ref: list[EngineServer] = []
     batcher = DynamicBatcher(
         backend.infer,
         max_batch_size=settings.max_batch_size,
         max_delay=settings.max_delay,
         max_queue_size=settings.max_queue_size * max(1, settings.workers),
         max_inflight_batches=settings.max_inflight_batches,
-        on_batch=lambda report: server_ref[0].observe(report.size),
+        on_batch=lambda report: engine.observe(report.size),  # bound below, before the first batch
         backend_name=backend.name,
     )
     detail = f"engine shared by the workers: {getattr(backend, 'detail', None) or backend.name}"
-    engine = EngineServer(backend, batcher, Geometry(profile.image_size, len(profile.labels)), detail)
-    server_ref.append(engine)
+    engine = EngineServer(batcher, Geometry(profile.image_size, len(profile.labels)), detail)
     batcher.start()
     server = await asyncio.start_unix_server(engine.handle, path=socket_path)
     logger.info("engine: %s, serving %s", detail, socket_path)
@@ -299,7 +295,7 @@ class EngineClient:
         slot = await self._free.get()
         try:
             view = self._slots_view[slot, :count]
-            await asyncio.to_thread(_copy_into, view, images)
+            await asyncio.to_thread(stack_into, view, images)
             request_id = self._next_id = self._next_id + 1
             future: asyncio.Future[np.ndarray] = asyncio.get_running_loop().create_future()
             self._pending[request_id] = future
@@ -319,10 +315,3 @@ class EngineClient:
         self._block.close()
         with contextlib.suppress(FileNotFoundError):
             self._block.unlink()
-
-
-def _copy_into(view: np.ndarray, images: Images) -> None:
-    if isinstance(images, np.ndarray):
-        view[...] = images
-    else:
-        np.stack(images, out=view)
