@@ -14,6 +14,7 @@ import httpx
 import numpy as np
 import pytest
 import uvicorn
+from fastapi import FastAPI
 from skimage import data as skdata
 
 from service.app import create_app
@@ -114,8 +115,15 @@ def _bound_socket() -> socket.socket:
     return sock
 
 
+class GatewayClient(httpx.AsyncClient):
+    """A client of a test gateway, with the app it talks to (``app.state.gateway``), for tests that
+    wait on the gateway's own state instead of guessing a delay."""
+
+    app: FastAPI
+
+
 @asynccontextmanager
-async def running_gateway(settings: Settings, backend: Backend | None = None) -> AsyncIterator[httpx.AsyncClient]:
+async def running_gateway(settings: Settings, backend: Backend | None = None) -> AsyncIterator[GatewayClient]:
     """A real uvicorn server on a free loopback port, in this event loop; yields a client for it.
 
     The socket is bound before the server starts, so requests wait in its backlog until the
@@ -128,7 +136,8 @@ async def running_gateway(settings: Settings, backend: Backend | None = None) ->
     server = uvicorn.Server(config)
     task = asyncio.create_task(server.serve(sockets=[sock]))
     try:
-        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=30) as client:
+        async with GatewayClient(base_url=f"http://127.0.0.1:{port}", timeout=30) as client:
+            client.app = app
             yield client
     finally:
         server.should_exit = True

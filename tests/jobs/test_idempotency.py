@@ -51,7 +51,12 @@ async def test_a_retry_anywhere_gets_the_same_jobs_and_queues_nothing(
         again = await submit(first, "order-1234", PNGS[:2])
         assert ids(again) == jobs
         assert again.headers["idempotent-replayed"] == "true"
-        await asyncio.sleep(0.3)  # the claim reaches the other replica through the stream (ms)
+        # the claim reaches the other replica through the stream: milliseconds, but on a loaded
+        # 2-core CI machine once over 0.3 s (a fixed sleep failed there)
+        idempotency = second.app.state.gateway.jobs.idempotency
+        async with asyncio.timeout(10):
+            while idempotency.get("", "order-1234") is None:  # noqa: ASYNC110
+                await asyncio.sleep(0.01)
         elsewhere = await submit(second, "order-1234", PNGS[:2])
         assert ids(elsewhere) == jobs
         assert elsewhere.headers["idempotent-replayed"] == "true"
