@@ -66,14 +66,15 @@ class Broker:
             if self.prefetch:
                 await channel.set_qos(prefetch_count=self.prefetch)
             self.topology = await declare(connection, channel, self.names)
-        except BaseException:  # a failed declaration must not leave a connection behind per retry
+            self.connection, self.channel = connection, channel
+            if self._on_connect is not None:  # its consumers are part of being connected
+                await self._on_connect(self)
+        except BaseException:  # a failed set-up must not leave a connection behind per retry
+            self.connection = self.channel = None
             await connection.close()
             raise
-        self.connection, self.channel = connection, channel
         self.connected.set()
         logger.info("broker: connected to %s", redact(self.url))
-        if self._on_connect is not None:
-            await self._on_connect(self)
 
     async def _connect_forever(self) -> None:
         delay = 0.5
@@ -100,8 +101,11 @@ class Broker:
 
     @property
     def is_open(self) -> bool:
+        """Connected and set up (``on_connect`` done): until then /readyz does not say ok, and
+        publishes are refused."""
         return (
-            self.connection is not None
+            self.connected.is_set()
+            and self.connection is not None
             and not self.connection.is_closed
             and self.channel is not None
             and not self.channel.is_closed
