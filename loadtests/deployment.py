@@ -7,7 +7,7 @@ import os
 import subprocess
 import sys
 import uuid
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,6 +16,8 @@ import psutil
 
 from loadtests.http_load import start_gateway, stop_process
 from loadtests.network import LinkedNamespace, Shaping
+from loadtests.resources import pinned
+from service.jobs.topology import Names
 from service.models.profiles import get_profile
 from service.models.store import ensure_model
 from service.settings import Settings
@@ -102,10 +104,12 @@ def gateway_args(model: str, batch: int, in_flight: int, triton: Triton | None, 
 
 
 @contextmanager
-def gateway(args: list[str], models_dir: Path, cwd: Path | None = None) -> Iterator[tuple[int, str]]:
+def gateway(
+    args: list[str], models_dir: Path, cwd: Path | None = None, cpus: Collection[int] | None = None
+) -> Iterator[tuple[int, str]]:
     """(pid, URL) of a ready gateway process, stopped with SIGTERM on exit; ``cwd`` runs another
-    checkout's gateway (see ``start_gateway``)."""
-    proc, url = start_gateway(args, models_dir, cwd=cwd)
+    checkout's gateway, ``cpus`` pins it (see ``start_gateway``)."""
+    proc, url = start_gateway(args, models_dir, cwd=cwd, cpus=cpus)
     try:
         yield proc.pid, url
     finally:
@@ -113,9 +117,12 @@ def gateway(args: list[str], models_dir: Path, cwd: Path | None = None) -> Itera
 
 
 @contextmanager
-def worker(env: dict[str, str]) -> Iterator[tuple[subprocess.Popen[str], Settings]]:
+def worker(
+    env: dict[str, str], cwd: Path | None = None, cpus: Collection[int] | None = None
+) -> Iterator[tuple[subprocess.Popen[str], Settings]]:
     """A ``gateway worker`` on queues of its own (a fresh prefix), ready to consume, with the
-    settings an ingest client needs to reach it; its queues are deleted afterwards."""
+    settings an ingest client needs to reach it; its queues are deleted afterwards. ``cwd`` runs
+    another checkout's worker (a baseline to compare with), ``cpus`` pins it to those CPUs."""
     prefix = f"bench-{uuid.uuid4().hex[:8]}"
     env = {
         **os.environ,
@@ -125,7 +132,14 @@ def worker(env: dict[str, str]) -> Iterator[tuple[subprocess.Popen[str], Setting
         "GATEWAY_LOG_LEVEL": "warning",
         **env,
     }
-    proc = subprocess.Popen([sys.executable, "-m", "service", "worker"], env=env, stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "service", "worker"],
+        env=env,
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=cwd,
+        preexec_fn=pinned(cpus),
+    )
     try:
         assert proc.stdout is not None
         while "worker ready" not in proc.stdout.readline():
@@ -134,8 +148,9 @@ def worker(env: dict[str, str]) -> Iterator[tuple[subprocess.Popen[str], Setting
         yield proc, Settings.model_validate({"broker_url": BROKER, "queue_prefix": prefix})
     finally:
         stop_process(proc)
-        for queue in ("requests", "results", "dead"):
-            subprocess.run(["rabbitmqctl", "delete_queue", f"{prefix}.{queue}"], capture_output=True)
+        names = Names(prefix)  # every queue the worker declared: quorum queues left behind cost the broker CPU
+        for queue in (names.work, names.legacy_requests, names.results, names.dead, names.webhooks):
+            subprocess.run(["rabbitmqctl", "delete_queue", queue], capture_output=True)
 
 
 def broker_pid() -> int | None:

@@ -6,13 +6,14 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 
 from loadtests.clients import gateway_async, warm_up
-from loadtests.resources import cpu_seconds
+from loadtests.resources import cpu_seconds, pinned
 from service.tune.runner import free_port
 
 
@@ -68,12 +69,19 @@ def start_gateway(
     timeout: float = 180,
     env: dict[str, str] | None = None,
     cwd: Path | None = None,
+    cpus: Collection[int] | None = None,
 ) -> tuple[subprocess.Popen[bytes], str]:
     """A gateway process (``gateway serve ARGS``) on a free port, returned once /readyz is 200;
-    ``cwd`` runs the ``service`` package of another checkout (a baseline to compare with)."""
+    ``cwd`` runs the ``service`` package of another checkout (a baseline to compare with), ``cpus``
+    pins it (and its decode threads, which it sizes by its affinity) to those CPUs."""
     port = free_port()
     env = {**os.environ, "GATEWAY_MODELS_DIR": str(models_dir), "GATEWAY_LOG_LEVEL": "warning", **(env or {})}
-    proc = subprocess.Popen([sys.executable, "-m", "service", "serve", "--port", str(port), *args], env=env, cwd=cwd)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "service", "serve", "--port", str(port), *args],
+        env=env,
+        cwd=cwd,
+        preexec_fn=pinned(cpus),
+    )
     url = f"http://127.0.0.1:{port}"
     wait_ready(proc, f"{url}/readyz", timeout, "gateway")
     return proc, url

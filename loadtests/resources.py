@@ -4,11 +4,13 @@ utilisation and memory through NVML when a GPU is visible."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import os
 import statistics
 import threading
 import time
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 
 import psutil
@@ -18,6 +20,21 @@ def cpu_seconds(pid: int) -> float:
     """User + system CPU seconds a process has used."""
     times = psutil.Process(pid).cpu_times()
     return float(times.user + times.system)
+
+
+def pinned(cpus: Collection[int] | None) -> Callable[[], None] | None:
+    """A ``preexec_fn`` that runs a child (and every thread it starts) on ``cpus`` only; None: anywhere."""
+    if cpus is None:
+        return None
+    chosen = set(cpus)
+    return lambda: os.sched_setaffinity(0, chosen)
+
+
+def pin_process(pid: int, cpus: Collection[int]) -> None:
+    """Move a running process, every thread of it, onto ``cpus`` (RabbitMQ's Erlang schedulers)."""
+    for thread in psutil.Process(pid).threads():
+        with contextlib.suppress(OSError):  # a thread that ended meanwhile
+            os.sched_setaffinity(thread.id, set(cpus))
 
 
 def rss_bytes(pid: int) -> int:

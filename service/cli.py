@@ -18,6 +18,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from service import eventloop
 from service.settings import Settings
 
 
@@ -113,7 +114,7 @@ def _engine(args: argparse.Namespace) -> int:
             loop.add_signal_handler(signum, stop.set)
         await run_engine(args.socket, stop)
 
-    asyncio.run(main())
+    eventloop.run(main())
     return 0
 
 
@@ -258,24 +259,20 @@ def _models_fetch(args: argparse.Namespace) -> int:
 
 
 def _worker(args: argparse.Namespace) -> int:
-    import asyncio
-
     from service.jobs.worker import run_worker
 
     settings = _settings(args)
     _logging(settings)
-    asyncio.run(run_worker(settings))
+    eventloop.run(run_worker(settings))
     return 0
 
 
 def _ingest(args: argparse.Namespace) -> int:
-    import asyncio
-
     from service.jobs.ingest import run_ingest
 
     settings = _settings(args)
     _logging(settings)
-    return asyncio.run(
+    return eventloop.run(
         run_ingest(
             settings,
             args.paths,

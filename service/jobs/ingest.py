@@ -20,20 +20,23 @@ import logging
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 from aio_pika.abc import AbstractIncomingMessage
-from pydantic import ValidationError
 
 from service.errors import BackendUnavailable, GatewayError
 from service.imageinfo import probe
+from service.jobs.acks import Acks
 from service.jobs.broker import Broker
-from service.jobs.messages import JobResult, new_job_id, request_message
+from service.jobs.messages import new_job_id, request_message
 from service.jobs.topology import REQUEST_KEY, Names
 from service.settings import Settings
 from service.tracing import Tracing, publishing
 
 logger = logging.getLogger(__name__)
 
+READ_CHUNK = 32
+"""Files read per thread hop while publishing."""
 IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png", ".gif", ".webp", ".bmp", ".tif", ".tiff"}
 CONTENT_TYPES = {
     "jpeg": "image/jpeg",
@@ -72,6 +75,22 @@ def finished_paths(out: Path) -> set[str]:
 def run_id(out: Path) -> str:
     """Names this output file's results queue: the same file always finds the same queue."""
     return hashlib.sha256(str(out.resolve()).encode()).hexdigest()[:16]
+
+
+def _read_all(paths: list[str]) -> list[bytes]:
+    return [Path(p).read_bytes() for p in paths]
+
+
+def _result(body: bytes) -> dict[str, Any] | None:
+    """A result message's fields, or None for a body that is not a result (acked and skipped).
+    Plain JSON, not the pydantic model: the line written is the result as it came, plus its path."""
+    try:
+        result = json.loads(body)
+    except ValueError:
+        return None
+    if not isinstance(result, dict) or not isinstance(result.get("filename"), str) or "status" not in result:
+        return None
+    return result
 
 
 def content_type(data: bytes) -> str:
@@ -135,60 +154,70 @@ async def run_ingest(
     last_progress = time.monotonic()
     out.parent.mkdir(parents=True, exist_ok=True)
     with out.open("a") as sink:
+        acks = Acks(before_ack=sink.flush)  # lines on disk before their results are acked
+        acks.start()
 
         async def on_result(message: AbstractIncomingMessage) -> None:
             nonlocal last_progress
-            try:
-                result = JobResult.model_validate_json(message.body)
-            except ValidationError:
-                await message.ack()
-                return
-            path = result.filename
-            if tracing is not None:
-                tracing.job_result(message.headers, result.job_id, result.status)
-            if path in remaining:
-                remaining.discard(path)
-                line = result.model_dump(mode="json")
-                sink.write(json.dumps({"path": path, **line}) + "\n")
-                sink.flush()
-                progress.done += 1
-                progress.failed += result.status == "failed"
-                last_progress = time.monotonic()
-                progress.update()
-            await message.ack()  # after the line is written: a crash in between means a redelivery
+            acks.received(message)
+            result = _result(message.body)
+            if result is not None:
+                path, status = result["filename"], result["status"]
+                if tracing is not None:
+                    tracing.job_result(message.headers, str(result.get("job_id")), str(status))
+                if path in remaining:
+                    remaining.discard(path)
+                    sink.write(json.dumps({"path": path, **result}) + "\n")
+                    progress.done += 1
+                    progress.failed += status == "failed"
+                    last_progress = time.monotonic()
+                    progress.update()
+            acks.finished(message)  # acked once the line is flushed: a crash before means a redelivery
             if not remaining:
                 all_done.set()
 
         consumer_tag = await queue.consume(on_result)
-        sem = asyncio.Semaphore(max_outstanding)
+        window = asyncio.Semaphore(max_outstanding)
 
-        async def publish(path: str) -> None:
-            async with sem:
-                data = await asyncio.to_thread(Path(path).read_bytes)
-                job_id = new_job_id()
-                # each image is one trace: this publish, the worker's job, its result back here
-                with publishing(tracing, job_id) as trace:
-                    message = request_message(
-                        data,
-                        job_id=job_id,
-                        content_type=content_type(data),
-                        filename=path,
-                        top_k=top_k,
-                        reply_to=f"ingest.{run}",
-                        trace=trace,
-                    )
-                    delay = 0.2
-                    while path in remaining:
-                        try:
-                            await broker.publish("requests", message, REQUEST_KEY)
-                            return
-                        except BackendUnavailable as exc:  # the broker is away: wait for the reconnect
-                            logger.info("ingest: publish failed (%s); retrying", exc.detail)
-                            await asyncio.sleep(delay)
-                            delay = min(delay * 2, 5.0)
+        async def publish(path: str, data: bytes) -> None:
+            job_id = new_job_id()
+            # each image is one trace: this publish, the worker's job, its result back here
+            with publishing(tracing, job_id) as trace:
+                message = request_message(
+                    data,
+                    job_id=job_id,
+                    content_type=content_type(data),
+                    filename=path,
+                    top_k=top_k,
+                    reply_to=f"ingest.{run}",
+                    trace=trace,
+                )
+                delay = 0.2
+                while path in remaining:
+                    try:
+                        await broker.publish("requests", message, REQUEST_KEY)
+                        return
+                    except BackendUnavailable as exc:  # the broker is away: wait for the reconnect
+                        logger.info("ingest: publish failed (%s); retrying", exc.detail)
+                        await asyncio.sleep(delay)
+                        delay = min(delay * 2, 5.0)
+
+        async def publish_all(paths: list[str]) -> None:
+            """Read files a chunk per thread hop (a hop costs more than reading one photo), and
+            keep at most ``max_outstanding`` publishes awaiting their confirm."""
+            publishing_now: set[asyncio.Task[None]] = set()
+            for start in range(0, len(paths), READ_CHUNK):
+                chunk = paths[start : start + READ_CHUNK]
+                for path, data in zip(chunk, await asyncio.to_thread(_read_all, chunk), strict=True):
+                    await window.acquire()
+                    task = asyncio.create_task(publish(path, data))
+                    publishing_now.add(task)
+                    task.add_done_callback(publishing_now.discard)
+                    task.add_done_callback(lambda _: window.release())
+            await asyncio.gather(*publishing_now)
 
         print(f"ingesting {len(remaining)} images ({progress.already} already done) -> {out}", file=sys.stderr)
-        await asyncio.gather(*(publish(p) for p in sorted(remaining)))
+        await publish_all(sorted(remaining))
         while not all_done.is_set():
             try:
                 async with asyncio.timeout(1.0):
@@ -200,11 +229,12 @@ async def run_ingest(
                         "ingest: no result for %.0f s; publishing %d images again", resend_after, len(remaining)
                     )
                     last_progress = time.monotonic()
-                    await asyncio.gather(*(publish(p) for p in sorted(remaining)))
+                    await publish_all(sorted(remaining))
+        await queue.cancel(consumer_tag)
+        await acks.aclose()
     progress.update(force=True)
     if progress.tty:
         print(file=sys.stderr)
-    await queue.cancel(consumer_tag)
     await queue.delete(if_unused=False, if_empty=False)
     await broker.aclose()
     if tracing is not None:

@@ -2,7 +2,8 @@
 
 Delivery is at least once: an input is acknowledged only after its result is confirmed by the
 broker, so a worker killed at any point loses nothing (its unacknowledged messages go back to the
-queue). Outcomes per message:
+queue). Acks go out with ``multiple=True`` where the order allows (``service.jobs.acks``): one frame
+for a run of finished messages. Outcomes per message:
 
 * classified -> result ``done`` published (and, when the submit gave a ``Webhook-URL``, its
   delivery to ``<prefix>.webhooks``: ``service.jobs.webhooks``), input acked;
@@ -14,7 +15,7 @@ queue). Outcomes per message:
 * overload or outage (queue full, batch deadline passed, backend unavailable) -> republished after
   a backoff with ``x-requeues`` + 1, then acked: neither a retry nor a delivery is used up;
 * anything that escapes (a publish the broker did not confirm, nacked or returned; an error in an
-  error path) -> ``message.process`` rejects the input with requeue, so nothing is stranded;
+  error path) -> the input is rejected with requeue, so nothing is stranded;
 * the worker crashes or hangs for good (OOM, a codec fault) -> the broker redelivers; the quorum
   queue's delivery limit (a policy, see ``service.jobs.policies``) dead-letters a message that
   keeps doing it, with reason ``delivery_limit``.
@@ -41,6 +42,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import aio_pika
+import aiormq
 from aio_pika.abc import AbstractIncomingMessage
 from opentelemetry import trace
 from opentelemetry.trace import StatusCode
@@ -58,6 +60,7 @@ from service.errors import (
     QueueFull,
     UnsupportedMediaType,
 )
+from service.jobs.acks import Acks
 from service.jobs.broker import Broker
 from service.jobs.messages import (
     DEFAULT_REPLY_TO,
@@ -149,7 +152,8 @@ class Worker:
         self.broker = broker
         self.metrics = metrics
         self.name = f"{socket.gethostname()}-{os.getpid()}"
-        self._tasks: set[asyncio.Task[None]] = set()
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._acks = Acks()
         self._consumer_tag: str | None = None
         self._suspects = asyncio.Lock()
         """Redelivered messages (their worker died holding them) run one at a time, alone."""
@@ -157,14 +161,24 @@ class Worker:
 
     async def start(self) -> None:
         assert self.broker.topology is not None
+        self._acks.start()
         self._consumer_tag = await self.broker.topology.requests_queue.consume(self._on_message)
         logger.info("worker %s: consuming %s (prefetch %d)", self.name, self.broker.names.work, self.broker.prefetch)
 
     async def _on_message(self, message: AbstractIncomingMessage) -> None:
+        """Runs in the task aio-pika starts for each delivery (no task of our own on top)."""
         self.metrics.queue_messages.labels("consumed").inc()
-        task = asyncio.create_task(self._handle(message))
+        try:
+            self._acks.received(message)
+        except aiormq.exceptions.ChannelInvalidStateError:
+            return  # its channel is already gone: the broker redelivers it
+        task = asyncio.current_task()
+        assert task is not None
         self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        try:
+            await self._handle(message)
+        finally:
+            self._tasks.discard(task)
 
     async def _publish(
         self, target: Literal["requests", "results", "dead", "queue"], message: aio_pika.Message, key: str
@@ -231,9 +245,10 @@ class Worker:
         self.metrics.queue_messages.labels("requeued").inc()
 
     async def _handle(self, message: AbstractIncomingMessage) -> None:
-        """Every path ends in ack, nack or reject: ``message.process`` acks when the block ends and
-        rejects with requeue when anything escapes it (a publish not confirmed, nacked or returned,
-        an error inside an error path), so the prefetch window never fills with stranded messages."""
+        """Every path ends in an ack or a reject: acked (with others: ``service.jobs.acks``) once its
+        outcome is confirmed; rejected with requeue when anything escapes (a publish not confirmed,
+        nacked or returned, an error inside an error path), so the prefetch window never fills with
+        stranded messages."""
         JOB_ID.set(message.message_id)  # this task's own context: every line it logs names the job
         if self.tracing is None:
             await self._settle(message)
@@ -243,23 +258,28 @@ class Worker:
 
     async def _settle(self, message: AbstractIncomingMessage) -> None:
         try:
-            async with message.process(requeue=True, ignore_processed=True):
-                try:
-                    if _int_header(message.headers or {}, DELIVERY_COUNT_HEADER) == 0:
-                        await self._process(message)
-                    else:  # it may be what killed the last worker: keep it out of others' batches
-                        async with self._suspects:
-                            await self._process(message)
-                except _BrokerLost:
-                    if not self.closing:  # do not spin: the broker refused (or lost) the outcome
-                        await asyncio.sleep(BROKER_PAUSE)
-                    raise
+            if _int_header(message.headers or {}, DELIVERY_COUNT_HEADER) == 0:
+                await self._process(message)
+            else:  # it may be what killed the last worker: keep it out of others' batches
+                async with self._suspects:
+                    await self._process(message)
         except _BrokerLost as exc:
+            if not self.closing:  # do not spin: the broker refused (or lost) the outcome
+                await asyncio.sleep(BROKER_PAUSE)
             logger.warning("worker: job %s requeued: the broker did not take its outcome (%s)", message.message_id, exc)
-            self.metrics.queue_messages.labels("rejected").inc()
+            await self._requeue(message)
         except Exception:
             logger.exception("worker: job %s could not be finished; requeued", message.message_id)
-            self.metrics.queue_messages.labels("rejected").inc()
+            await self._requeue(message)
+        else:
+            self._acks.finished(message)
+
+    async def _requeue(self, message: AbstractIncomingMessage) -> None:
+        self.metrics.queue_messages.labels("rejected").inc()
+        try:
+            await self._acks.reject(message, requeue=True)
+        except (aiormq.exceptions.AMQPError, ConnectionError, RuntimeError) as exc:
+            logger.warning("worker: job %s not rejected (%s); the broker redelivers it", message.message_id, exc)
 
     async def _process(self, message: AbstractIncomingMessage) -> None:
         started = time.perf_counter()
@@ -326,6 +346,7 @@ class Worker:
             for task in pending:
                 task.cancel()
             await asyncio.gather(*pending, return_exceptions=True)  # ended before the connection closes
+        await self._acks.aclose()
 
 
 async def _until(stop: asyncio.Event, seconds: float) -> None:
