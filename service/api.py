@@ -121,6 +121,8 @@ _QUERY_DOC: list[dict[str, Any]] = [
 
 def _classify_params(request: Request) -> tuple[int, str]:
     """``top_k`` (1-20, default 5) and ``mode`` (online|offline), with the same 422s FastAPI gives."""
+    if not request.scope["query_string"]:  # the common case: no parsing at all
+        return 5, "online"
     query = request.query_params
     if not query:
         return 5, "online"

@@ -29,57 +29,112 @@ TIMED_OUT = "gateway.timed_out"
 """Scope key set (to the 408's detail) when the request's body did not arrive in time."""
 
 
+class CoalescingTransport:
+    """A connection's writes of one event-loop turn, sent as one: uvicorn writes a response's status
+    line and headers, then its body, each with its own ``send()``, and on uvloop each send is a
+    system call made holding the GIL. Every other transport method is the connection's own;
+    ``close`` sends what is pending first."""
+
+    def __init__(self, transport: asyncio.Transport, loop: asyncio.AbstractEventLoop) -> None:
+        self._transport = transport
+        self._loop = loop
+        self._pending: list[bytes] = []
+
+    def write(self, data: bytes) -> None:
+        if not self._pending:
+            self._loop.call_soon(self._flush)
+        self._pending.append(data)
+
+    def _flush(self) -> None:
+        pending, self._pending = self._pending, []
+        if pending and not self._transport.is_closing():
+            self._transport.write(pending[0] if len(pending) == 1 else b"".join(pending))
+
+    def close(self) -> None:
+        self._flush()
+        self._transport.close()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._transport, name)
+
+
 class TimeoutProtocol(HttpToolsProtocol):
     def __init__(self, *args: Any, header_timeout: float, body_timeout: float, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.header_timeout = header_timeout
         self.body_timeout = body_timeout
         self._timer: asyncio.TimerHandle | None = None
+        self._timer_for: tuple[float, Callable[[], None]] | None = None
+        """The deadline and expiry the armed timer was set for."""
+        self._waiting: tuple[float, Callable[[], None]] | None = None
+        """What the connection waits for now: (deadline on the loop's clock, what to do when it
+        passes); None between requests."""
         self._body_bytes = 0
 
-    def _arm(self, seconds: float, expired: Callable[[], None]) -> None:
-        if self._timer is None:
-            self._timer = self.loop.call_later(seconds, expired)
+    def _wait(self, seconds: float, expired: Callable[[], None]) -> None:
+        self._waiting = (self.loop.time() + seconds, expired)
 
-    def _disarm(self) -> None:
+    def _sync_timer(self) -> None:
+        """Arm the timer for what the connection still waits for once the bytes at hand are parsed.
+        A request whose headers and body came in one read needs no timer at all: on the serving
+        path that saves a timer armed and cancelled twice per request."""
+        if self._waiting == self._timer_for:
+            return
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
+        self._timer_for = self._waiting
+        if self._waiting is not None:
+            deadline, expired = self._waiting
+            self._timer = self.loop.call_at(deadline, self._expire, expired)
+
+    def _expire(self, expired: Callable[[], None]) -> None:
+        self._timer = self._timer_for = self._waiting = None
+        expired()
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
-        self._arm(self.header_timeout, self._headers_too_slow)
+        self._wait(self.header_timeout, self._headers_too_slow)
+        self._sync_timer()
+
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        self._sync_timer()
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
-        self._arm(self.header_timeout, self._headers_too_slow)
+        if self._waiting is None:  # not the connection's first request, whose clock started at connect
+            self._wait(self.header_timeout, self._headers_too_slow)
 
     def on_headers_complete(self) -> None:
-        self._disarm()
+        self._waiting = None
+        before = self.cycle
         super().on_headers_complete()
         if self.parser.should_upgrade():  # the connection is handed to another protocol
+            self._sync_timer()
             return
+        if self.cycle is not None and self.cycle is not before:  # its task has not run yet
+            self.cycle.transport = CoalescingTransport(self.transport, self.loop)  # type: ignore[assignment]
         self._body_bytes = 0
-        self._arm(self.body_timeout, self._body_too_slow)  # disarmed at once by a bodiless message
+        self._wait(self.body_timeout, self._body_too_slow)  # ended at once by a bodiless message
 
     def on_body(self, body: bytes) -> None:
         self._body_bytes += len(body)
         super().on_body(body)
 
     def on_message_complete(self) -> None:
-        self._disarm()
+        self._waiting = None
         super().on_message_complete()
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self._disarm()
+        self._waiting = None
+        self._sync_timer()
         super().connection_lost(exc)
 
     def _headers_too_slow(self) -> None:
-        self._timer = None
         self._refuse(f"the request headers did not arrive within {self.header_timeout:g} s")
 
     def _body_too_slow(self) -> None:
-        self._timer = None
         cycle = self.cycle
         if cycle is None or cycle.response_started:  # answered early (e.g. 429): just stop reading
             self.transport.close()
