@@ -134,7 +134,8 @@ async def _fill(settings: Settings, photos: list[bytes], reply_to: str) -> str:
 
 
 async def _wait_for(settings: Settings, queue: str, count: int, timeout: float = 600) -> None:
-    """Until ``queue`` holds ``count`` messages (asked every 20 ms: the broker counts, not us)."""
+    """Until ``queue`` holds ``count`` messages (asked every 20 ms: the broker counts, not us); then
+    delete it."""
     broker = Broker(settings.broker_url or "", Names(settings.queue_prefix))
     await broker.connect(timeout=30)
     assert broker.channel is not None
@@ -143,6 +144,7 @@ async def _wait_for(settings: Settings, queue: str, count: int, timeout: float =
         # the count is the broker's, asked over the wire: there is no event to wait on
         while ((await channel.queue_declare(queue=queue, passive=True)).message_count or 0) < count:  # noqa: ASYNC110
             await asyncio.sleep(0.02)
+    await channel.queue_delete(queue)
     await broker.aclose()
 
 
@@ -160,7 +162,7 @@ def drain(label: str, proc: subprocess.Popen[str], settings: Settings, photos: l
     return Row(label, len(photos), seconds, [seconds], None, None, worker_cpu, broker_cpu)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="efficientnet-lite0")
     parser.add_argument("--batch-size", type=int, default=16)
@@ -174,7 +176,7 @@ def main() -> None:
         default=0,
         help="pin the gateway or worker to the last N CPUs, the clients and RabbitMQ to the rest (0: no pinning)",
     )
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     with pinning(args.serving_cpus) as serving:
         run(args, serving)
 
