@@ -29,7 +29,7 @@ from aio_pika.abc import AbstractIncomingMessage
 logger = logging.getLogger(__name__)
 
 STRAGGLER_DELAY = 0.05
-"""Seconds a finished message waits for the unfinished ones before it before it is acked alone."""
+"""Seconds a finished message waits for an unfinished one ahead of it; then it is acked alone."""
 
 
 @dataclass
@@ -52,8 +52,8 @@ class Acks:
     def __init__(self, straggler_delay: float = STRAGGLER_DELAY, before_ack: Callable[[], None] | None = None) -> None:
         self.straggler_delay = straggler_delay
         self.before_ack = before_ack
-        """Called before each round of acks: the ingest client flushes the lines it wrote, so no
-        result is acked before it is on disk."""
+        """Called before each round of acks: the ingest client flushes the lines it wrote to its
+        file, so no result is acked before its line is written out."""
         self._channels: dict[aiormq.abc.AbstractChannel, _Channel] = {}
         self._due = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
@@ -67,7 +67,10 @@ class Acks:
         """Register a delivery as it arrives (before anything awaits), in delivery order."""
         tag = message.delivery_tag
         assert tag is not None, "a consumer's message has a delivery tag"
-        channel = self._channels.setdefault(message.channel, _Channel(next_tag=tag))
+        key = message.channel
+        channel = self._channels.get(key)
+        if channel is None:
+            channel = self._channels[key] = _Channel(next_tag=tag)
         channel.open[tag] = _Delivery(message)
 
     def finished(self, message: AbstractIncomingMessage) -> None:
@@ -99,7 +102,10 @@ class Acks:
                 async with asyncio.timeout(due):
                     await self._due.wait()
             self._due.clear()
-            await self.flush()
+            try:
+                await self.flush()
+            except Exception:  # acking must go on: a stopped acker would fill the prefetch window
+                logger.exception("acks: a round of acks failed")
 
     def _next_straggler(self) -> float | None:
         """Loop time at which the earliest finished message behind an unfinished one is acked alone."""
