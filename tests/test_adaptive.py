@@ -132,7 +132,9 @@ async def train(batcher: DynamicBatcher, sizes: tuple[int, ...] = (1, 4, 8, 2)) 
 async def test_it_waits_for_the_smallest_batch_that_keeps_up(make: Factory) -> None:
     backend = LinearBackend()
     batcher = make(backend)
-    await train(batcher)
+    # sizes 1-32: the slope spans 62 ms of sleeps, so a few ms of late wake-ups on a loaded host
+    # do not move it by 30 % (with sizes 1-8 they did, once in five clean-clone CI runs)
+    await train(batcher, (1, 32, 8, 24, 2, 16))
     fit = batcher.model.fit  # type: ignore[union-attr]
     assert fit is not None
     assert (fit.a, fit.b) == (pytest.approx(A, rel=0.3), pytest.approx(B, rel=0.3))
