@@ -57,6 +57,9 @@ class Acks:
         self._channels: dict[aiormq.abc.AbstractChannel, _Channel] = {}
         self._due = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
+        self._straggler_due: float | None = None
+        """Loop time at which the earliest finished message waiting behind an unfinished one is due
+        to be acked alone (found by the last round; None: none waits)."""
         self.frames = 0
         """Ack frames sent (multiple or not), for tests and the curious."""
 
@@ -97,7 +100,11 @@ class Acks:
 
     async def _run(self) -> None:
         while True:
-            due = self._next_straggler()
+            due = (
+                None
+                if self._straggler_due is None
+                else max(0.0, self._straggler_due - asyncio.get_running_loop().time())
+            )
             with suppress(TimeoutError):
                 async with asyncio.timeout(due):
                     await self._due.wait()
@@ -107,24 +114,13 @@ class Acks:
             except Exception:  # acking must go on: a stopped acker would fill the prefetch window
                 logger.exception("acks: a round of acks failed")
 
-    def _next_straggler(self) -> float | None:
-        """Loop time at which the earliest finished message behind an unfinished one is acked alone."""
-        times = [
-            d.finished_at + self.straggler_delay
-            for c in self._channels.values()
-            for d in c.open.values()
-            if d.finished_at is not None and not d.settled
-        ]
-        if not times:
-            return None
-        return max(0.0, min(times) - asyncio.get_running_loop().time())
-
     async def flush(self, *, everything: bool = False) -> None:
         """Ack the finished runs; and finished stragglers that waited long enough (all of them
         with ``everything``: at shutdown)."""
         now = asyncio.get_running_loop().time()
         if self.before_ack is not None:
             self.before_ack()
+        self._straggler_due = None
         for key, channel in list(self._channels.items()):
             if key.is_closed:  # its deliveries come back from the broker
                 del self._channels[key]
@@ -137,17 +133,19 @@ class Acks:
                 channel.next_tag += 1
                 if not delivery.settled:
                     last = delivery
-            alone = [
-                d
-                for tag, d in channel.open.items()
-                if not d.settled
-                and d.finished_at is not None
-                and (everything or tag < channel.next_tag or now - d.finished_at >= self.straggler_delay)
-            ]
-            for delivery in alone:
-                delivery.settled = True
-            for tag in [t for t, d in channel.open.items() if t < channel.next_tag and d.settled]:
-                del channel.open[tag]  # before the run's start: never walked, settled alone
+            alone, before_run = [], []  # one pass over what is left open
+            for tag, delivery in channel.open.items():
+                if not delivery.settled and delivery.finished_at is not None:
+                    due = delivery.finished_at + self.straggler_delay
+                    if everything or tag < channel.next_tag or due <= now:
+                        delivery.settled = True
+                        alone.append(delivery)
+                    elif self._straggler_due is None or due < self._straggler_due:
+                        self._straggler_due = due
+                if delivery.settled and tag < channel.next_tag:
+                    before_run.append(tag)  # before the run's start: never walked, settled alone
+            for tag in before_run:
+                del channel.open[tag]
             try:
                 if last is not None:
                     await last.message.ack(multiple=True)

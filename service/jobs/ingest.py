@@ -154,7 +154,7 @@ async def run_ingest(
     last_progress = time.monotonic()
     out.parent.mkdir(parents=True, exist_ok=True)
     with out.open("a") as sink:
-        acks = Acks(before_ack=sink.flush)  # lines on disk before their results are acked
+        acks = Acks(before_ack=sink.flush)  # lines written out before their results are acked
         acks.start()
 
         async def on_result(message: AbstractIncomingMessage) -> None:
