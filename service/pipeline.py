@@ -17,6 +17,7 @@ from functools import partial
 import cv2
 import numpy as np
 
+from service.allocator import keep_image_buffers
 from service.backends.base import Backend
 from service.backends.circuit import CircuitBreaker
 from service.batcher import DynamicBatcher
@@ -112,6 +113,7 @@ async def open_pipeline(
 ) -> AsyncIterator[Pipeline]:
     """Start backend, batcher and preprocessing pool; on exit drain and close them in order."""
     profile = get_profile(settings.model)
+    keep_image_buffers()  # this process churns through image-sized buffers from here on
     decode: Prepare = prepare  # before anything starts: a missing GPU decoder fails here, with nothing to undo
     decode_many: PrepareMany | None = None
     if settings.decoder == "nvjpeg":

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import service.backends.triton_shm as triton_shm
-from service.backends.base import BatchBuffer
+from service.backends.base import BatchBuffer, stack_into
 from service.backends.triton_shm import SharedMemoryPool
 
 
@@ -66,6 +66,25 @@ def test_a_padded_batch_has_the_rows_asked_for_from_the_given_allocator() -> Non
 def test_images_of_different_shapes_are_refused() -> None:
     with pytest.raises(ValueError, match="same shape"):
         BatchBuffer().assemble([np.zeros((8, 8, 3), np.uint8), np.zeros((4, 4, 3), np.uint8)])
+
+
+def test_stacking_copies_views_and_any_channel_count_into_the_given_array() -> None:
+    """The one-call copy (``cv2.vconcat`` into the batch seen as one tall image) lays out crops of a
+    larger picture (views with their own row stride) and 1-4 channels exactly as ``np.stack``, into
+    the array given, never into one of its own; other sample types are stacked by NumPy."""
+    rng = np.random.default_rng(1)
+    for channels in (1, 3, 4):
+        pictures = [rng.integers(0, 256, (20, 24, channels), np.uint8) for _ in range(5)]
+        crops = [p[3:15, 5:17] for p in pictures]  # 12 x 12 views, not contiguous
+        out = np.zeros((5, 12, 12, channels), np.uint8)
+        stack_into(out, crops)
+        assert np.array_equal(out, np.stack(crops))
+    floats = [rng.random((6, 6, 3)).astype(np.float32) for _ in range(3)]
+    out32 = np.zeros((3, 6, 6, 3), np.float32)
+    stack_into(out32, floats)
+    assert np.array_equal(out32, np.stack(floats))
+    with pytest.raises(ValueError, match="same shape"):
+        stack_into(np.zeros((2, 8, 8, 3), np.uint8), images(3))  # more images than rows
 
 
 def test_each_thread_has_its_own_array() -> None:
