@@ -1,4 +1,4 @@
-"""The serving-path benchmark runs end to end: reference app and gateway under wrk, one table."""
+"""The serving-path benchmark runs end to end: both reference apps and the gateway under wrk, one table."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from loadtests.serving_path import main
+from loadtests.serving_path import SAME_WORK, main
 
 
 @pytest.mark.slow
@@ -15,11 +15,13 @@ def test_serving_path_benchmark_prints_both_servers(capsys: pytest.CaptureFixtur
     out = capsys.readouterr().out
     rows = {
         m.group(1): m.groups()[1:]
-        for m in re.finditer(r"^\| ([^|]+) \| ([\d,]+) \| ([\d.]+) \|.*\| (\d+) \|$", out, re.M)
+        for m in re.finditer(r"^\| ([^|]+) \| ([\d,]+) \| ([\d.]+) \| ([\d.]+) \|.*\| (\d+) \|$", out, re.M)
     }
-    assert set(rows) == {"reference (FastAPI + OpenCV)", "gateway, 1 worker"}
-    for rate, ratio, errors in rows.values():
+    assert set(rows) == {"reference (FastAPI + OpenCV)", SAME_WORK, "gateway, 1 worker"}
+    for rate, ratio, same_work_ratio, errors in rows.values():
         assert int(rate.replace(",", "")) > 0
         assert float(ratio) > 0
-        assert errors == "0"  # every answer was a 200: the gateway really classified
+        assert float(same_work_ratio) > 0
+        assert errors == "0"  # every answer was a 200: the gateway really classified, the references decoded
     assert rows["reference (FastAPI + OpenCV)"][1] == "1.00"
+    assert rows[SAME_WORK][2] == "1.00"
