@@ -172,7 +172,7 @@ class Metrics:
 
         self.queue_messages = Counter(
             "gateway_queue_messages_total",
-            "Offline-mode messages by event: published, consumed, acked, requeued, retried, dead_lettered, "
+            "Offline-mode messages by event: published, consumed, acked, rejected, requeued, retried, dead_lettered, "
             "results_published, webhooks_published.",
             ["event"],
             registry=r,
@@ -203,17 +203,23 @@ class Metrics:
             ProcessCollector(registry=r)  # process_cpu_seconds_total, process_resident_memory_bytes...
         for mode in ("online", "offline"):
             self.images.labels(mode)
-        for event in (
-            "published",
-            "consumed",
-            "acked",
-            "requeued",
-            "retried",
-            "dead_lettered",
-            "results_published",
-            "webhooks_published",
-        ):
-            self.queue_messages.labels(event)
+        self.images_offline = self.images.labels("offline")
+        self.queue_events = {
+            event: self.queue_messages.labels(event)
+            for event in (
+                "published",
+                "consumed",
+                "acked",
+                "rejected",
+                "requeued",
+                "retried",
+                "dead_lettered",
+                "results_published",
+                "webhooks_published",
+            )
+        }
+        """``queue_messages``'s children by event, looked up once (``labels()`` takes a lock and checks
+        its values: on the worker's path that was three calls per message)."""
         for outcome in ("delivered", "retried", "undeliverable"):
             self.webhook_deliveries.labels(outcome)
         for reason in (

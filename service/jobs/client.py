@@ -231,7 +231,7 @@ class JobsClient:
                 webhook=webhook,
             )
             await self.broker.publish("requests", message, REQUEST_KEY)
-        self.metrics.queue_messages.labels("published").inc()
+        self.metrics.queue_events["published"].inc()
         self.store.pending(job_id, image.filename)
 
     async def _share(self, claim: Claim) -> None:

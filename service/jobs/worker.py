@@ -167,7 +167,7 @@ class Worker:
 
     async def _on_message(self, message: AbstractIncomingMessage) -> None:
         """Runs in the task aio-pika starts for each delivery (no task of our own on top)."""
-        self.metrics.queue_messages.labels("consumed").inc()
+        self.metrics.queue_events["consumed"].inc()
         try:
             self._acks.received(message)
         except aiormq.exceptions.ChannelInvalidStateError:
@@ -193,16 +193,16 @@ class Worker:
         before the job is acked: a worker killed in between does the job again)."""
         trace_context = current_headers()
         await self._publish("results", result_message(result, trace_context), reply_to)
-        self.metrics.queue_messages.labels("results_published").inc()
+        self.metrics.queue_events["results_published"].inc()
         webhook = _webhook(message.headers or {})
         if webhook is not None:
             delivery = delivery_message(result, webhook, trace_context)
             await self._publish("queue", delivery, self.broker.names.webhooks)
-            self.metrics.queue_messages.labels("webhooks_published").inc()
+            self.metrics.queue_events["webhooks_published"].inc()
 
     async def _dead_letter(self, message: AbstractIncomingMessage, error: GatewayError) -> None:
         await self._publish("dead", dead_letter_message(message, error.error, error.detail), "")
-        self.metrics.queue_messages.labels("dead_lettered").inc()
+        self.metrics.queue_events["dead_lettered"].inc()
 
     async def _fail(self, message: AbstractIncomingMessage, base: JobResult, error: GatewayError, reply: str) -> None:
         logger.warning("worker: job %s dead-lettered: %s: %s", base.job_id, error.error, error.detail)
@@ -210,7 +210,7 @@ class Worker:
         _outcome("failed", error)
         await self._publish_result(failed, reply, message)
         await self._dead_letter(message, error)
-        self.metrics.queue_messages.labels("acked").inc()
+        self.metrics.queue_events["acked"].inc()
 
     async def _republish(self, message: AbstractIncomingMessage, top_k: int, *, retries: int, requeues: int) -> None:
         """Put a copy of the job at the tail of the queue (the input is then acked)."""
@@ -242,7 +242,7 @@ class Worker:
         if not self.closing:
             await asyncio.sleep(pause)
         await self._republish(message, top_k, retries=_int_header(headers, RETRIES_HEADER), requeues=requeues + 1)
-        self.metrics.queue_messages.labels("requeued").inc()
+        self.metrics.queue_events["requeued"].inc()
 
     async def _handle(self, message: AbstractIncomingMessage) -> None:
         """Every path ends in an ack or a reject: acked (with others: ``service.jobs.acks``) once its
@@ -275,7 +275,7 @@ class Worker:
             self._acks.finished(message)
 
     async def _requeue(self, message: AbstractIncomingMessage) -> None:
-        self.metrics.queue_messages.labels("rejected").inc()
+        self.metrics.queue_events["rejected"].inc()
         try:
             await self._acks.reject(message, requeue=True)
         except (aiormq.exceptions.AMQPError, ConnectionError, RuntimeError) as exc:
@@ -312,11 +312,11 @@ class Worker:
                 [ImageInput(message.body, filename)], k=top_k, deadline=deadline
             )
             base.labels = [Label(index=i, label=lab, score=s) for i, lab, s in classified.labels]
-            self.metrics.images.labels("offline").inc()
+            self.metrics.images_offline.inc()
             base.timings["processing"] = time.perf_counter() - started
             _outcome("done")
             await self._publish_result(base, reply_to, message)
-            self.metrics.queue_messages.labels("acked").inc()
+            self.metrics.queue_events["acked"].inc()
         except POISON as exc:
             await self._fail(message, base, exc, reply_to)
         except (BackendUnavailable, QueueFull, DeadlineExceeded) as exc:
@@ -328,7 +328,7 @@ class Worker:
                 await self._republish(
                     message, top_k, retries=retries + 1, requeues=_int_header(headers, REQUEUES_HEADER)
                 )
-                self.metrics.queue_messages.labels("retried").inc()
+                self.metrics.queue_events["retried"].inc()
             else:
                 await self._fail(message, base, exc, reply_to)
 
