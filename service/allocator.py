@@ -27,7 +27,7 @@ M_MMAP_THRESHOLD = -3
 """``mallopt`` parameters (glibc's malloc.h)."""
 MMAP_THRESHOLD = 4 << 20
 """Blocks up to this size come from the heaps (a 12 MP photo decoded at 1/4 scale is 2.3 MB)."""
-TRIM_THRESHOLD = 16 << 20
+TRIM_THRESHOLD = 8 << 20
 """Free memory a heap keeps at its top before it gives it back to the system."""
 _OPERATOR_SETTINGS = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_")
 

@@ -274,7 +274,8 @@ class Settings(BaseSettings):
     """/classify requests decoding or waiting for their batch at once; beyond it the answer is 429.
     A request takes its slot once its body has arrived, so slow uploads never hold one. Memory:
     baseline + max_buffered_body_bytes + max_decode_bytes + preprocess_workers x 24 MB
-    + max_queue_size x 150 KB + open connections x ~0.3 MiB."""
+    + max_queue_size x 150 KB + open connections x ~0.3 MiB, plus up to 8 MB of freed memory that
+    the C allocator keeps per busy thread (``service.allocator``)."""
     max_image_bytes: int = Field(300_000_000, ge=1_000_000)
     """Decoder memory one image may take, reckoned from its header before decoding (width x height
     x channels x bytes per sample, twice, plus a progressive JPEG's coefficients); larger get 413.
