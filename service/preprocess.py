@@ -149,13 +149,20 @@ def decodes_to_rgb(info: ImageInfo) -> bool:
 
 
 def centre_crop_resize(img: np.ndarray, size: int, crop_fraction: float) -> np.ndarray:
-    """Resize-shorter-side-then-centre-crop as one crop and one resize of the source pixels."""
+    """Resize-shorter-side-then-centre-crop as one crop and one resize of the source pixels.
+
+    The output array is made here, before the call: an array OpenCV allocates for its result is
+    made inside the call, which then takes the GIL back for it while it has released it. In a
+    decode thread that costs a wait for the GIL (up to the switch interval) in the middle of every
+    resize while the event loop runs; given ``dst``, the resize runs from start to end without it."""
     h, w = img.shape[:2]
     side = max(1, round(min(h, w) * crop_fraction))
     y, x = (h - side) // 2, (w - side) // 2
     square = img[y : y + side, x : x + side]
     interpolation = cv2.INTER_AREA if side > size else cv2.INTER_LINEAR
-    return cv2.resize(square, (size, size), interpolation=interpolation)
+    out = np.empty((size, size, *img.shape[2:]), img.dtype)
+    resized: np.ndarray = cv2.resize(square, (size, size), dst=out, interpolation=interpolation)
+    return resized  # ``out`` itself; a new array only if OpenCV's result had another layout
 
 
 def orient(img: np.ndarray, orientation: int) -> np.ndarray:
