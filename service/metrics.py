@@ -201,8 +201,6 @@ class Metrics:
         self.multiprocess = multiprocess_dir() is not None
         if not self.multiprocess:  # in multiprocess mode, exposition() adds the answering process's
             ProcessCollector(registry=r)  # process_cpu_seconds_total, process_resident_memory_bytes...
-        for mode in ("online", "offline"):
-            self.images.labels(mode)
         self.images_offline = self.images.labels("offline")
         self.queue_events = {
             event: self.queue_messages.labels(event)
