@@ -53,6 +53,7 @@ class Metrics:
             registry=r,
         )
         self.images_online = self.images.labels("online")
+        self.images_offline = self.images.labels("offline")
         self.postprocess_duration = Histogram(
             "gateway_postprocess_duration_seconds",
             "Top-k selection and response building per request.",
@@ -201,7 +202,6 @@ class Metrics:
         self.multiprocess = multiprocess_dir() is not None
         if not self.multiprocess:  # in multiprocess mode, exposition() adds the answering process's
             ProcessCollector(registry=r)  # process_cpu_seconds_total, process_resident_memory_bytes...
-        self.images_offline = self.images.labels("offline")
         self.queue_events = {
             event: self.queue_messages.labels(event)
             for event in (
