@@ -31,7 +31,6 @@ from service.errors import (
     UnsupportedMediaType,
     error_response,
 )
-from service.fetch import check_destination, parse_allowlist
 from service.http_protocol import TIMED_OUT
 from service.jobs.client import OfflineImage, PendingJob
 from service.metrics import Metrics
@@ -48,6 +47,7 @@ from service.schemas import (
     UrlImages,
 )
 from service.settings import Settings
+from service.ssrf import check_destination, parse_allowlist
 
 
 async def reject_unknown_query(request: Request) -> None:
@@ -404,6 +404,10 @@ async def _webhook_url(request: Request, settings: Settings) -> str | None:
         raise BadRequest(f"{WEBHOOK_URL}: webhooks are turned off here (no GATEWAY_WEBHOOK_SECRET)")
     if len(url) > MAX_WEBHOOK_URL:
         raise BadRequest(f"{WEBHOOK_URL}: {len(url)} characters; at most {MAX_WEBHOOK_URL}")
+    if not url.isascii():  # header bytes arrive as latin-1: anything else would be another URL
+        raise BadRequest(
+            f"{WEBHOOK_URL}: non-ASCII bytes; send the host in IDNA (xn--) form and percent-encode the rest"
+        )
     return await check_destination(
         url, WEBHOOK_URL, settings.webhook_allow_http, parse_allowlist(settings.webhook_allowlist)
     )

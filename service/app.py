@@ -23,7 +23,7 @@ from service.api import ClassifyFastPath, refusal, router, validation_detail
 from service.backends.base import Backend
 from service.classifier import Classifier
 from service.errors import GatewayError, error_body
-from service.fetch import Fetcher, parse_allowlist
+from service.fetch import Fetcher
 from service.health import BackendHealth
 from service.jobs.client import JobsClient
 from service.metrics import Metrics, multiprocess_dir
@@ -32,6 +32,7 @@ from service.models.profiles import get_profile
 from service.pipeline import open_pipeline
 from service.quotas import Quotas
 from service.settings import Settings
+from service.ssrf import parse_allowlist
 from service.tracing import Tracing
 
 logger = logging.getLogger(__name__)

@@ -71,7 +71,7 @@ class PayloadTooLarge(GatewayError):
 
 class UrlNotAllowed(GatewayError):
     """An image URL the SSRF guard refuses: a scheme not allowed, or an address that is private,
-    loopback, link-local or otherwise not public (``service.fetch``)."""
+    loopback, link-local or otherwise not public (``service.ssrf``)."""
 
     status_code = 403
     error = "url_not_allowed"

@@ -14,9 +14,8 @@ import httpx
 import pytest
 from aiohttp import web
 
-from service.errors import UrlNotAllowed
-from service.fetch import GuardedResolver, parse_allowlist, refusal
 from service.settings import Settings
+from service.ssrf import AddressRefused, GuardedResolver, parse_allowlist, refusal
 from tests.conftest import CAT_CLASSES, running_gateway
 
 SERVER_HOST = "127.0.0.2"
@@ -200,7 +199,7 @@ async def test_the_resolver_checks_the_addresses_it_hands_to_the_connection() ->
     resolver = GuardedResolver(parse_allowlist(""))
     resolver._resolver = Rebinding()  # type: ignore[assignment]
     assert (await resolver.resolve("images.example", 443))[0]["host"] == "93.184.216.34"
-    with pytest.raises(UrlNotAllowed, match=r"10\.0\.0\.7 is a private address"):
+    with pytest.raises(AddressRefused, match=r"10\.0\.0\.7 is a private address"):
         await resolver.resolve("images.example", 443)
 
 
@@ -214,3 +213,28 @@ def test_refusal_reasons() -> None:
     assert "link-local" in (refusal(ipaddress.ip_address("169.254.169.254"), allow) or "")
     assert "not globally routable" in (refusal(ipaddress.ip_address("100.64.0.1"), allow) or "")
     assert refusal(ipaddress.ip_address("224.0.0.1"), allow) is not None
+
+
+def test_refusal_judges_an_ipv6_address_by_the_ipv4_address_it_carries() -> None:
+    """6to4, NAT64, IPv4-compatible, SIIT and IPv4-mapped addresses are judged by the IPv4 address
+    inside (refused if it is, allowed if it is public or allow-listed); local-use NAT64, Teredo and
+    site-local addresses are refused whatever they hold."""
+    import ipaddress
+
+    allow = parse_allowlist("10.20.0.0/16")
+
+    def why(text: str) -> str | None:
+        return refusal(ipaddress.ip_address(text), allow)
+
+    for carrier in ("2002:{h}:{l}::1", "64:ff9b::{h}:{l}", "::{h}:{l}", "::ffff:0:{h}:{l}", "::ffff:{h}:{l}"):
+        assert "127.0.0.1 is a loopback" in (why(carrier.format(h="7f00", l="1")) or ""), carrier
+        assert "10.0.0.7 is a private" in (why(carrier.format(h="a00", l="7")) or ""), carrier
+        assert "169.254.169.254 is a link-local" in (why(carrier.format(h="a9fe", l="a9fe")) or ""), carrier
+        assert why(carrier.format(h="808", l="808")) is None, carrier  # 8.8.8.8
+        assert why(carrier.format(h="a14", l="101")) is None, carrier  # 10.20.1.1: allow-listed
+    assert "local-use NAT64" in (why("64:ff9b:1::808:808") or "")
+    assert "Teredo" in (why("2001:0:4136:e378:8000:63bf:3fff:fdd2") or "")
+    assert "site-local" in (why("fec0::1") or "")
+    assert "loopback" in (why("::1") or "")
+    assert why("::") is not None
+    assert why("2606:4700::1111") is None  # a public IPv6 address

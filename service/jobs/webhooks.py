@@ -1,9 +1,9 @@
 """Completion webhooks: when an offline job finishes, POST its result to the URL its submit gave.
 
-* **Submit.** ``POST /classify?mode=offline`` with a ``Webhook-URL`` header. The API checks the URL
-  as it checks image URLs (``service.fetch``: https only unless ``GATEWAY_WEBHOOK_ALLOW_HTTP``; the
-  host's addresses public unless ``GATEWAY_WEBHOOK_ALLOWLIST`` holds them) and every job's message
-  carries it (``x-webhook-url``).
+* **Submit.** ``POST /classify?mode=offline`` with a ``Webhook-URL`` header (ASCII). The API checks
+  the URL as it checks image URLs (``service.ssrf``: a well-formed URL, https only unless
+  ``GATEWAY_WEBHOOK_ALLOW_HTTP``; the host's addresses public unless ``GATEWAY_WEBHOOK_ALLOWLIST``
+  holds them) and every job's message carries it (``x-webhook-url``).
 * **Finish.** The worker that finishes the job (``done`` or ``failed``) publishes the delivery, the
   JSON to POST, to the quorum queue ``<prefix>.webhooks`` before it acks the job. A worker killed
   in between redoes the job and publishes the delivery again, under the same webhook id.
@@ -50,13 +50,13 @@ import aio_pika
 import aiohttp
 from aio_pika.abc import AbstractChannel, AbstractIncomingMessage, AbstractQueue
 
-from service.errors import GatewayError, UrlNotAllowed
-from service.fetch import check_url, guarded_session, parse_allowlist
+from service.errors import GatewayError
 from service.jobs.broker import Broker
 from service.jobs.messages import WEBHOOK_HEADER, JobResult, copy_message, dead_letter_message, trace_headers
 from service.jobs.signing import signature
 from service.metrics import Metrics
 from service.settings import Settings
+from service.ssrf import guarded_session, parse_allowlist, parse_url, refused_reason
 
 logger = logging.getLogger(__name__)
 
@@ -194,7 +194,7 @@ class WebhookSender:
 
     async def _post(self, url: str, webhook_id: str, body: bytes) -> None:
         try:
-            check_url(url, "webhook URL", self.allow_http, self.allowlist)
+            parsed = parse_url(url, "webhook URL", self.allow_http)
         except GatewayError as exc:
             raise _Undeliverable(exc.detail) from None
         timestamp = int(time.time())
@@ -205,17 +205,15 @@ class WebhookSender:
             "webhook-signature": signature(self.secret, webhook_id, timestamp, body),
         }
         try:
-            async with self._client().post(url, data=body, headers=headers, allow_redirects=False) as response:
+            async with self._client().post(parsed, data=body, headers=headers, allow_redirects=False) as response:
                 status = response.status
-        except UrlNotAllowed as exc:  # from the guarded resolver: the address connected to
-            raise _Undeliverable(exc.detail) from None
         except TimeoutError:
             raise _Failed(f"no answer within {self.timeout:g} s") from None
         except aiohttp.ClientConnectorError as exc:
-            if isinstance(exc.__cause__, UrlNotAllowed):
-                raise _Undeliverable(exc.__cause__.detail) from None
+            if (why := refused_reason(exc)) is not None:  # the address connected to, or its name's
+                raise _Undeliverable(why) from None
             raise _Failed(f"cannot connect ({exc.os_error.strerror or exc})") from None
-        except (aiohttp.ClientError, OSError, ValueError) as exc:  # ValueError: a URL aiohttp cannot parse
+        except (aiohttp.ClientError, OSError, ValueError) as exc:  # ValueError: a request aiohttp cannot build
             raise _Failed(f"{type(exc).__name__}: {exc}") from None
         if 200 <= status < 300:
             return
