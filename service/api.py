@@ -97,8 +97,8 @@ _QUERY_DOC: list[dict[str, Any]] = [
         "required": False,
         "description": "mode=offline: a retry with the same key and the same body gets the same job ids "
         "(202, with `Idempotent-Replayed: true` when nothing new was queued) and queues nothing new, also on "
-        "another replica; the same key with another body is 409. Remembered for GATEWAY_IDEMPOTENCY_TTL "
-        "seconds, per API key. Ignored online (an online answer is computed again).",
+        "another replica at the same moment; the same key with another body is 409. Remembered for "
+        "GATEWAY_IDEMPOTENCY_TTL seconds, per API key. Ignored online (an online answer is computed again).",
         "schema": {"type": "string", "minLength": 1, "maxLength": 255},
     },
     {
@@ -190,7 +190,7 @@ _ERRORS: dict[int | str, dict[str, Any]] = {
         "burst allows at once.",
         415: "Content type that is not an image, multipart/form-data or JSON, or an image URL whose answer is "
         "not an image type.",
-        404: "Unknown job (GET /jobs/{job_id}).",
+        404: "Unknown job, or another API key's (GET /jobs/{job_id}).",
         409: "mode=offline: the Idempotency-Key was used before with a different body (`idempotency_conflict`).",
         422: "Invalid query parameters.",
         429: "Retry after `Retry-After` seconds: the batch queue is full (`queue_full`), the request cannot meet "
@@ -375,8 +375,8 @@ async def _classify_offline(request: Request, images: list[ImageInput], top_k: i
     webhook = await _webhook_url(request, gateway.settings)
     await gateway.classifier.validate(images)
     offline = [OfflineImage(i.data, i.content_type or "application/octet-stream", i.filename) for i in images]
-    scope = request.scope.get(API_KEY) or ""
-    submitted = await gateway.jobs.submit(offline, top_k, (scope, key) if key is not None else None, webhook)
+    owner = request.scope.get(API_KEY) or ""
+    submitted = await gateway.jobs.submit(offline, top_k, owner=owner, key=key, webhook=webhook)
     body = JobsAccepted(
         jobs=[
             AcceptedJob(job_id=job_id, filename=image.filename, status_url=f"/jobs/{job_id}")
@@ -417,13 +417,14 @@ async def _webhook_url(request: Request, settings: Settings) -> str | None:
     "/jobs/{job_id}",
     dependencies=CHECKED_QUERY,
     response_model=JobStatus,
-    responses={404: {"model": ErrorBody, "description": "Unknown job."}},
+    responses={404: {"model": ErrorBody, "description": "Unknown job, or another API key's."}},
     summary="State of an offline job: pending, done (with labels) or failed (with the reason)",
 )
 async def job_status(request: Request, job_id: str) -> JobStatus:
     gateway = request.app.state.gateway
-    state = gateway.jobs.store.get(job_id) if gateway.jobs is not None else None
-    if state is None:
+    owner = request.scope.get(API_KEY) or ""
+    state = gateway.jobs.job(job_id, owner) if gateway.jobs is not None else None
+    if state is None:  # also another key's job: the same answer, so that its existence is not told
         raise NotFound(
             f"unknown job {job_id!r}: never accepted, forgotten (job states are kept "
             f"{gateway.settings.jobs_ttl:g} s, within GATEWAY_JOBS_CACHE_BYTES), or accepted by another replica "

@@ -94,7 +94,11 @@ def create_app(
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         try:
             async with open_pipeline(settings, metrics, backend, tracing) as pipeline:
-                jobs = JobsClient(settings, metrics, tracing) if settings.broker_url else None
+                jobs = (
+                    JobsClient(settings, metrics, tracing, owners={key.id: key.secret for key in keys})
+                    if settings.broker_url
+                    else None
+                )
                 if jobs is not None:
                     jobs.start()  # in the background: online mode must not wait for the broker
                 fetcher = (

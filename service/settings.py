@@ -192,6 +192,9 @@ class Settings(BaseSettings):
     idempotency_ttl: float = Field(86400.0, gt=0.0)
     """Seconds an ``Idempotency-Key`` of an offline submit is remembered: a retry within it returns
     the same job ids and publishes nothing new."""
+    idempotency_max_bytes: int = Field(64 * 1024 * 1024, ge=1024 * 1024)
+    """Memory each API replica gives the idempotency keys it remembers (about 600 bytes a key);
+    over it, the least recently used keys are forgotten before their TTL."""
     webhook_secret: SecretStr | None = None
     """Key that signs completion webhooks (``whsec_`` + base64 of 24-64 random bytes, e.g.
     ``whsec_$(openssl rand -base64 32)``); the API and the workers need the same one. Unset: a

@@ -19,17 +19,19 @@ import logging
 import sys
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+import aio_pika
 from aio_pika.abc import AbstractIncomingMessage
 from cachetools import TTLCache
 from pydantic import ValidationError
 
 from service.errors import BackendUnavailable, GatewayError
 from service.jobs.broker import Broker
-from service.jobs.idempotency import Claim, IdempotencyLog, fingerprint, job_ids
-from service.jobs.messages import DEFAULT_REPLY_TO, JobResult, new_job_id, request_message
+from service.jobs.idempotency import HOLD_TIMEOUTS, IdempotencyLog, fingerprint, key_digest
+from service.jobs.messages import DEFAULT_REPLY_TO, JobResult, request_message
+from service.jobs.owners import derived_job_ids, new_job_id, owns
 from service.jobs.topology import REQUEST_KEY, Names
 from service.metrics import Metrics
 from service.settings import Settings
@@ -112,6 +114,13 @@ class IdempotencyConflict(GatewayError):
     error = "idempotency_conflict"
 
 
+def _conflict() -> IdempotencyConflict:
+    return IdempotencyConflict(
+        "this Idempotency-Key was used with a different request (images, filenames, top_k or Webhook-URL); "
+        "use a new key for a new request"
+    )
+
+
 def _raise_first(outcomes: list[BaseException | None]) -> None:
     error = next((outcome for outcome in outcomes if outcome is not None), None)
     if error is not None:
@@ -119,14 +128,30 @@ def _raise_first(outcomes: list[BaseException | None]) -> None:
 
 
 class JobsClient:
-    def __init__(self, settings: Settings, metrics: Metrics, tracing: Tracing | None = None) -> None:
+    def __init__(
+        self,
+        settings: Settings,
+        metrics: Metrics,
+        tracing: Tracing | None = None,
+        owners: Mapping[str, bytes] | None = None,
+    ) -> None:
         assert settings.broker_url
         self.tracing = tracing
         self.store = JobStore(settings.jobs_cache_bytes, settings.jobs_ttl)
         self.metrics = metrics
         self.names = Names(settings.queue_prefix)
         self.listen_queue = f"{self.names.prefix}.api.{uuid.uuid4().hex[:12]}"
-        self.idempotency = IdempotencyLog(self.names, settings.idempotency_ttl)
+        self.publish_timeout = settings.publish_timeout
+        self.idempotency = IdempotencyLog(
+            self.names,
+            settings.idempotency_ttl,
+            settings.idempotency_max_bytes,
+            hold=HOLD_TIMEOUTS * settings.publish_timeout,
+        )
+        self._settling: set[asyncio.Task[None]] = set()
+        """Outcomes being appended to the claims stream."""
+        self.owners = dict(owners or {})
+        """API key id to the key, under which its job ids are made (``service.jobs.owners``)."""
         self.broker = Broker(
             settings.broker_url,
             self.names,
@@ -162,51 +187,96 @@ class JobsClient:
     def status(self) -> str:
         return self.broker.status()
 
+    def _secret(self, owner: str) -> bytes:
+        return self.owners[owner] if owner else b""
+
+    def job(self, job_id: str, owner: str = "") -> PendingJob | JobResult | None:
+        """The state of a job, for its owner only (the API key id that submitted it, "" without
+        keys): any other key gets None, as for a job never submitted. Without API keys every
+        caller is the same owner, and a job id is all it takes."""
+        if self.owners and not owns(self._secret(owner), job_id):
+            return None
+        return self.store.get(job_id)
+
     async def submit(
         self,
         images: list[OfflineImage],
         top_k: int,
-        idempotency: tuple[str, str] | None = None,
+        *,
+        owner: str = "",
+        key: str | None = None,
         webhook: str | None = None,
     ) -> Submitted:
-        """Publish each image (confirmed) and return the job ids, in order. With ``idempotency``
-        (scope, key), ids are derived from the key and a retry publishes only what no earlier
-        attempt did (``service.jobs.idempotency``). With ``webhook``, each job's result is POSTed
+        """Publish each image (confirmed) and return the job ids, in order; the ids are
+        ``owner``'s (an API key id, "" without keys). With an idempotency ``key``, ids are
+        derived from the key and the request, and each image is queued once, whichever replica
+        takes a retry (``service.jobs.idempotency``). With ``webhook``, each job's result is POSTed
         there when it finishes (``service.jobs.webhooks``)."""
         assert all(i.data for i in images)
-        if idempotency is None:
-            ids = [new_job_id() for _ in images]
+        secret = self._secret(owner)
+        if key is None:
+            ids = [new_job_id(secret) for _ in images]
             _raise_first(await self._publish_all(images, ids, range(len(images)), top_k, webhook))
             return Submitted(ids)
-        scope, key = idempotency
         body = fingerprint([(i.data, i.content_type, i.filename) for i in images], top_k, webhook)
-        async with self.idempotency.lock(scope, key):
-            claim = self.idempotency.get(scope, key)
-            if claim is not None and claim.fingerprint != body:
-                raise IdempotencyConflict(
-                    "this Idempotency-Key was used with a different request body (images, filenames or top_k); "
-                    "use a new key for a new request"
+        ids = derived_job_ids(secret, key, body, len(images))
+        slot = key_digest(secret, key)
+        async with self.idempotency.lock(slot):
+            return await self._submit_once(images, ids, slot, body, top_k, webhook)
+
+    async def _submit_once(
+        self, images: list[OfflineImage], ids: list[str], slot: bytes, body: bytes, top_k: int, webhook: str | None
+    ) -> Submitted:
+        """Claim the key through the stream; publish if this claim wins, else wait for the one that
+        did and answer from its outcome (claiming again if it left images unconfirmed)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.idempotency.hold + 2 * self.publish_timeout
+        while True:
+            known = self.idempotency.get(slot)
+            if known is not None and known.fingerprint != body:
+                raise _conflict()
+            if known is not None and known.complete:
+                return Submitted(ids, replayed=True)
+            claim, decision = await self.idempotency.claim(
+                self._append, slot, body, len(images), timeout=self.publish_timeout
+            )
+            if decision.verdict == "conflict":
+                raise _conflict()
+            if decision.verdict == "replay":
+                return Submitted(ids, replayed=True)
+            if decision.verdict == "publish":
+                return await self._publish_claimed(images, ids, slot, body, claim, decision.published, top_k, webhook)
+            left = deadline - loop.time()
+            if left <= 0:
+                raise BackendUnavailable(
+                    "a submit with this Idempotency-Key is still in progress on another replica; "
+                    "retry with the same key"
                 )
-            ids = claim.job_ids if claim is not None else job_ids(scope, key, len(images))
-            done = set(claim.published) if claim is not None else set()
-            todo = [index for index in range(len(images)) if index not in done]
-            published: list[int] = []
-            try:
-                outcomes = await self._publish_all(images, ids, todo, top_k, webhook)
-                published = [index for index, outcome in zip(todo, outcomes, strict=True) if outcome is None]
-                _raise_first(outcomes)
-            finally:
-                if published:
-                    record = Claim(
-                        scope=scope,
-                        key=key,
-                        fingerprint=body,
-                        job_ids=ids,
-                        published=sorted(done | set(published)),
-                        at=time.time(),
-                    )
-                    await self._share(record)
-            return Submitted(ids, replayed=not todo)
+            await self.idempotency.released(slot, min(left, max(0.01, decision.until - time.time())))
+
+    async def _publish_claimed(
+        self,
+        images: list[OfflineImage],
+        ids: list[str],
+        slot: bytes,
+        body: bytes,
+        claim: bytes,
+        done: int,
+        top_k: int,
+        webhook: str | None,
+    ) -> Submitted:
+        todo = [index for index in range(len(images)) if not done >> index & 1]
+        published = 0
+        try:
+            outcomes = await self._publish_all(images, ids, todo, top_k, webhook)
+            for index, outcome in zip(todo, outcomes, strict=True):
+                if outcome is None:
+                    published |= 1 << index
+            _raise_first(outcomes)
+        finally:
+            self.idempotency.confirmed(slot, body, published)
+            self._settle(self.idempotency.message("outcome", slot, claim, body, len(images), published))
+        return Submitted(ids, replayed=not todo)
 
     async def _publish_all(
         self, images: list[OfflineImage], ids: list[str], indices: Sequence[int], top_k: int, webhook: str | None
@@ -234,15 +304,24 @@ class JobsClient:
         self.metrics.queue_events["published"].inc()
         self.store.pending(job_id, image.filename)
 
-    async def _share(self, claim: Claim) -> None:
-        """Remember the claim here, and on the stream for the other replicas: if the broker fails
-        now, the jobs are published anyway, and a retry on another replica publishes them again
-        under the same ids."""
-        message = self.idempotency.remember(claim)
+    async def _append(self, message: aio_pika.Message) -> None:
+        await self.broker.publish("queue", message, self.idempotency.stream)
+
+    def _settle(self, message: aio_pika.Message) -> None:
+        """Append the outcome that releases the key, without waiting for its confirm: the answer
+        does not depend on it (a retry that meets the key still held waits for the outcome, which
+        was sent first). If the broker fails now, the jobs are published anyway; the key stays held
+        until its hold ends, and a retry after that publishes them again, under the same ids."""
+        task = asyncio.create_task(self._append_outcome(message), name="idempotency-outcome")
+        self._settling.add(task)
+        task.add_done_callback(self._settling.discard)
+
+    async def _append_outcome(self, message: aio_pika.Message) -> None:
         try:
-            await self.broker.publish("queue", message, self.idempotency.stream)
+            await self._append(message)
         except BackendUnavailable as exc:
-            logger.warning("jobs: idempotency claim not shared with other replicas: %s", exc.detail)
+            logger.warning("jobs: idempotency outcome not appended to the stream: %s", exc.detail)
 
     async def aclose(self) -> None:
+        await asyncio.gather(*self._settling)  # each within the publish timeout
         await self.broker.aclose()

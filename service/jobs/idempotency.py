@@ -1,85 +1,148 @@
 """Idempotent offline submits: ``Idempotency-Key`` on ``POST /classify?mode=offline``.
 
-* **Job ids are derived, not drawn**: image i of a submit with key K under API key S gets
-  ``sha256(S, K, i)``. Any replica, with or without history, gives a retry the same ids, so a
-  duplicate that slips through (see the window below) is the same job twice, never two jobs.
-* **Claims are shared through RabbitMQ**: after a submit, the replica appends a claim (scope, key,
-  a fingerprint of the body, which images were confirmed published) to a stream queue,
-  ``<prefix>.idempotency``. Every API replica reads that stream from its start when it connects, and
-  follows it, keeping the claims younger than ``GATEWAY_IDEMPOTENCY_TTL`` in memory; the
-  ``<prefix>-idempotency`` policy (``max-age``) lets RabbitMQ drop older segments.
-* A retry whose claim is known publishes nothing new (only the images an earlier, partly failed
-  attempt did not get confirmed) and returns the same job ids; the same key with another body is
-  409. On one replica, submits with the same key run one at a time.
-* **The window**: two replicas that take the same key within the time a claim takes to reach the
-  other (a submit's publish time plus the stream's delivery, milliseconds) both publish; the jobs
-  keep their ids, so a client sees one set of ids, and each job is classified twice.
+* **Job ids are derived, not drawn** (``service.jobs.owners``): from the API key's secret, the
+  idempotency key, the request's fingerprint and the image's index. A retry of the same request
+  gets the same ids on any replica; the same key with another body after its TTL gets new ones.
+* **The stream is the order.** Replicas share claims through a stream queue,
+  ``<prefix>.idempotency``, which each reads from its start when it connects and then follows.
+  Before publishing anything, a submit appends an *intent* (which key, which request, a random
+  claim id) and waits until its own replica has read the stream up to that intent. Every replica
+  applies the same entries in the same order with the same rule (``IdempotencyLog.apply``), so all
+  agree on the one intent that may publish: the first for its key, while no earlier one holds it.
+  That one publishes the images not confirmed yet and appends an *outcome* (which images the broker
+  confirmed), which releases the key. An intent that finds the key held waits for the outcome and
+  then answers from it (the same ids, nothing published) or, if images are still missing, claims
+  again. The same key with another request is 409.
+* **A holder that dies** (crash, lost connection) before its outcome holds the key for
+  ``HOLD_TIMEOUTS`` x ``GATEWAY_PUBLISH_TIMEOUT`` after its intent; then the next intent takes over
+  and publishes what no outcome confirmed (images the dead one published unconfirmed are then queued
+  twice, under the same ids).
+* **Without the stream** (broker down, the intent not read back within the publish timeout) an
+  idempotent submit is 503 and publishes nothing.
+* **Memory**: per key, a fixed-size state (key and fingerprint digests, the image count, the
+  confirmed images as a bitmask, the holder), bounded in bytes by ``GATEWAY_IDEMPOTENCY_MAX_BYTES``
+  and in age by ``GATEWAY_IDEMPOTENCY_TTL``; over the bytes, the least recently used keys are
+  forgotten early (a retry of one is then queued again, under the same ids).
 """
 
 from __future__ import annotations
 
 import asyncio
 import hashlib
+import hmac
 import logging
+import secrets
+import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, replace
+from typing import Literal
 from weakref import WeakValueDictionary
 
 import aio_pika
 from aio_pika.abc import AbstractIncomingMessage, AbstractRobustChannel
-from cachetools import TTLCache
+from cachetools import TLRUCache
 from pydantic import BaseModel, ValidationError
 
+from service.errors import BackendUnavailable
 from service.jobs.topology import Names
 
 logger = logging.getLogger(__name__)
 
-MAX_CLAIMS = 1_000_000
-"""Claims held in memory at most (~300 bytes each), whatever the TTL."""
+HOLD_TIMEOUTS = 3
+"""An intent holds its key for this many publish timeouts at most: its images' publishes and its
+outcome's each take one at most."""
+STATE_BYTES = 576
+"""What a key's state costs in memory besides its bitmask (the state, its digests, the cache's
+entry): measured with ``python -m loadtests.idempotency_memory``."""
+DIGEST_BYTES = 16
 
 
-class Claim(BaseModel):
-    scope: str
-    """The API key's id ("" without keys): two tenants' keys never collide."""
+class Entry(BaseModel):
+    """One entry of the claims stream."""
+
+    kind: Literal["intent", "outcome"]
     key: str
+    """Hex digest of the API key and the idempotency key (``key_digest``): never the key itself."""
+    claim: str
+    """Hex id of the attempt; an outcome names the intent it settles."""
     fingerprint: str
-    job_ids: list[str]
-    published: list[int]
-    """Indices of the images whose publish the broker confirmed."""
+    count: int
+    published: int = 0
+    """Outcome: bit i set when the broker confirmed image i."""
     at: float
-    """When it was made (epoch seconds): replayed claims older than the TTL are skipped."""
+    """Wall-clock time of the entry (epoch seconds)."""
 
 
-def job_ids(scope: str, key: str, count: int) -> list[str]:
-    return [hashlib.sha256(f"{scope}\0{key}\0{i}".encode()).hexdigest()[:32] for i in range(count)]
+@dataclass(frozen=True, slots=True)
+class KeyState:
+    fingerprint: bytes
+    count: int
+    published: int
+    """Bit i set once the broker confirmed image i."""
+    holder: bytes | None
+    """The claim id of the intent now publishing, if any."""
+    since: float
+    """When the holder's intent was made."""
+    at: float
+    """When the key was first claimed: its TTL runs from here."""
+
+    @property
+    def complete(self) -> bool:
+        return self.published == (1 << self.count) - 1
 
 
-def fingerprint(images: Sequence[tuple[bytes, str, str | None]], top_k: int, webhook: str | None = None) -> str:
-    """Of what a submit asks for: each image's bytes, type and filename, in order, ``top_k`` and
-    the webhook URL (when there is one: a submit without keeps the fingerprint of earlier versions)."""
-    digest = hashlib.sha256(f"top_k={top_k};n={len(images)}".encode())
-    if webhook is not None:
-        digest.update(f"webhook={webhook}\0".encode())
+Verdict = Literal["publish", "wait", "replay", "conflict"]
+
+
+@dataclass(frozen=True)
+class Decision:
+    verdict: Verdict
+    published: int = 0
+    """The images confirmed before this intent (bitmask)."""
+    until: float = 0.0
+    """``wait``: when the holder's hold ends (epoch seconds)."""
+
+
+def key_digest(owner: bytes, key: str) -> bytes:
+    return hmac.new(owner, b"gateway-idempotency-key\0" + key.encode(), hashlib.sha256).digest()[:DIGEST_BYTES]
+
+
+def fingerprint(images: Sequence[tuple[bytes, str, str | None]], top_k: int, webhook: str | None = None) -> bytes:
+    """Of everything a submit queues: each image's bytes, type and filename, in order, their
+    count, ``top_k`` and the webhook URL."""
+    digest = hashlib.sha256(f"gateway-submit-v2\0top_k={top_k}\0n={len(images)}\0".encode())
+    digest.update(f"webhook={webhook}\0".encode() if webhook is not None else b"no-webhook\0")
     for data, content_type, filename in images:
         digest.update(hashlib.sha256(data).digest())
-        digest.update(f"\0{content_type}\0{filename or ''}\0".encode())
-    return digest.hexdigest()
+        digest.update(f"\0{content_type}\0{filename is not None}{filename or ''}\0".encode())
+    return digest.digest()[:DIGEST_BYTES]
+
+
+def _state_bytes(state: KeyState) -> int:
+    return STATE_BYTES + sys.getsizeof(state.published)
 
 
 class IdempotencyLog:
-    def __init__(self, names: Names, ttl: float) -> None:
+    def __init__(self, names: Names, ttl: float, max_bytes: int, hold: float) -> None:
         self.stream = names.idempotency
         self.ttl = ttl
-        self.claims: TTLCache[tuple[str, str], Claim] = TTLCache(maxsize=MAX_CLAIMS, ttl=ttl)
-        self._locks: WeakValueDictionary[tuple[str, str], asyncio.Lock] = WeakValueDictionary()
-        self._channel: AbstractRobustChannel | None = None
+        self.hold = hold
+        self.states: TLRUCache[bytes, KeyState] = TLRUCache(
+            maxsize=max_bytes, ttu=lambda _key, state, _now: state.at + ttl, timer=time.time, getsizeof=_state_bytes
+        )
+        self._decisions: dict[bytes, asyncio.Future[Decision]] = {}
+        self._waiters: dict[bytes, list[asyncio.Future[None]]] = {}
+        self._locks: WeakValueDictionary[bytes, asyncio.Lock] = WeakValueDictionary()
+        self._offset = -1
+        """The last stream offset applied: a consumer restored after a reconnect reads from the start again."""
 
-    def lock(self, scope: str, key: str) -> asyncio.Lock:
-        """Held while a submit with this key publishes, so a concurrent retry on this replica sees
-        its claim instead of publishing again."""
-        lock = self._locks.get((scope, key))
+    def lock(self, key: bytes) -> asyncio.Lock:
+        """Held while a submit with this key runs on this replica: a concurrent retry here waits
+        for it and then replays, without a round trip through the stream."""
+        lock = self._locks.get(key)
         if lock is None:
-            lock = self._locks[(scope, key)] = asyncio.Lock()
+            lock = self._locks[key] = asyncio.Lock()
         return lock
 
     async def follow(self, channel: AbstractRobustChannel) -> None:
@@ -87,35 +150,137 @@ class IdempotencyLog:
         own: a stream consumer needs a prefetch and acks)."""
         await channel.set_qos(prefetch_count=1000)
         queue = await channel.declare_queue(self.stream, durable=True, arguments={"x-queue-type": "stream"})
-        await queue.consume(self._on_claim, arguments={"x-stream-offset": "first"})
-        self._channel = channel
+        await queue.consume(self._on_entry, arguments={"x-stream-offset": "first"})
 
-    async def _on_claim(self, message: AbstractIncomingMessage) -> None:
-        try:
-            claim = Claim.model_validate_json(message.body)
-        except ValidationError as exc:
-            logger.warning("jobs: ignoring a malformed idempotency claim: %s", exc)
-        else:
-            if time.time() - claim.at < self.ttl:
-                self._merge(claim)
+    async def _on_entry(self, message: AbstractIncomingMessage) -> None:
+        offset = (message.headers or {}).get("x-stream-offset")
+        if not isinstance(offset, int) or offset > self._offset:
+            if isinstance(offset, int):
+                self._offset = offset
+            self._read(message.body)
         await message.ack()
 
-    def _merge(self, claim: Claim) -> None:
-        known = self.claims.get((claim.scope, claim.key))
-        if known is not None and known.fingerprint == claim.fingerprint:
-            claim = claim.model_copy(update={"published": sorted({*known.published, *claim.published}), "at": known.at})
-        elif known is not None and known.at <= claim.at:  # two bodies raced under one key: the first wins
+    def _read(self, body: bytes) -> None:
+        try:
+            entry = Entry.model_validate_json(body)
+        except ValidationError as exc:
+            if b'"job_ids"' not in body:  # not an earlier version's claim: worth a line
+                logger.warning("jobs: ignoring a malformed idempotency entry: %s", exc)
             return
-        self.claims[(claim.scope, claim.key)] = claim
+        if time.time() - entry.at >= self.ttl:
+            return
+        try:
+            decision = self.apply(entry)
+        except ValueError as exc:  # a hex field that is not hex
+            logger.warning("jobs: ignoring a malformed idempotency entry: %s", exc)
+            return
+        future = self._decisions.pop(bytes.fromhex(entry.claim), None)
+        if future is not None and decision is not None and not future.done():
+            future.set_result(decision)
 
-    def get(self, scope: str, key: str) -> Claim | None:
-        return self.claims.get((scope, key))
+    def apply(self, entry: Entry) -> Decision | None:
+        """Apply one entry of the stream, in order; an intent's decision. Pure but for the
+        state: every replica reaches the same decisions from the same entries."""
+        key, claim, fp = bytes.fromhex(entry.key), bytes.fromhex(entry.claim), bytes.fromhex(entry.fingerprint)
+        state = self.states.get(key)
+        if entry.kind == "outcome":
+            self._settle(key, state, claim, fp, entry)
+            return None
+        released = state is None or state.holder is None or entry.at - state.since > self.hold
+        if state is None or (state.published == 0 and released):  # a new key, or one nothing was queued for
+            first = state.at if state is not None and state.fingerprint == fp else entry.at
+            self._put(key, KeyState(fp, entry.count, 0, claim, entry.at, first))
+            return Decision("publish")
+        if state.fingerprint != fp:
+            return Decision("conflict")
+        if state.complete:
+            return Decision("replay", state.published)
+        if not released:
+            return Decision("wait", state.published, state.since + self.hold)
+        self._put(key, replace(state, holder=claim, since=entry.at))
+        return Decision("publish", state.published)
 
-    def remember(self, claim: Claim) -> aio_pika.Message:
-        """Keep the claim here at once, and return the message that shares it with other replicas."""
-        self._merge(claim)
+    def _settle(self, key: bytes, state: KeyState | None, claim: bytes, fp: bytes, entry: Entry) -> None:
+        if state is None:
+            if entry.published:  # its intent was forgotten (memory bound): keep what was confirmed
+                self._put(key, KeyState(fp, entry.count, entry.published, None, entry.at, entry.at))
+        elif state.fingerprint == fp:
+            holder = None if state.holder == claim else state.holder
+            if state.published | entry.published == 0 and holder is None:
+                self.states.pop(key, None)  # nothing was queued: the key is free again
+            else:
+                self._put(key, replace(state, published=state.published | entry.published, holder=holder))
+        for waiter in self._waiters.pop(key, ()):
+            if not waiter.done():
+                waiter.set_result(None)
+
+    def _put(self, key: bytes, state: KeyState) -> None:
+        try:
+            self.states[key] = state
+        except ValueError:  # larger than the whole bound: keep nothing rather than fail
+            self.states.pop(key, None)
+
+    def get(self, key: bytes) -> KeyState | None:
+        return self.states.get(key)
+
+    def confirmed(self, key: bytes, fp: bytes, published: int) -> None:
+        """Images this replica saw confirmed, known here before its outcome comes back from the
+        stream: only ever fewer publishes follow from it."""
+        state = self.states.get(key)
+        if state is not None and state.fingerprint == fp and published:
+            self._put(key, replace(state, published=state.published | published))
+
+    async def claim(
+        self, append: Callable[[aio_pika.Message], Awaitable[None]], key: bytes, fp: bytes, count: int, timeout: float
+    ) -> tuple[bytes, Decision]:
+        """Append an intent and wait until the stream has brought it back here: the decision
+        every replica takes for it. 503 when it cannot be appended or does not come back."""
+        claim = secrets.token_bytes(DIGEST_BYTES)
+        future: asyncio.Future[Decision] = asyncio.get_running_loop().create_future()
+        self._decisions[claim] = future
+        try:
+            await append(self.message("intent", key, claim, fp, count))
+            try:
+                async with asyncio.timeout(timeout):
+                    return claim, await future
+            except TimeoutError:
+                raise BackendUnavailable(
+                    f"the idempotency claim did not come back from the stream {self.stream} within {timeout:g} s "
+                    "(GATEWAY_PUBLISH_TIMEOUT); nothing was queued, retry with the same Idempotency-Key"
+                ) from None
+        finally:
+            self._decisions.pop(claim, None)
+
+    async def released(self, key: bytes, timeout: float) -> None:
+        """Until an outcome for ``key`` is read, or ``timeout`` seconds."""
+        waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._waiters.setdefault(key, []).append(waiter)
+        try:
+            async with asyncio.timeout(timeout):
+                await waiter
+        except TimeoutError:
+            pass
+        finally:
+            waiters = self._waiters.get(key)
+            if waiters is not None and waiter in waiters:
+                waiters.remove(waiter)
+                if not waiters:
+                    del self._waiters[key]
+
+    def message(
+        self, kind: Literal["intent", "outcome"], key: bytes, claim: bytes, fp: bytes, count: int, published: int = 0
+    ) -> aio_pika.Message:
+        entry = Entry(
+            kind=kind,
+            key=key.hex(),
+            claim=claim.hex(),
+            fingerprint=fp.hex(),
+            count=count,
+            published=published,
+            at=time.time(),
+        )
         return aio_pika.Message(
-            claim.model_dump_json().encode(),
+            entry.model_dump_json().encode(),
             content_type="application/json",
             delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
         )
