@@ -31,7 +31,7 @@ from service.errors import BackendUnavailable, GatewayError
 from service.jobs.broker import Broker
 from service.jobs.idempotency import HOLD_TIMEOUTS, IdempotencyLog, fingerprint, key_digest
 from service.jobs.messages import DEFAULT_REPLY_TO, JobResult, request_message
-from service.jobs.owners import derived_job_ids, new_job_id, owns
+from service.jobs.owners import derived_job_ids, fresh_job_id, owns
 from service.jobs.topology import REQUEST_KEY, Names
 from service.metrics import Metrics
 from service.settings import Settings
@@ -215,7 +215,7 @@ class JobsClient:
         assert all(i.data for i in images)
         secret = self._secret(owner)
         if key is None:
-            ids = [new_job_id(secret) for _ in images]
+            ids = [fresh_job_id(secret) for _ in images]
             _raise_first(await self._publish_all(images, ids, range(len(images)), top_k, webhook))
             return Submitted(ids)
         body = fingerprint([(i.data, i.content_type, i.filename) for i in images], top_k, webhook)
@@ -252,7 +252,8 @@ class JobsClient:
                     "a submit with this Idempotency-Key is still in progress on another replica; "
                     "retry with the same key"
                 )
-            await self.idempotency.released(slot, min(left, max(0.01, decision.until - time.time())))
+            if self.idempotency.holding(slot, decision):
+                await self.idempotency.released(slot, min(left, max(0.01, decision.until - time.time())))
 
     async def _publish_claimed(
         self,

@@ -42,7 +42,7 @@ from weakref import WeakValueDictionary
 import aio_pika
 from aio_pika.abc import AbstractIncomingMessage, AbstractRobustChannel
 from cachetools import TLRUCache
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel, Field, ValidationError
 
 from service.errors import BackendUnavailable
 from service.jobs.topology import Names
@@ -56,6 +56,8 @@ STATE_BYTES = 576
 """What a key's state costs in memory besides its bitmask (the state, its digests, the cache's
 entry): measured with ``python -m loadtests.idempotency_memory``."""
 DIGEST_BYTES = 16
+MAX_IMAGES = 1 << 16
+"""Most images an entry may count (a bitmask that large is 8 KiB)."""
 
 
 class Entry(BaseModel):
@@ -67,8 +69,8 @@ class Entry(BaseModel):
     claim: str
     """Hex id of the attempt; an outcome names the intent it settles."""
     fingerprint: str
-    count: int
-    published: int = 0
+    count: int = Field(ge=1, le=MAX_IMAGES)
+    published: int = Field(0, ge=0)
     """Outcome: bit i set when the broker confirmed image i."""
     at: float
     """Wall-clock time of the entry (epoch seconds)."""
@@ -222,6 +224,12 @@ class IdempotencyLog:
 
     def get(self, key: bytes) -> KeyState | None:
         return self.states.get(key)
+
+    def holding(self, key: bytes, decision: Decision) -> bool:
+        """Whether the intent that made ``decision`` wait still holds the key (its outcome may have
+        been read since the decision)."""
+        state = self.states.get(key)
+        return state is not None and state.holder is not None and state.since + self.hold == decision.until
 
     def confirmed(self, key: bytes, fp: bytes, published: int) -> None:
         """Images this replica saw confirmed, known here before its outcome comes back from the

@@ -33,7 +33,7 @@ def job_id(owner: bytes, nonce: bytes) -> str:
     return (nonce + _tag(owner, nonce)).hex()
 
 
-def new_job_id(owner: bytes) -> str:
+def fresh_job_id(owner: bytes) -> str:
     """A fresh job id of ``owner`` (an API key's secret, b"" without keys)."""
     return job_id(owner, secrets.token_bytes(NONCE_BYTES))
 
