@@ -14,12 +14,25 @@ import statistics
 import time
 import uuid
 
+import aio_pika
 import cv2
 import numpy as np
 
 from service.jobs.client import JobsClient, OfflineImage
+from service.jobs.topology import Names
 from service.metrics import Metrics
 from service.settings import Settings
+
+
+async def delete_everything(broker_url: str, names: Names) -> None:
+    """The queues and exchanges of the run's prefix (the replica's own results queue expires)."""
+    connection = await aio_pika.connect(broker_url)
+    async with connection:
+        channel = await connection.channel()
+        for queue in (names.work, names.results, names.dead, names.webhooks, names.idempotency):
+            await channel.queue_delete(queue)
+        for exchange in (names.requests, names.results, names.dead):
+            await channel.exchange_delete(exchange)
 
 
 def png(value: int) -> bytes:
@@ -49,10 +62,8 @@ async def measure(broker_url: str, images: int, runs: int) -> dict[str, list[flo
             await timed("new key", f"key-{run}")
             await timed("retry of a known key", f"key-{run}")
     finally:
-        assert client.broker.channel is not None
-        for queue in (prefix + ".idempotency", prefix + ".work"):
-            await client.broker.channel.queue_delete(queue)
         await client.aclose()
+        await delete_everything(broker_url, Names(prefix))
     return ms
 
 
