@@ -276,10 +276,7 @@ class Worker:
 
     async def _requeue(self, message: AbstractIncomingMessage) -> None:
         self.metrics.queue_events["rejected"].inc()
-        try:
-            await self._acks.reject(message, requeue=True)
-        except (aiormq.exceptions.AMQPError, ConnectionError, RuntimeError) as exc:
-            logger.warning("worker: job %s not rejected (%s); the broker redelivers it", message.message_id, exc)
+        self._acks.reject(message, requeue=True)  # sent by the acker, ahead of any ack covering it
 
     async def _process(self, message: AbstractIncomingMessage) -> None:
         started = time.perf_counter()

@@ -97,7 +97,7 @@ async def test_a_rejected_message_is_passed_over_and_comes_back(prefix: str) -> 
     got = taking.got
     async with consuming(f"{prefix}.acks", 10, 10, taking):
         await until(lambda: len(got) == 10)
-        await acks.reject(got[4], requeue=True)
+        acks.reject(got[4], requeue=True)
         await until(lambda: len(got) == 11)  # redelivered to us; left unfinished
         assert got[10].body == got[4].body
         await finish_in_one_turn(acks, got[:4] + got[5:10])
@@ -117,3 +117,33 @@ async def test_finished_messages_of_a_lost_channel_are_left_to_the_broker(prefix
         await acks.aclose()
         assert acks.frames == 0
     assert await queue_depth(f"{prefix}.acks") == 5
+
+
+async def test_a_reject_delayed_on_its_way_out_is_not_covered_by_a_multiple_ack(prefix: str) -> None:
+    """The fifth of ten is rejected with requeue in the same turn as the nine others finish, and
+    its reject frame is held up on its way out (a full write queue: the patched ``basic_reject``
+    yields to the loop before writing). The ack with ``multiple`` for the run must not leave first:
+    the rejected message comes back. Before, the reject marked it settled at once, the acker's
+    multiple ack covered its tag and deleted it, and the late reject closed the channel
+    (PRECONDITION_FAILED, unknown delivery tag)."""
+    taking = Taking(acks := Acks())
+    got = taking.got
+    async with consuming(f"{prefix}.acks", 10, 10, taking):
+        await until(lambda: len(got) == 10)
+        channel = got[4].channel
+        send_reject = channel.basic_reject
+
+        async def held_up_reject(delivery_tag: int, *, requeue: bool = True, wait: bool = True) -> None:
+            for _ in range(10):
+                await asyncio.sleep(0)  # the write queue is full: other tasks run first
+            await send_reject(delivery_tag, requeue=requeue, wait=wait)
+
+        channel.basic_reject = held_up_reject  # type: ignore[method-assign]
+        for message in got[:4] + got[5:]:
+            acks.finished(message)
+        acks.reject(got[4], requeue=True)
+        await until(lambda: len(got) == 11)  # redelivered; left unfinished
+        assert got[10].body == got[4].body
+        assert not channel.is_closed
+        await acks.aclose()
+    assert await queue_depth(f"{prefix}.acks") == 1
