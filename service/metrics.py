@@ -214,6 +214,7 @@ class Metrics:
                 "dead_lettered",
                 "results_published",
                 "webhooks_published",
+                "publish_retried",
             )
         }
         """``queue_messages``'s children by event, looked up once (``labels()`` takes a lock and checks

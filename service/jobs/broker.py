@@ -2,7 +2,9 @@
 
 ``connect_robust`` only reconnects after a first success, so the first connection is retried here
 in the background; until it exists, and whenever it is lost, ``publish`` fails at once with 503
-rather than hanging. Publishes use publisher confirms and ``mandatory``, with a timeout.
+rather than hanging. Publishes use publisher confirms and ``mandatory``, with a timeout; the channel
+is opened with aio-pika's ``on_return_raises``, so a publish the broker returns as unroutable fails
+(``PublishError``) like a nacked one instead of counting as confirmed.
 """
 
 from __future__ import annotations
@@ -62,7 +64,7 @@ class Broker:
             self.url, timeout=5, reconnect_interval=1, client_properties=properties
         )
         try:
-            channel = await connection.channel(publisher_confirms=True)
+            channel = await connection.channel(publisher_confirms=True, on_return_raises=True)
             if self.prefetch:
                 await channel.set_qos(prefetch_count=self.prefetch)
             self.topology = await declare(connection, channel, self.names)
@@ -135,8 +137,10 @@ class Broker:
         }[target]
         try:
             await exchange.publish(message, routing_key, mandatory=True, timeout=self.publish_timeout)
-        except aio_pika.exceptions.DeliveryError as exc:
-            raise BackendUnavailable(f"the broker could not route the message ({exc})") from exc
+        except aio_pika.exceptions.PublishError as exc:  # returned: no queue is bound for it
+            raise BackendUnavailable(f"the broker could not route the message to {routing_key!r}") from exc
+        except aio_pika.exceptions.DeliveryError as exc:  # nacked: a queue refused it (full, ...)
+            raise BackendUnavailable(f"the broker refused the message ({exc})") from exc
         except (TimeoutError, aio_pika.exceptions.AMQPError, ConnectionError, RuntimeError) as exc:
             raise BackendUnavailable(f"the broker did not confirm the message ({type(exc).__name__}: {exc})") from exc
 

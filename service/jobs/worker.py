@@ -14,8 +14,23 @@ for a run of finished messages. Outcomes per message:
   dead-lettered like bad input;
 * overload or outage (queue full, batch deadline passed, backend unavailable) -> republished after
   a backoff with ``x-requeues`` + 1, then acked: neither a retry nor a delivery is used up;
-* anything that escapes (a publish the broker did not confirm, nacked or returned; an error in an
-  error path) -> the input is rejected with requeue, so nothing is stranded;
+* the broker does not take an outcome (a publish nacked, returned as unroutable, not confirmed
+  within ``publish_timeout``, or no connection) -> that publish is tried again after a backoff
+  (0.5 s, doubling, at most 30 s, with jitter; ``publish_retried`` counts them), for as long as the
+  input's channel lives, and the input stays unacked meanwhile. Broker trouble is not the job's
+  fault, so it uses up no delivery: rejecting the input with requeue, as earlier versions did,
+  counted one against the quorum queue's delivery limit per refusal, and after about
+  ``queue_delivery_limit`` refusals good jobs were dead-lettered (``delivery_limit``) without a
+  result. Messages held this way fill the prefetch window, so a worker takes no new work while the
+  broker refuses its outcomes; it has nothing to do with it anyway;
+* the input's channel closes while its outcome is retried (connection lost; RabbitMQ's consumer
+  timeout, 30 min by default, for a refusal that long) -> nothing more is done with it: the broker
+  redelivers it. A quorum queue counts that return as a delivery, like a crash; a job would need
+  ``queue_delivery_limit`` channel losses while held to be dead-lettered for them, which we accept;
+* on shutdown, outcomes still being retried keep trying until the drain timeout
+  (``request_timeout``), then are abandoned and the broker redelivers them (one delivery used);
+* anything else that escapes (an error in an error path) -> the input is rejected with requeue, so
+  nothing is stranded;
 * the worker crashes or hangs for good (OOM, a codec fault) -> the broker redelivers; the quorum
   queue's delivery limit (a policy, see ``service.jobs.policies``) dead-letters a message that
   keeps doing it, with reason ``delivery_limit``.
@@ -103,8 +118,9 @@ OVERLOAD_PAUSE_MAX = 30.0
 HEARTBEAT_INTERVAL = 1.0
 BROKER_CALLS_TIMEOUT = 15.0
 """Seconds the background broker calls get to finish at shutdown."""
-BROKER_PAUSE = 1.0
-"""Seconds before a message whose outcome the broker refused goes back to the queue."""
+PUBLISH_PAUSE = 0.5
+"""Seconds before the first new try of a publish the broker did not take; doubled at each try."""
+PUBLISH_PAUSE_MAX = 30.0
 
 
 def _int_header(headers: Mapping[str, Any], name: str) -> int:
@@ -133,8 +149,8 @@ def _webhook(headers: Mapping[str, Any]) -> str | None:
     return str(headers[WEBHOOK_HEADER]) if headers.get(WEBHOOK_HEADER) else None
 
 
-class _BrokerLost(Exception):
-    """Publishing failed because the broker went away; the input will be redelivered."""
+class _ChannelLost(Exception):
+    """The input's channel closed before its outcome was published: the broker redelivers it."""
 
 
 class Worker:
@@ -181,27 +197,53 @@ class Worker:
             self._tasks.discard(task)
 
     async def _publish(
-        self, target: Literal["requests", "results", "dead", "queue"], message: aio_pika.Message, key: str
+        self,
+        target: Literal["requests", "results", "dead", "queue"],
+        message: aio_pika.Message,
+        key: str,
+        source: AbstractIncomingMessage,
     ) -> None:
-        try:
-            await self.broker.publish(target, message, key)
-        except BackendUnavailable as exc:
-            raise _BrokerLost(str(exc)) from exc
+        """Publish part of ``source``'s outcome, confirmed. What the broker does not take (nacked,
+        returned, not confirmed in time, no connection) is tried again after a backoff while
+        ``source``'s channel lives: see the module's docstring."""
+        tries = 0
+        while True:
+            try:
+                await self.broker.publish(target, message, key)
+            except BackendUnavailable as exc:
+                if source.channel.is_closed:
+                    raise _ChannelLost(exc.detail) from exc
+                pause = min(PUBLISH_PAUSE * 2**tries, PUBLISH_PAUSE_MAX) * random.uniform(0.5, 1.0)
+                tries += 1
+                self.metrics.queue_events["publish_retried"].inc()
+                logger.warning(
+                    "worker: job %s: publish to %s not taken (%s); try %d in %.1f s",
+                    source.message_id,
+                    target,
+                    exc.detail,
+                    tries + 1,
+                    pause,
+                )
+                await asyncio.sleep(pause)
+            else:
+                if tries:
+                    logger.info("worker: job %s: published to %s at try %d", source.message_id, target, tries + 1)
+                return
 
     async def _publish_result(self, result: JobResult, reply_to: str, message: AbstractIncomingMessage) -> None:
         """Publish the result and, when the submit gave a webhook, its delivery (both confirmed
         before the job is acked: a worker killed in between does the job again)."""
         trace_context = current_headers()
-        await self._publish("results", result_message(result, trace_context), reply_to)
+        await self._publish("results", result_message(result, trace_context), reply_to, message)
         self.metrics.queue_events["results_published"].inc()
         webhook = _webhook(message.headers or {})
         if webhook is not None:
             delivery = delivery_message(result, webhook, trace_context)
-            await self._publish("queue", delivery, self.broker.names.webhooks)
+            await self._publish("queue", delivery, self.broker.names.webhooks, message)
             self.metrics.queue_events["webhooks_published"].inc()
 
     async def _dead_letter(self, message: AbstractIncomingMessage, error: GatewayError) -> None:
-        await self._publish("dead", dead_letter_message(message, error.error, error.detail), "")
+        await self._publish("dead", dead_letter_message(message, error.error, error.detail), "", message)
         self.metrics.queue_events["dead_lettered"].inc()
 
     async def _fail(self, message: AbstractIncomingMessage, base: JobResult, error: GatewayError, reply: str) -> None:
@@ -226,7 +268,7 @@ class Worker:
             trace=trace_headers(message.headers or {}),  # a retry stays in its job's trace
             webhook=_webhook(message.headers or {}),
         )
-        await self._publish("requests", again, REQUEST_KEY)
+        await self._publish("requests", again, REQUEST_KEY, message)
 
     async def _requeue_later(self, message: AbstractIncomingMessage, error: GatewayError, top_k: int) -> None:
         """Overload or an outage is not the message's fault: wait (backing off with each requeue),
@@ -246,9 +288,10 @@ class Worker:
 
     async def _handle(self, message: AbstractIncomingMessage) -> None:
         """Every path ends in an ack or a reject: acked (with others: ``service.jobs.acks``) once its
-        outcome is confirmed; rejected with requeue when anything escapes (a publish not confirmed,
-        nacked or returned, an error inside an error path), so the prefetch window never fills with
-        stranded messages."""
+        outcome is confirmed; rejected with requeue when an error escapes (an error inside an error
+        path), so the prefetch window never fills with stranded messages. A publish the broker does
+        not take is retried in place (``_publish``); only a lost channel ends a message unsettled,
+        and the broker then redelivers it."""
         JOB_ID.set(message.message_id)  # this task's own context: every line it logs names the job
         if self.tracing is None:
             await self._settle(message)
@@ -263,20 +306,14 @@ class Worker:
             else:  # it may be what killed the last worker: keep it out of others' batches
                 async with self._suspects:
                     await self._process(message)
-        except _BrokerLost as exc:
-            if not self.closing:  # do not spin: the broker refused (or lost) the outcome
-                await asyncio.sleep(BROKER_PAUSE)
-            logger.warning("worker: job %s requeued: the broker did not take its outcome (%s)", message.message_id, exc)
-            await self._requeue(message)
+        except _ChannelLost as exc:
+            logger.warning("worker: job %s: its channel closed (%s); the broker redelivers it", message.message_id, exc)
         except Exception:
             logger.exception("worker: job %s could not be finished; requeued", message.message_id)
-            await self._requeue(message)
+            self.metrics.queue_events["rejected"].inc()
+            self._acks.reject(message, requeue=True)
         else:
             self._acks.finished(message)
-
-    async def _requeue(self, message: AbstractIncomingMessage) -> None:
-        self.metrics.queue_events["rejected"].inc()
-        self._acks.reject(message, requeue=True)  # sent by the acker, ahead of any ack covering it
 
     async def _process(self, message: AbstractIncomingMessage) -> None:
         started = time.perf_counter()

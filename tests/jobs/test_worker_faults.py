@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -12,17 +13,19 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import aio_pika
 import numpy as np
 import pytest
+from aio_pika.abc import AbstractMessage
 
 from service.backends.base import Images
 from service.backends.fake import FakeBackend
 from service.errors import DeadlineExceeded, QueueFull
 from service.jobs.broker import Broker
 from service.jobs.messages import ERROR_HEADER, REQUEUES_HEADER, RETRIES_HEADER, JobResult, request_message
-from service.jobs.policies import gateway_policies, rabbitmqctl_commands
+from service.jobs.policies import Policy, gateway_policies, rabbitmqctl_commands
 from service.jobs.topology import REQUEST_KEY, Names
 from service.jobs.worker import _sample_depth, run_worker
 from service.metrics import Metrics
@@ -49,29 +52,146 @@ def settings_for(make: MakeSettings, prefix: str, **kw: object) -> Settings:
     return make(broker_url=BROKER_URL, queue_prefix=prefix, worker_metrics_port=0, backend="fake", **kw)
 
 
-async def test_a_refused_result_publish_does_not_strand_the_message(gateway_factory: MakeSettings, prefix: str) -> None:
-    """While results cannot be routed (mandatory publish returned), the worker rejects its inputs
-    back to the queue instead of holding them unacked: once results route again every job is done.
-    Before, the prefetch window (2 here) filled with stranded messages and the worker stalled until
-    RabbitMQ's consumer timeout."""
-    names = Names(prefix)
-    settings = settings_for(gateway_factory, prefix, worker_prefetch=2, max_batch_size=1)
-    await publish(names)  # the topology, then cut the results queue off its exchange
+class Publishes:
+    """Every ``Broker.publish`` call made in this test, with its outcome (None: confirmed)."""
+
+    def __init__(self) -> None:
+        self.tries: list[tuple[str, str | None, BaseException | None]] = []
+
+    def results(self, job_id: str | None = None, *, refused: bool = False) -> int:
+        """Result publishes tried (for ``job_id``; only those that failed with ``refused``)."""
+        return sum(
+            1
+            for target, message_id, outcome in self.tries
+            if target == "results" and job_id in (None, message_id) and (outcome is not None or not refused)
+        )
+
+
+@pytest.fixture
+def publishes(monkeypatch: pytest.MonkeyPatch) -> Publishes:
+    """Wraps ``Broker.publish`` to record each call; what it does is unchanged."""
+    record = Publishes()
+    real = Broker.publish
+
+    async def publish(self: Broker, target: Any, message: AbstractMessage, routing_key: str) -> None:
+        try:
+            await real(self, target, message, routing_key)
+        except BaseException as exc:
+            record.tries.append((target, message.message_id, exc))
+            raise
+        record.tries.append((target, message.message_id, None))
+
+    monkeypatch.setattr(Broker, "publish", publish)
+    return record
+
+
+async def publish_only(names: Names, *messages: aio_pika.Message) -> None:
+    """Publish to the requests exchange, confirmed, without declaring anything (``publish``
+    declares the topology, which binds the results queue again)."""
     connection = await aio_pika.connect(BROKER_URL)
     async with connection:
-        channel = await connection.channel()
-        results_queue = await channel.declare_queue(names.results, passive=True)
-        await results_queue.unbind(names.results, "#")
-        await publish(names, *(job(v, f"j{v}") for v in range(5)))
-        stop = asyncio.Event()
-        worker = asyncio.create_task(run_worker(settings, stop, backend=FakeBackend()))
-        await asyncio.sleep(2.5)  # every result publish is returned meanwhile
-        await results_queue.bind(names.results, "#")
+        channel = await connection.channel(publisher_confirms=True)
+        exchange = await channel.get_exchange(names.requests, ensure=False)
+        for message in messages:
+            await exchange.publish(message, REQUEST_KEY)
+
+
+async def consumed_by_a_worker(names: Names) -> None:
+    """Wait until a worker consumes the work queue (it has declared its topology)."""
+    async with asyncio.timeout(30):
+        while True:
+            try:
+                connection = await aio_pika.connect(BROKER_URL)
+                async with connection:
+                    queue = await (await connection.channel()).declare_queue(names.work, passive=True)
+                    if queue.declaration_result.consumer_count:
+                        return
+            except aio_pika.exceptions.ChannelNotFoundEntity:
+                pass
+            await asyncio.sleep(0.05)
+
+
+async def test_an_unroutable_result_is_not_taken_as_published(
+    gateway_factory: MakeSettings, prefix: str, publishes: Publishes
+) -> None:
+    """The results queue is unbound from its exchange after the worker declared its topology, so
+    every result publish is returned as unroutable (``mandatory``). A returned publish is a refusal
+    (aio-pika's ``on_return_raises``): the worker keeps the input and publishes again once the
+    binding is back, and every job gets its result. Before, a returned publish counted as
+    confirmed: the input was acked and its result lost. (The earlier version of this test unbound
+    before the worker started, which declared the binding again: it could not fail.)"""
+    names = Names(prefix)
+    settings = settings_for(gateway_factory, prefix, worker_prefetch=2, max_batch_size=1)
+    stop = asyncio.Event()
+    worker = asyncio.create_task(run_worker(settings, stop, backend=FakeBackend()))
+    try:
+        await consumed_by_a_worker(names)
+        connection = await aio_pika.connect(BROKER_URL)
+        async with connection:
+            results_queue = await (await connection.channel()).declare_queue(names.results, passive=True)
+            await results_queue.unbind(names.results, "#")
+            await publish_only(names, *(job(v, f"j{v}") for v in range(5)))
+            async with asyncio.timeout(30):  # as many result publishes as jobs, all returned meanwhile
+                while publishes.results() < 5:  # noqa: ASYNC110
+                    await asyncio.sleep(0.05)
+            await results_queue.bind(names.results, "#")
         done = await results(names, 5, timeout=30)
-    stop.set()
-    await worker
+    finally:
+        stop.set()
+        await worker
     assert sorted(done) == [f"j{v}" for v in range(5)]
     assert {r.status for r in done.values()} == {"done"}
+    refusals = [exc for target, _, exc in publishes.tries if target == "results" and exc is not None]
+    assert refusals
+    assert all("could not route" in str(exc) for exc in refusals)
+    assert await queue_depth(names.work) == 0
+    assert await queue_depth(names.dead) == 0
+
+
+async def test_broker_refusals_use_up_no_delivery(
+    gateway_factory: MakeSettings, prefix: str, publishes: Publishes
+) -> None:
+    """With the production policies applied (delivery limit 2), a policy of higher priority makes
+    the results queue refuse every publish (``max-length`` 0, ``overflow: reject-publish``: the
+    broker nacks). Each job's result publish is refused more than the delivery limit allows; then
+    the refusal is lifted and every job is done, none dead-lettered: the worker kept each input
+    and retried its result, using up no delivery. Before, each refusal rejected the input with
+    requeue, the quorum queue counted a delivery each time, and the good jobs were dead-lettered
+    (``delivery_limit``) with no result."""
+    names = Names(prefix)
+    limit = 2
+    refuse = Policy(
+        f"{prefix}-refuse",
+        f"^{re.escape(prefix)}\\.results$",
+        "queues",
+        {"max-length": 0, "overflow": "reject-publish"},
+        20,
+    )
+    settings = settings_for(gateway_factory, prefix, worker_prefetch=4, max_batch_size=4, queue_delivery_limit=limit)
+    jobs = [f"j{v}" for v in range(4)]
+    _set_policies(names, limit)
+    try:
+        await asyncio.to_thread(subprocess.run, rabbitmqctl_commands([refuse])[0], check=True, capture_output=True)
+        await publish(names, *(job(v, j) for v, j in enumerate(jobs)))
+        stop = asyncio.Event()
+        worker = asyncio.create_task(run_worker(settings, stop, backend=FakeBackend()))
+        try:
+            async with asyncio.timeout(60):  # each job refused beyond the limit, or dead-lettered
+                while min(publishes.results(j, refused=True) for j in jobs) <= limit + 1:
+                    if await queue_depth(names.dead):
+                        break
+                    await asyncio.sleep(0.05)
+            assert await queue_depth(names.dead) == 0
+            await asyncio.to_thread(subprocess.run, ["rabbitmqctl", "clear_policy", refuse.name], check=True)
+            done = await results(names, len(jobs), timeout=30)
+        finally:
+            stop.set()
+            await worker
+    finally:
+        await asyncio.to_thread(subprocess.run, ["rabbitmqctl", "clear_policy", refuse.name], capture_output=True)
+        _clear_policies(names)
+    assert {k: r.status for k, r in done.items()} == dict.fromkeys(jobs, "done")
+    assert await queue_depth(names.dead) == 0
     assert await queue_depth(names.work) == 0
 
 
