@@ -19,6 +19,7 @@ from aio_pika.abc import AbstractExchange, AbstractMessage, AbstractRobustChanne
 from pamqp.common import FieldTable
 
 from service.errors import BackendUnavailable
+from service.jobs import frames
 from service.jobs.topology import Names, Topology, declare
 
 logger = logging.getLogger(__name__)
@@ -45,6 +46,7 @@ class Broker:
         on_connect: Callable[[Broker], Awaitable[None]] | None = None,
         name: str | None = None,
     ) -> None:
+        frames.install()  # a message with hostile properties must not close the connection
         self.url = url
         self.names = names
         self.publish_timeout = publish_timeout

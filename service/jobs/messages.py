@@ -2,13 +2,15 @@
 
 A request is the encoded image itself as the body (validated cheaply before publishing, decoded by
 the worker), with ``message_id`` = job id, ``content_type`` the image type, ``reply_to`` the results
-routing key, and headers ``filename``, ``top_k``, ``x-retries`` and, when the submit gave one, the
+routing key, and headers ``filename``, ``top_k``, ``x-retries``, ``x-published-ms`` (the publish time
+in Unix milliseconds: the AMQP ``timestamp`` has whole seconds) and, when the submit gave one, the
 completion webhook's URL (``x-webhook-url``, see ``service.jobs.webhooks``). A result is JSON. Both carry
 the W3C trace headers (``traceparent``, ``tracestate``) of the span that sent them, when traced.
 """
 
 from __future__ import annotations
 
+import math
 import time
 import uuid
 from collections.abc import Mapping
@@ -26,6 +28,15 @@ REQUEUES_HEADER = "x-requeues"
 ERROR_HEADER = "x-gateway-error"
 DETAIL_HEADER = "x-gateway-detail"
 WEBHOOK_HEADER = "x-webhook-url"
+PUBLISHED_HEADER = "x-published-ms"
+"""Unix time in milliseconds at which the request was published (``timings.queued``)."""
+DROPPED_HEADER = "x-gateway-dropped-headers"
+"""On a dead-letter copy: the headers of the original left out for size (``HEADERS_BUDGET``)."""
+HEADERS_BUDGET = 64 * 1024
+WEBHOOK_URL_MAX = 8192
+"""The longest ``x-webhook-url`` a worker takes (the header is copied into the delivery message)."""
+UNDECODABLE_HEADER = "x-gateway-undecodable"
+"""Set on receipt when a message's properties could not be decoded (``service.jobs.frames``)."""
 DEFAULT_REPLY_TO = "jobs"
 TRACE_HEADERS = ("traceparent", "tracestate")
 
@@ -69,7 +80,13 @@ def request_message(
     trace: Mapping[str, str] | None = None,
     webhook: str | None = None,
 ) -> aio_pika.Message:
-    headers: dict[str, Any] = {"top_k": top_k, RETRIES_HEADER: retries, **(trace or {})}
+    now = time.time()
+    headers: dict[str, Any] = {
+        "top_k": top_k,
+        RETRIES_HEADER: retries,
+        PUBLISHED_HEADER: round(now * 1000),
+        **(trace or {}),
+    }
     if requeues:
         headers[REQUEUES_HEADER] = requeues
     if webhook is not None:
@@ -83,8 +100,23 @@ def request_message(
         reply_to=reply_to,
         headers=headers,
         delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
-        timestamp=time.time(),
+        timestamp=now,
     )
+
+
+def published_at(message: AbstractIncomingMessage) -> float | None:
+    """Unix time (seconds) at which ``message`` was published: the AMQP timestamp (whole seconds)
+    refined by the ``x-published-ms`` header. The header is used only where it agrees with the
+    timestamp (within the same second), or, without a timestamp, where it is a positive number: a
+    header of another type, or one that says something else, cannot skew ``timings.queued``.
+    None: neither is given (a producer other than the gateway)."""
+    stamp = message.timestamp.timestamp() if message.timestamp is not None else None
+    value = (message.headers or {}).get(PUBLISHED_HEADER)
+    if isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value):
+        seconds = value / 1000
+        if (stamp is None and seconds > 0) or (stamp is not None and 0 <= seconds - stamp <= 1):
+            return seconds
+    return stamp
 
 
 def copy_message(message: AbstractIncomingMessage, headers: Mapping[str, Any], **properties: Any) -> aio_pika.Message:
@@ -101,13 +133,37 @@ def copy_message(message: AbstractIncomingMessage, headers: Mapping[str, Any], *
     )
 
 
-def dead_letter_message(message: AbstractIncomingMessage, error: str, detail: str) -> aio_pika.Message:
+def _within_budget(headers: dict[str, Any]) -> dict[str, Any]:
+    """``headers`` with the largest left out until the rest takes about ``HEADERS_BUDGET`` bytes
+    (their names then in ``x-gateway-dropped-headers``). A message's properties must fit in one
+    frame (128 KiB by default): a received message near that size, copied with two more headers,
+    was a frame RabbitMQ refused by closing the whole connection."""
+    sizes = {name: len(name) + len(repr(value)) for name, value in headers.items()}
+    dropped = []
+    for name in sorted(sizes, key=sizes.__getitem__, reverse=True):
+        if sum(sizes.values()) <= HEADERS_BUDGET:
+            break
+        dropped.append(name)
+        del sizes[name]
+    if not dropped:
+        return headers
+    kept = {name: headers[name] for name in sizes}
+    kept[DROPPED_HEADER] = ",".join(dropped)[:1000]
+    return kept
+
+
+def dead_letter_message(
+    message: AbstractIncomingMessage, error: str, detail: str, job_id: str | None = None
+) -> aio_pika.Message:
     """The copy of ``message`` for ``<prefix>.dead``: its headers (not the broker's ``x-death``,
-    which grows with every round) with the reason in ``x-gateway-error`` and ``x-gateway-detail``."""
-    headers = {k: v for k, v in (message.headers or {}).items() if k != "x-death"}
+    which grows with every round) with the reason in ``x-gateway-error`` and ``x-gateway-detail``,
+    and ``job_id`` as its id when it came without one (the id its failed result was given)."""
+    headers = _within_budget({k: v for k, v in (message.headers or {}).items() if k != "x-death"})
     headers[ERROR_HEADER] = error
     headers[DETAIL_HEADER] = detail[:1000]
-    return copy_message(message, headers)
+    copy = copy_message(message, headers)
+    copy.message_id = message.message_id or job_id
+    return copy
 
 
 def result_message(result: JobResult, trace: Mapping[str, str] | None = None) -> aio_pika.Message:

@@ -81,11 +81,14 @@ from service.jobs.messages import (
     DEFAULT_REPLY_TO,
     REQUEUES_HEADER,
     RETRIES_HEADER,
+    UNDECODABLE_HEADER,
     WEBHOOK_HEADER,
+    WEBHOOK_URL_MAX,
     JobError,
     JobResult,
     dead_letter_message,
     new_job_id,
+    published_at,
     request_message,
     result_message,
     trace_headers,
@@ -130,6 +133,17 @@ def _int_header(headers: Mapping[str, Any], name: str) -> int:
         return 0
 
 
+def _required_int(headers: Mapping[str, Any], name: str, default: int) -> int:
+    """A header that must be an integer (or absent: ``default``); else the job is a bad request."""
+    value = headers.get(name, default)
+    try:
+        if isinstance(value, bool):
+            raise TypeError
+        return int(str(value))
+    except (TypeError, ValueError):
+        raise BadRequest(f"bad message header: {name}={repr(value)[:100]}") from None
+
+
 def _outcome(outcome: str, error: GatewayError | None = None) -> None:
     """Say on the job's span (when traced) how its message ended."""
     span = trace.get_current_span()
@@ -146,7 +160,9 @@ def _filename(headers: Mapping[str, Any]) -> str | None:
 
 
 def _webhook(headers: Mapping[str, Any]) -> str | None:
-    return str(headers[WEBHOOK_HEADER]) if headers.get(WEBHOOK_HEADER) else None
+    """The job's webhook URL; None also when it is too long to carry (the job then fails)."""
+    url = str(headers[WEBHOOK_HEADER]) if headers.get(WEBHOOK_HEADER) else None
+    return url if url is not None and len(url) <= WEBHOOK_URL_MAX else None
 
 
 class _ChannelLost(Exception):
@@ -242,8 +258,8 @@ class Worker:
             await self._publish("queue", delivery, self.broker.names.webhooks, message)
             self.metrics.queue_events["webhooks_published"].inc()
 
-    async def _dead_letter(self, message: AbstractIncomingMessage, error: GatewayError) -> None:
-        await self._publish("dead", dead_letter_message(message, error.error, error.detail), "", message)
+    async def _dead_letter(self, message: AbstractIncomingMessage, error: GatewayError, job_id: str) -> None:
+        await self._publish("dead", dead_letter_message(message, error.error, error.detail, job_id), "", message)
         self.metrics.queue_events["dead_lettered"].inc()
 
     async def _fail(self, message: AbstractIncomingMessage, base: JobResult, error: GatewayError, reply: str) -> None:
@@ -251,7 +267,7 @@ class Worker:
         failed = base.model_copy(update={"status": "failed", "error": JobError(error=error.error, detail=error.detail)})
         _outcome("failed", error)
         await self._publish_result(failed, reply, message)
-        await self._dead_letter(message, error)
+        await self._dead_letter(message, error, base.job_id)
         self.metrics.queue_events["acked"].inc()
 
     async def _republish(self, message: AbstractIncomingMessage, top_k: int, *, retries: int, requeues: int) -> None:
@@ -324,15 +340,16 @@ class Worker:
         base = JobResult(
             job_id=job_id, status="done", filename=filename, model=self.classifier.model_info, worker=self.name
         )
-        if message.timestamp is not None:
-            base.timings["queued"] = max(0.0, time.time() - message.timestamp.timestamp())
+        if (published := published_at(message)) is not None:
+            base.timings["queued"] = max(0.0, time.time() - published)
         top_k, retries = 5, 0
         try:
-            try:
-                top_k = int(str(headers.get("top_k", 5)))
-                retries = int(str(headers.get(RETRIES_HEADER, 0)))
-            except (TypeError, ValueError):
-                raise BadRequest(f"bad message headers: top_k={headers.get('top_k')!r}") from None
+            if UNDECODABLE_HEADER in headers:
+                raise BadRequest(f"the message's properties could not be decoded ({headers[UNDECODABLE_HEADER]!s})")
+            if headers.get(WEBHOOK_HEADER) and _webhook(headers) is None:
+                raise BadRequest(f"{WEBHOOK_HEADER} is longer than {WEBHOOK_URL_MAX} characters")
+            top_k = _required_int(headers, "top_k", 5)
+            retries = _required_int(headers, RETRIES_HEADER, 0)
             if not 1 <= top_k <= 20:
                 raise BadRequest(f"top_k must be 1-20, not {top_k}")
             deliveries = _int_header(headers, DELIVERY_COUNT_HEADER)

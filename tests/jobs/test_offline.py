@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
+from datetime import UTC, datetime
 from pathlib import Path
 
 import httpx
@@ -19,7 +20,7 @@ import pytest
 from service.backends.base import Images
 from service.backends.fake import FakeBackend
 from service.errors import BackendError
-from service.jobs.messages import DETAIL_HEADER, ERROR_HEADER, request_message
+from service.jobs.messages import DETAIL_HEADER, ERROR_HEADER, PUBLISHED_HEADER, request_message
 from service.jobs.topology import Names
 from service.jobs.worker import run_worker
 from service.settings import Settings
@@ -402,3 +403,41 @@ async def test_worker_exports_its_metrics_on_its_own_port(gateway_factory: MakeS
     assert 'gateway_queue_messages_total{event="acked"} 5.0' in text
     assert 'gateway_queue_messages_total{event="results_published"} 5.0' in text
     assert "gateway_batch_size_count" in text
+
+
+async def test_queued_time_has_millisecond_resolution(gateway_factory: MakeSettings, prefix: str) -> None:
+    """`timings.queued` comes from the gateway's own `x-published-ms` header, not the AMQP timestamp
+    (whole seconds): a job published 1.5 s ago by the header, within the second of its timestamp,
+    is reported as queued 1.5 s and some milliseconds; a job of an earlier version (no header)
+    falls back on the timestamp. Before, both read the timestamp, truncated to the second."""
+    names = Names(prefix)
+    settings = offline_settings(gateway_factory, prefix, backend="fake")
+    published = time.time() - 1.5
+    exact, old = (
+        request_message(
+            png_bytes(solid_image(v, 8)), job_id=name, content_type="image/png", filename=None, top_k=1, reply_to="jobs"
+        )
+        for v, name in ((1, "exact"), (2, "old"))
+    )
+    for message in (exact, old):
+        message.timestamp = datetime.fromtimestamp(published, UTC)  # sent as whole seconds: int(published)
+    assert exact.headers is not None
+    assert old.headers is not None
+    exact.headers[PUBLISHED_HEADER] = round(published * 1000)
+    old.headers.pop(PUBLISHED_HEADER, None)
+    await publish(names, exact, old)
+    stop = asyncio.Event()
+    worker = asyncio.create_task(run_worker(settings, stop, backend=FakeBackend()))
+    results = {r.job_id: r for r in await collect_results(names, 2)}
+    stop.set()
+    await worker
+    now = time.time()
+    assert 1.5 <= results["exact"].timings["queued"] <= now - published
+    assert results["old"].timings["queued"] >= 1.5  # from the timestamp, up to 1 s more
+
+
+def test_request_messages_carry_their_publish_time_in_milliseconds() -> None:
+    before = round(time.time() * 1000)
+    message = request_message(b"x", job_id="j", content_type="image/png", filename=None, top_k=1, reply_to="r")
+    assert message.headers is not None
+    assert before <= message.headers[PUBLISHED_HEADER] <= round(time.time() * 1000)
