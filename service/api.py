@@ -20,6 +20,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from service.classifier import Classifier, ImageInput
 from service.errors import (
+    BackendUnavailable,
     BadImage,
     BadRequest,
     GatewayError,
@@ -444,8 +445,17 @@ async def job_status(request: Request, job_id: str) -> JobStatus:
     )
 
 
-@router.get("/healthz", summary="Liveness: the process answers", dependencies=CHECKED_QUERY)
-async def healthz() -> dict[str, str]:
+@router.get(
+    "/healthz",
+    summary="Liveness: the process answers and can serve again without a restart",
+    dependencies=CHECKED_QUERY,
+    responses={503: {"model": ErrorBody, "description": "A restart is due (the shared engine is gone too long)."}},
+)
+async def healthz(request: Request) -> dict[str, str]:
+    check = getattr(request.app.state.gateway.backend, "liveness", None)
+    problem = check() if check is not None else None
+    if problem is not None:
+        raise BackendUnavailable(problem)
     return {"status": "ok"}
 
 

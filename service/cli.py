@@ -14,12 +14,15 @@ import re
 import sys
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pydantic import ValidationError
 
 from service import eventloop
 from service.settings import Settings
+
+if TYPE_CHECKING:
+    from service.backends.engine_supervisor import EngineSupervisor
 
 
 def _add_setting_flags(parser: argparse.ArgumentParser) -> None:
@@ -74,26 +77,30 @@ def _logging(settings: Settings) -> dict[str, Any]:
 
 
 @contextlib.contextmanager
-def _shared_engine(settings: Settings) -> Iterator[None]:
+def _shared_engine(settings: Settings) -> Iterator[EngineSupervisor | None]:
     """With ``GATEWAY_TORCH_ENGINE=shared`` (and the torch backend), the engine process that owns
-    the GPU, for the workers spawned inside the block; stopped after them."""
+    the GPU, for the workers spawned inside the block, kept running (restarted when it dies);
+    stopped after them. Yields its supervisor, whose ``gave_up`` says the engine could not be kept up."""
     if settings.backend != "torch" or settings.torch_engine != "shared" or settings.engine_socket:
-        yield  # per-worker models, or an engine the operator runs (GATEWAY_ENGINE_SOCKET)
+        yield None  # per-worker models, or an engine the operator runs (GATEWAY_ENGINE_SOCKET)
         return
-    import subprocess
+    import signal
     import tempfile
+
+    from service.backends.engine_supervisor import EngineSupervisor
 
     socket_path = os.path.join(tempfile.mkdtemp(prefix="gateway-engine-"), "engine.sock")
     os.environ["GATEWAY_ENGINE_SOCKET"] = socket_path
-    engine = subprocess.Popen([sys.executable, "-m", "service", "engine", "--socket", socket_path])
+    supervisor = EngineSupervisor(
+        [sys.executable, "-m", "service", "engine", "--socket", socket_path],
+        attempts=settings.engine_start_attempts,
+        on_give_up=lambda: os.kill(os.getpid(), signal.SIGTERM),  # uvicorn stops the workers, then we exit
+    )
+    supervisor.start()
     try:
-        yield
+        yield supervisor
     finally:
-        engine.terminate()
-        try:
-            engine.wait(30)
-        except subprocess.TimeoutExpired:
-            engine.kill()
+        supervisor.stop()
         with contextlib.suppress(OSError):
             os.unlink(socket_path)
             os.rmdir(os.path.dirname(socket_path))
@@ -107,12 +114,17 @@ def _engine(args: argparse.Namespace) -> int:
 
     _logging(_settings(args))
 
+    def ready() -> None:  # tell the supervisor (gateway serve) that the engine listens
+        if args.ready_fd is not None:
+            os.write(args.ready_fd, b"1")
+            os.close(args.ready_fd)
+
     async def main() -> None:
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for signum in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(signum, stop.set)
-        await run_engine(args.socket, stop)
+        await run_engine(args.socket, stop, ready)
 
     eventloop.run(main())
     return 0
@@ -139,8 +151,10 @@ def _serve(args: argparse.Namespace) -> int:
     }
     if settings.workers > 1:
         _prepare_multiprocess(args)
-        with _shared_engine(settings):
+        with _shared_engine(settings) as engine:
             uvicorn.run("service.app:app_from_environment", factory=True, workers=settings.workers, **common)
+        if engine is not None and engine.gave_up:
+            sys.exit(f"gateway: the shared engine failed {settings.engine_start_attempts} starts in a row")
     else:
         from service.app import create_app
 
@@ -336,6 +350,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_setting_flags(engine)
     engine.add_argument("--socket", required=True, help="Unix socket the workers connect to")
+    engine.add_argument(
+        "--ready-fd", type=int, default=None, help="a pipe's fd to write one byte to once listening (gateway serve's)"
+    )
     engine.set_defaults(func=_engine)
     queues = commands.add_parser("queues", help="RabbitMQ set-up for offline mode")
     queue_commands = queues.add_subparsers(dest="queues_command", required=True)

@@ -63,6 +63,7 @@ async def build_backend(settings: Settings, profile: ModelProfile) -> Backend:
             Geometry(profile.image_size, len(profile.labels)),
             max_batch_size=settings.max_batch_size,
             slots=settings.max_inflight_batches,
+            down_limit=settings.engine_down_limit,
         )
     if settings.backend == "torch":
         from service.backends.torch_backend import TorchBackend

@@ -124,6 +124,13 @@ class Settings(BaseSettings):
     engine_socket: str | None = None
     """The shared engine's Unix socket (set by ``gateway serve`` for its workers; or an engine run
     on its own with ``gateway engine --socket``)."""
+    engine_start_attempts: int = Field(5, ge=1, le=100)
+    """Consecutive failed starts of the shared engine (it exits before serving, or within a minute
+    of starting) after which ``gateway serve`` stops and exits non-zero, so the container restarts;
+    before that it restarts the engine with growing delays (0.5 s doubling to 30 s)."""
+    engine_down_limit: float = Field(120.0, gt=0.0)
+    """Seconds a worker may be without its shared engine before ``/healthz`` fails, so that an
+    orchestrator restarts the pod (the engine's restarts and model load must fit in it)."""
     torch_sync: Literal["blocking", "spin"] = "blocking"
     """How a ``torch`` backend thread waits for its batch on the GPU: ``blocking`` sleeps until it is
     done, leaving the core to decoding; ``spin`` busy-waits (CUDA's default with few processes)."""

@@ -24,8 +24,10 @@ from service.backends.engine import EngineClient, EngineServer, Geometry
 from service.backends.fake import FakeBackend
 from service.backends.torch_backend import TorchBackend
 from service.batcher import DynamicBatcher
-from service.errors import BackendError, BackendUnavailable, QueueFull
+from service.errors import BackendError, BackendUnavailable, DeadlineExceeded, QueueFull
 from service.preprocess import PreprocessConfig, prepare
+from tests.engine_process import engine_client, engine_process
+from tests.engine_process import images as process_images
 
 GEOMETRY = Geometry(image_size=8, classes=1000)
 
@@ -48,12 +50,12 @@ async def engine(socket: Path, backend: FakeBackend, queue: int = 1000) -> Async
     server = EngineServer(batcher, GEOMETRY, "fake engine", CollectorRegistry())
     batcher._on_batch = lambda report: server.observe(report.size)
     batcher.start()
-    listening = await asyncio.start_unix_server(server.handle, path=str(socket))
+    serving = asyncio.create_task(server.serve(server.listen(str(socket))))
     try:
         yield server
     finally:
-        listening.close()
-        server.close()
+        serving.cancel()
+        await asyncio.gather(serving, return_exceptions=True)
         await batcher.aclose()
 
 
@@ -183,3 +185,50 @@ def test_serve_with_a_shared_engine_answers_as_the_model_does(
     finally:
         proc.terminate()
         proc.wait(30)
+
+
+# --- a real engine process, stopped and killed under its worker ---------------------------------
+
+
+async def test_calls_of_a_lost_engine_fail_at_once_and_leave_no_slot_taken(tmp_path: Path) -> None:
+    """SIGKILL of the engine while one call is in it and another waits for the only slot: both fail
+    with 503 at once (not at their timeout, not never), the slot is free again, and once an engine
+    is back the worker's calls are answered (a call of the lost connection can never be)."""
+    socket = tmp_path / "engine.sock"
+    with engine_process(socket) as first_engine:
+        async with engine_client(socket, slots=1) as client:
+            assert list((await client.infer(process_images(3), timeout=60)).argmax(axis=1)) == [3]
+            first_engine.send_signal(signal.SIGSTOP)  # the next call reaches it and stays there
+            inside = asyncio.create_task(client.infer(process_images(1), timeout=60))
+            waiting = asyncio.create_task(client.infer(process_images(2), timeout=60))
+            connection = client._connection
+            assert connection is not None
+            async with asyncio.timeout(5):  # the first is in the engine, the second waits for its slot
+                while not (connection.pending and client._slots._waiters):  # noqa: ASYNC110
+                    await asyncio.sleep(0.01)
+            first_engine.kill()
+            async with asyncio.timeout(5):  # well before the calls' own 60 s
+                outcomes = await asyncio.gather(inside, waiting, return_exceptions=True)
+            assert [type(outcome) for outcome in outcomes] == [BackendUnavailable, BackendUnavailable]
+            with engine_process(socket):
+                async with asyncio.timeout(10):
+                    while await client.ready() is not None:  # noqa: ASYNC110
+                        await asyncio.sleep(0.05)
+                    answer = await client.infer(process_images(4, 5), timeout=60)
+                assert list(answer.argmax(axis=1)) == [4, 5]
+
+
+async def test_a_call_gives_up_at_its_timeout_while_the_engine_hangs(tmp_path: Path) -> None:
+    """An engine that stops answering (SIGSTOP): the call fails with 504 at its timeout; its slot
+    stays the engine's until the engine answers, then serves the next call."""
+    socket = tmp_path / "engine.sock"
+    with engine_process(socket) as process:
+        async with engine_client(socket, slots=1) as client:
+            process.send_signal(signal.SIGSTOP)
+            async with asyncio.timeout(10):
+                with pytest.raises(DeadlineExceeded):
+                    await client.infer(process_images(1), timeout=0.3)
+                with pytest.raises(DeadlineExceeded):  # the slot is still the stopped engine's
+                    await client.infer(process_images(2), timeout=0.3)
+                process.send_signal(signal.SIGCONT)
+                assert list((await client.infer(process_images(3), timeout=30)).argmax(axis=1)) == [3]

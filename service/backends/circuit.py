@@ -60,6 +60,11 @@ class CircuitBreaker:
         detail: str | None = getattr(self.inner, "detail", None)
         return detail
 
+    def liveness(self) -> str | None:
+        """The wrapped backend's reason for the process not to be live, if it has one."""
+        check = getattr(self.inner, "liveness", None)
+        return check() if check is not None else None
+
     def _open(self) -> None:
         if self.state != "open":
             logger.error(

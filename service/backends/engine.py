@@ -9,28 +9,48 @@ does for the microservice architecture, without leaving the host or copying imag
 
 The wire, per worker, over a Unix socket:
 
-* the worker creates a shared-memory block of ``slots`` batch slots (``max_inflight_batches`` of
-  ``max_batch_size`` images each) and says its name (``HELLO``); the engine maps it and answers
-  with its backend's description once its model is ready (it listens only then);
-* a batch: the worker copies its images into a free slot and sends ``(id, slot, count)``; the engine
-  queues views of those images (no copy) in its batcher and answers ``(id, status, count)`` with the
-  ``float32 [count, classes]`` scores, or status 1 and an error message. The slot is the worker's
-  again once the answer arrives.
+* the worker makes a block of ``slots`` batch slots (``max_inflight_batches`` of ``max_batch_size``
+  images each) in an anonymous memory file (``memfd``) sealed against shrinking, and hands the
+  engine its file descriptor with ``HELLO`` (``SCM_RIGHTS``); the engine maps it read-only and
+  answers with its backend's description once its model is ready (it listens only then). Nothing
+  has a name in ``/dev/shm``: the kernel frees the memory when the last of the two processes lets
+  go of it, so a SIGKILLed worker leaves nothing behind, and a client can make the engine map only
+  memory it already holds, never a file by name; the seal means it cannot truncate the block under
+  the engine's reads (a SIGBUS in the engine);
+* a batch: the worker copies its images into a free slot and sends ``(id, slot, count, seconds
+  left)``; the engine queues views of those images (no copy) in its batcher and answers ``(id,
+  status, count)`` with the ``float32 [count, classes]`` scores, or a status and an error message.
+  The slot is the worker's again once the answer arrives (or the connection is gone).
 
-A worker whose engine is gone is not ready (``/readyz``) and its batches fail with 503 until it
-reconnects; the engine's batch sizes are ``gateway_engine_batch_size`` on every worker's /metrics
-(prometheus_client's multiprocess files).
+The engine refuses (closes) a connection that breaks the wire: no HELLO within 5 s, a block that is
+not a sealed memory file of the announced size, a slot or count out of range, more batches at once
+than slots.
+
+Each connection is a generation in the worker: its calls fail together with 503 when it drops
+(those waiting for a slot too), ids are the connection's own, and a call's ``timeout`` (its
+requests' deadline) is honoured. A worker whose engine is gone is not ready (``/readyz``), and after
+``engine_down_limit`` seconds not live (``/healthz``); ``gateway serve`` restarts a dead engine
+(``service.backends.engine_supervisor``). The engine's batch sizes are
+``gateway_engine_batch_size`` on every worker's /metrics (prometheus_client's multiprocess files).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
 import json
 import logging
+import mmap
+import os
+import socket
+import stat
 import struct
+import time
+from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
-from multiprocessing import shared_memory
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -38,15 +58,19 @@ from prometheus_client import REGISTRY, CollectorRegistry, Histogram
 
 from service.backends.base import Images, stack_into
 from service.batcher import DynamicBatcher
-from service.errors import BackendError, BackendUnavailable, QueueFull
+from service.errors import BackendError, BackendUnavailable, DeadlineExceeded, QueueFull
 
 logger = logging.getLogger(__name__)
 
-_HELLO = struct.Struct("<IIII")  # name length, slots, images per slot, image bytes
-_REQUEST = struct.Struct("<QII")  # id, slot, count
+_MAGIC = b"GWE2"
+_HELLO = struct.Struct("<4sIII")  # magic, slots, images per slot, image bytes (+ the block's fd)
+_REQUEST = struct.Struct("<QIIf")  # id, slot, count, seconds left (0: no deadline)
 _REPLY = struct.Struct("<QIII")  # id, status (_OK, _FAILED, _FULL, _UNAVAILABLE), count, payload bytes
-_OK, _FAILED, _FULL, _UNAVAILABLE = range(4)
+_OK, _FAILED, _FULL, _UNAVAILABLE, _LATE = range(5)
 _READY = struct.Struct("<I")  # length of the engine's JSON description
+MAX_SLOTS, MAX_IMAGES_PER_SLOT = 64, 1024  # the settings' bounds (max_inflight_batches, max_batch_size)
+HELLO_TIMEOUT = 5.0
+"""Seconds a new connection has to say HELLO before the engine closes it."""
 
 
 @dataclass(frozen=True)
@@ -61,18 +85,101 @@ class Geometry:
         return self.image_size * self.image_size * 3
 
 
-def _shared_memory(name: str) -> shared_memory.SharedMemory:
-    """Attach to the worker's block without letting this process's resource tracker unlink it at
-    exit (the worker owns it)."""
-    try:
-        return shared_memory.SharedMemory(name=name, track=False)  # type: ignore[call-arg]  # Python 3.13+
-    except TypeError:
-        block = shared_memory.SharedMemory(name=name)
-        with contextlib.suppress(Exception):
-            from multiprocessing import resource_tracker
+class Refused(Exception):
+    """A connection broke the wire; the engine closes it."""
 
-            resource_tracker.unregister(block._name, "shared_memory")  # type: ignore[attr-defined]
-        return block
+
+def create_block(size: int) -> tuple[int, mmap.mmap]:
+    """A worker's block: an anonymous memory file of ``size`` bytes sealed so that it can never
+    change size (the engine may rely on it), mapped read-write; returns its fd and the mapping."""
+    if not hasattr(os, "memfd_create"):
+        raise RuntimeError("the shared engine needs Linux (memfd_create)")
+    fd = os.memfd_create("gateway-engine", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    try:
+        os.ftruncate(fd, size)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
+        return fd, mmap.mmap(fd, size)
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def map_block(fd: int, size: int) -> mmap.mmap:
+    """The engine's read-only view of a worker's block, if ``fd`` is one: a memory file sealed
+    against shrinking, of at least ``size`` bytes. Anything else is refused: a file that could
+    shrink would turn the engine's next read into a SIGBUS."""
+    try:
+        seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+    except OSError:
+        raise Refused("the block is not a sealable memory file (memfd)") from None
+    if not seals & fcntl.F_SEAL_SHRINK:
+        raise Refused("the block is not sealed against shrinking")
+    if os.fstat(fd).st_size < size:
+        raise Refused(f"the block has {os.fstat(fd).st_size} bytes, its slots need {size}")
+    return mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+
+
+async def _readable(sock: socket.socket) -> None:
+    loop = asyncio.get_running_loop()
+    ready: asyncio.Future[None] = loop.create_future()
+
+    def wake() -> None:
+        if not ready.done():
+            ready.set_result(None)
+
+    loop.add_reader(sock.fileno(), wake)
+    try:
+        await ready
+    finally:
+        loop.remove_reader(sock.fileno())
+
+
+async def receive_hello(sock: socket.socket) -> tuple[bytes, list[int]]:
+    """The HELLO's bytes and the file descriptors that came with them (the caller closes those)."""
+    data, fds = b"", []
+    try:
+        while len(data) < _HELLO.size:
+            try:
+                chunk, more, flags, _ = socket.recv_fds(sock, _HELLO.size - len(data), 1, socket.MSG_CMSG_CLOEXEC)
+            except BlockingIOError:
+                await _readable(sock)
+                continue
+            fds += more
+            if flags & socket.MSG_CTRUNC:
+                raise Refused("more than one file descriptor with the HELLO")
+            if not chunk:
+                raise asyncio.IncompleteReadError(data, _HELLO.size)
+            data += chunk
+    except BaseException:
+        for fd in fds:
+            os.close(fd)
+        raise
+    return data, fds
+
+
+@dataclass(frozen=True)
+class _Hello:
+    slots: int
+    per_slot: int
+    block: mmap.mmap
+
+
+def _check_hello(data: bytes, fds: list[int], geometry: Geometry) -> _Hello:
+    """The worker's block, mapped, if its HELLO is one this engine serves; closes ``fds``."""
+    try:
+        magic, slots, per_slot, image_bytes = _HELLO.unpack(data)
+        if magic != _MAGIC:
+            raise Refused(f"not an engine client (magic {magic!r})")
+        if image_bytes != geometry.image_bytes:
+            raise Refused(f"worker images are {image_bytes} bytes, the engine's {geometry.image_bytes}")
+        if not (1 <= slots <= MAX_SLOTS and 1 <= per_slot <= MAX_IMAGES_PER_SLOT):
+            raise Refused(f"{slots} slots of {per_slot} images is out of range")
+        if len(fds) != 1:
+            raise Refused(f"the HELLO came with {len(fds)} file descriptors, not 1")
+        return _Hello(slots, per_slot, map_block(fds[0], slots * per_slot * image_bytes))
+    finally:
+        for fd in fds:
+            os.close(fd)
 
 
 # --- the engine process ---------------------------------------------------------------------------
@@ -99,36 +206,72 @@ class EngineServer:
             buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512),
             registry=registry,
         )
-        self._writers: set[asyncio.StreamWriter] = set()
+        self._connections: set[asyncio.Task[None]] = set()
 
     def observe(self, size: int) -> None:
         self.batch_size.observe(size)
 
-    def close(self) -> None:
-        """Close every worker's connection (they see the engine gone, and are not ready)."""
-        for writer in self._writers:
-            writer.close()
-
-    async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        block: shared_memory.SharedMemory | None = None
-        images: np.ndarray | None = None
-        tasks: set[asyncio.Task[None]] = set()
-        self._writers.add(writer)
+    @staticmethod
+    def listen(path: str) -> socket.socket:
+        """The engine's Unix socket at ``path`` (a dead engine's socket there is replaced)."""
+        with contextlib.suppress(FileNotFoundError):
+            if stat.S_ISSOCK(os.stat(path).st_mode):
+                os.unlink(path)
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
-            name_length, slots, per_slot, image_bytes = _HELLO.unpack(await reader.readexactly(_HELLO.size))
-            name = (await reader.readexactly(name_length)).decode()
-            if image_bytes != self.geometry.image_bytes:
-                raise ValueError(f"worker images are {image_bytes} bytes, the engine's {self.geometry.image_bytes}")
-            block = _shared_memory(name)
+            listener.bind(path)
+            listener.listen(64)
+            listener.setblocking(False)
+        except BaseException:
+            listener.close()
+            raise
+        return listener
+
+    async def serve(self, listener: socket.socket) -> None:
+        """Accept workers on ``listener`` until cancelled; then close every worker's connection
+        (they see the engine gone, and are not ready)."""
+        loop = asyncio.get_running_loop()
+        try:
+            while True:
+                conn, _ = await loop.sock_accept(listener)
+                task = asyncio.create_task(self.handle(conn))
+                self._connections.add(task)
+                task.add_done_callback(self._connections.discard)
+        finally:
+            listener.close()
+            for task in list(self._connections):
+                task.cancel()
+            await asyncio.gather(*self._connections, return_exceptions=True)
+
+    async def handle(self, conn: socket.socket) -> None:
+        """One worker's connection, from its HELLO until it closes or breaks the wire."""
+        conn.setblocking(False)
+        hello: _Hello | None = None
+        images: np.ndarray | None = None
+        writer: asyncio.StreamWriter | None = None
+        tasks: set[asyncio.Task[None]] = set()
+        try:
+            async with asyncio.timeout(HELLO_TIMEOUT):
+                data, fds = await receive_hello(conn)
+            hello = _check_hello(data, fds, self.geometry)
             size = self.geometry.image_size
-            images = np.ndarray((slots, per_slot, size, size, 3), np.uint8, buffer=block.buf)
+            images = np.ndarray((hello.slots, hello.per_slot, size, size, 3), np.uint8, buffer=hello.block)
+            reader, writer = await asyncio.open_unix_connection(sock=conn)
             ready = json.dumps({"detail": self.detail, "classes": self.geometry.classes}).encode()
             writer.write(_READY.pack(len(ready)) + ready)
             while True:
-                request_id, slot, count = _REQUEST.unpack(await reader.readexactly(_REQUEST.size))
-                task = asyncio.create_task(self._answer(writer, request_id, images[slot, :count]))
+                request_id, slot, count, seconds = _REQUEST.unpack(await reader.readexactly(_REQUEST.size))
+                if slot >= hello.slots or not 1 <= count <= hello.per_slot:
+                    raise Refused(f"slot {slot} with {count} images is outside the block")
+                if len(tasks) >= hello.slots:
+                    raise Refused("more batches at once than slots")
+                task = asyncio.create_task(self._answer(writer, request_id, images[slot, :count], seconds))
                 tasks.add(task)
                 task.add_done_callback(tasks.discard)
+        except Refused as exc:
+            logger.warning("engine: refused a connection: %s", exc)
+        except TimeoutError:
+            logger.warning("engine: refused a connection: no HELLO within %.0f s", HELLO_TIMEOUT)
         except (asyncio.IncompleteReadError, ConnectionError):
             pass  # the worker went away
         except Exception:
@@ -138,15 +281,18 @@ class EngineServer:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
             del images  # the views must go before the block closes
-            self._writers.discard(writer)
-            writer.close()
-            if block is not None:
-                with contextlib.suppress(BufferError):
-                    block.close()
+            if writer is not None:
+                writer.close()
+            else:
+                conn.close()
+            if hello is not None:
+                with contextlib.suppress(BufferError):  # a batch running still has views: freed with them
+                    hello.block.close()
 
-    async def _answer(self, writer: asyncio.StreamWriter, request_id: int, images: np.ndarray) -> None:
+    async def _answer(self, writer: asyncio.StreamWriter, request_id: int, images: np.ndarray, seconds: float) -> None:
         try:
-            rows = await self.batcher.submit(list(images))
+            deadline = asyncio.get_running_loop().time() + seconds if seconds > 0 else None
+            rows = await self.batcher.submit(list(images), deadline=deadline)
             scores = np.ascontiguousarray(np.stack(rows), dtype=np.float32)
             payload = scores.tobytes()
             writer.write(_REPLY.pack(request_id, _OK, len(rows), len(payload)) + payload)
@@ -158,14 +304,18 @@ class EngineServer:
                 if isinstance(exc, QueueFull)
                 else _UNAVAILABLE
                 if isinstance(exc, BackendUnavailable)
+                else _LATE
+                if isinstance(exc, DeadlineExceeded)
                 else _FAILED
             )
             message = (str(exc) if status != _FAILED else f"{type(exc).__name__}: {exc}").encode()
             writer.write(_REPLY.pack(request_id, status, 0, len(message)) + message)
+        await writer.drain()  # a worker that does not read holds this batch, and then refuses itself more
 
 
-async def run_engine(socket_path: str, stop: asyncio.Event) -> None:
-    """The engine process's life: load the backend, then serve the workers until ``stop``."""
+async def run_engine(socket_path: str, stop: asyncio.Event, on_ready: Callable[[], None] | None = None) -> None:
+    """The engine process's life: load the backend, then serve the workers until ``stop``;
+    ``on_ready`` is called once it listens."""
     from service.models.profiles import get_profile
     from service.pipeline import build_backend
     from service.settings import Settings
@@ -189,13 +339,15 @@ async def run_engine(socket_path: str, stop: asyncio.Event) -> None:
     detail = f"engine shared by the workers: {getattr(backend, 'detail', None) or backend.name}"
     engine = EngineServer(batcher, Geometry(profile.image_size, len(profile.labels)), detail)
     batcher.start()
-    server = await asyncio.start_unix_server(engine.handle, path=socket_path)
+    serving = asyncio.create_task(engine.serve(engine.listen(socket_path)), name="engine-accept")
     logger.info("engine: %s, serving %s", detail, socket_path)
+    if on_ready is not None:
+        on_ready()
     try:
         await stop.wait()
     finally:
-        server.close()
-        engine.close()
+        serving.cancel()
+        await asyncio.gather(serving, return_exceptions=True)
         await batcher.aclose()
         await backend.aclose()
 
@@ -203,26 +355,92 @@ async def run_engine(socket_path: str, stop: asyncio.Event) -> None:
 # --- in each worker -------------------------------------------------------------------------------
 
 
+class _Slots:
+    """The block's free slots; a call waiting for one fails when its connection is lost."""
+
+    def __init__(self, count: int) -> None:
+        self._free = list(range(count))
+        self._waiters: deque[tuple[int, asyncio.Future[int]]] = deque()
+
+    async def acquire(self, generation: int) -> int:
+        if self._free:
+            return self._free.pop()
+        waiter: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+        self._waiters.append((generation, waiter))
+        try:
+            return await waiter
+        except asyncio.CancelledError:
+            if waiter.done() and not waiter.cancelled():  # handed a slot as it was cancelled
+                self.release(waiter.result())
+            raise
+
+    def release(self, slot: int) -> None:
+        while self._waiters:
+            _, waiter = self._waiters.popleft()
+            if not waiter.done():
+                waiter.set_result(slot)
+                return
+        self._free.append(slot)
+
+    def fail_waiters(self, generation: int, error: Exception) -> None:
+        kept: deque[tuple[int, asyncio.Future[int]]] = deque()
+        for entry in self._waiters:
+            if entry[0] != generation:
+                kept.append(entry)
+            elif not entry[1].done():
+                entry[1].set_exception(error)
+        self._waiters = kept
+
+
+class _Connection:
+    """One connection to the engine: a generation of calls, with its own ids."""
+
+    def __init__(self, generation: int, writer: asyncio.StreamWriter) -> None:
+        self.generation = generation
+        self.writer = writer
+        self.pending: dict[int, tuple[asyncio.Future[np.ndarray], int]] = {}
+        """Calls sent and not answered: their future (done when the call gave up) and slot."""
+        self.next_id = 0
+        self.lost: str | None = None
+
+    def send(self, slot: int, count: int, timeout: float | None) -> asyncio.Future[np.ndarray]:
+        if self.lost is not None:
+            raise BackendUnavailable(self.lost)
+        self.next_id += 1
+        future: asyncio.Future[np.ndarray] = asyncio.get_running_loop().create_future()
+        self.pending[self.next_id] = (future, slot)
+        self.writer.write(_REQUEST.pack(self.next_id, slot, count, timeout or 0.0))
+        return future
+
+
 class EngineClient:
     """The backend of a worker whose model runs in the shared engine."""
 
     name = "engine"
 
-    def __init__(self, socket_path: str, geometry: Geometry, *, max_batch_size: int, slots: int) -> None:
+    def __init__(
+        self,
+        socket_path: str,
+        geometry: Geometry,
+        *,
+        max_batch_size: int,
+        slots: int,
+        down_limit: float = 120.0,
+    ) -> None:
+        """``down_limit``: seconds without the engine after which ``liveness`` reports it."""
         self.socket_path = socket_path
         self.geometry = geometry
         self.max_batch_size = max_batch_size
+        self.down_limit = down_limit
         self.detail: str | None = None
-        self._block = shared_memory.SharedMemory(create=True, size=slots * max_batch_size * geometry.image_bytes)
+        self._fd, self._block = create_block(slots * max_batch_size * geometry.image_bytes)
         size = geometry.image_size
-        self._slots_view = np.ndarray((slots, max_batch_size, size, size, 3), np.uint8, buffer=self._block.buf)
-        self._free: asyncio.Queue[int] = asyncio.Queue()
-        for slot in range(slots):
-            self._free.put_nowait(slot)
-        self._pending: dict[int, asyncio.Future[np.ndarray]] = {}
-        self._next_id = 0
-        self._writer: asyncio.StreamWriter | None = None
+        self._slots_view = np.ndarray((slots, max_batch_size, size, size, 3), np.uint8, buffer=self._block)
+        self._slots = _Slots(slots)
+        self._connection: _Connection | None = None
+        self._generation = 0
         self._problem: str | None = "connecting to the engine"
+        self._down_since: float | None = time.monotonic()
         self._connector: asyncio.Task[None] | None = None
         self._connected = asyncio.Event()
 
@@ -231,87 +449,156 @@ class EngineClient:
         with contextlib.suppress(TimeoutError):  # not ready until connected; /readyz says why
             await asyncio.wait_for(self._connected.wait(), 5)
 
+    async def _connect(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        """Connect and hand the engine the block with HELLO (its fd rides along)."""
+        loop = asyncio.get_running_loop()
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.setblocking(False)
+            await loop.sock_connect(sock, self.socket_path)
+            slots, per_slot = self._slots_view.shape[:2]
+            hello = _HELLO.pack(_MAGIC, slots, per_slot, self.geometry.image_bytes)
+            if socket.send_fds(sock, [hello], [self._fd]) != len(hello):  # a fresh socket's buffer is empty
+                raise ConnectionError("the HELLO did not fit in the socket's buffer")
+            return await asyncio.open_unix_connection(sock=sock)
+        except BaseException:
+            sock.close()
+            raise
+
     async def _keep_connected(self) -> None:
         while True:
             try:
-                reader, writer = await asyncio.open_unix_connection(self.socket_path)
+                reader, writer = await self._connect()
             except OSError as exc:
                 self._problem = f"engine at {self.socket_path} not reachable: {exc}"
                 await asyncio.sleep(0.5)
                 continue
+            self._generation += 1
+            connection = _Connection(self._generation, writer)
+            pause = 0.2
             try:
-                name = self._block.name.encode()
-                slots, per_slot = self._slots_view.shape[:2]
-                writer.write(_HELLO.pack(len(name), slots, per_slot, self.geometry.image_bytes) + name)
                 (length,) = _READY.unpack(await reader.readexactly(_READY.size))
                 description: dict[str, Any] = json.loads(await reader.readexactly(length))
                 if description.get("classes") != self.geometry.classes:
                     raise ValueError(f"the engine's model has {description.get('classes')} classes")
                 self.detail = str(description.get("detail"))
-                self._writer, self._problem = writer, None
+                self._connection, self._problem, self._down_since = connection, None, None
                 self._connected.set()
-                await self._read(reader)
+                await self._read(reader, connection)
                 self._problem = "the engine closed the connection"
             except (asyncio.IncompleteReadError, ConnectionError) as exc:
                 self._problem = f"lost the engine: {exc or type(exc).__name__}"
             except Exception as exc:
                 self._problem = f"engine refused: {exc}"
                 logger.warning("engine client: %s", self._problem)
-                await asyncio.sleep(1)
+                pause = 1.0
             finally:
-                self._connected.clear()
-                self._writer = None
+                self._lose(connection, self._problem or "lost the engine")
                 writer.close()
-                for future in self._pending.values():
-                    if not future.done():
-                        future.set_exception(BackendUnavailable(self._problem or "lost the engine"))
-                self._pending.clear()
-            await asyncio.sleep(0.2)
+            await asyncio.sleep(pause)
 
-    async def _read(self, reader: asyncio.StreamReader) -> None:
+    def _lose(self, connection: _Connection, problem: str) -> None:
+        """Every call of ``connection``'s generation fails now with 503, and its slots are free."""
+        self._connected.clear()
+        if self._connection is connection:
+            self._connection = None
+        if self._down_since is None:
+            self._down_since = time.monotonic()
+        connection.lost = problem
+        error = BackendUnavailable(problem)
+        self._slots.fail_waiters(connection.generation, error)
+        pending, connection.pending = connection.pending, {}
+        for future, slot in pending.values():
+            self._slots.release(slot)
+            if not future.done():
+                future.set_exception(error)
+
+    async def _read(self, reader: asyncio.StreamReader, connection: _Connection) -> None:
+        classes = self.geometry.classes
         while True:
             request_id, status, count, length = _REPLY.unpack(await reader.readexactly(_REPLY.size))
+            if status == _OK and length != count * classes * 4:
+                raise ConnectionError(f"the engine answered {length} bytes for {count} rows")
             payload = await reader.readexactly(length)
-            future = self._pending.pop(request_id, None)
-            if future is None or future.done():
+            entry = connection.pending.pop(request_id, None)
+            if entry is None:
+                raise ConnectionError(f"the engine answered call {request_id}, which it was not sent")
+            future, slot = entry
+            self._slots.release(slot)  # the engine is done with it
+            if future.done():  # the call gave up (its deadline)
                 continue
-            message = payload.decode(errors="replace") if status != _OK else ""
             if status == _OK:
-                future.set_result(np.frombuffer(payload, np.float32).reshape(count, self.geometry.classes))
-            elif status == _FULL:
-                future.set_exception(QueueFull(f"the shared engine's queue is full: {message}"))
-            elif status == _UNAVAILABLE:
-                future.set_exception(BackendUnavailable(f"engine: {message}"))
+                future.set_result(np.frombuffer(payload, np.float32).reshape(count, classes))
             else:
-                future.set_exception(BackendError(f"engine: {message}"))
+                future.set_exception(_failure(status, payload.decode(errors="replace")))
 
     async def infer(self, images: Images, *, timeout: float | None = None) -> np.ndarray:
         count = len(images)
         if count > self.max_batch_size:
             raise ValueError(f"a batch of {count} images is over max_batch_size ({self.max_batch_size})")
-        writer = self._writer
-        if writer is None:
+        connection = self._connection
+        if connection is None:
             raise BackendUnavailable(self._problem or "not connected to the engine")
-        slot = await self._free.get()
+        if timeout is not None and timeout <= 0:
+            raise DeadlineExceeded("the request deadline passed before the batch reached the engine")
         try:
-            view = self._slots_view[slot, :count]
-            await asyncio.to_thread(stack_into, view, images)
-            request_id = self._next_id = self._next_id + 1
-            future: asyncio.Future[np.ndarray] = asyncio.get_running_loop().create_future()
-            self._pending[request_id] = future
-            writer.write(_REQUEST.pack(request_id, slot, count))
-            return await future
-        finally:
-            self._free.put_nowait(slot)
+            async with asyncio.timeout(timeout):
+                slot = await self._slots.acquire(connection.generation)
+                await self._copy(slot, images)
+                try:
+                    answer = connection.send(slot, count, timeout)
+                except BackendUnavailable:  # lost while copying
+                    self._slots.release(slot)
+                    raise
+                # cancelled at the deadline: the slot stays the engine's until it answers or the connection goes
+                return await answer
+        except TimeoutError:
+            raise DeadlineExceeded(f"the engine did not answer within the request deadline ({timeout:.3f} s)") from None
+
+    async def _copy(self, slot: int, images: Images) -> None:
+        """The images into ``slot``, off the loop. A call that gives up meanwhile (deadline, shutdown)
+        frees the slot only once the copy thread is done writing it."""
+        copy = asyncio.get_running_loop().run_in_executor(
+            None, stack_into, self._slots_view[slot, : len(images)], images
+        )
+        try:
+            await asyncio.shield(copy)
+        except BaseException:
+            copy.add_done_callback(partial(self._copied, slot))
+            raise
+
+    def _copied(self, slot: int, copy: asyncio.Future[None]) -> None:
+        if not copy.cancelled():
+            copy.exception()  # retrieved: the call that gave up has its own error
+        self._slots.release(slot)
 
     async def ready(self) -> str | None:
         return self._problem
+
+    def liveness(self) -> str | None:
+        """Why this worker is not live: without its engine for longer than ``down_limit`` (then a
+        restart of the pod may help; the gateway's own restarts of the engine have not)."""
+        down_since = self._down_since
+        if down_since is None or time.monotonic() - down_since <= self.down_limit:
+            return None
+        return f"no shared engine for {time.monotonic() - down_since:.0f} s: {self._problem}"
 
     async def aclose(self) -> None:
         if self._connector is not None:
             self._connector.cancel()
             await asyncio.gather(self._connector, return_exceptions=True)
         del self._slots_view
-        self._block.close()
-        with contextlib.suppress(FileNotFoundError):
-            self._block.unlink()
+        with contextlib.suppress(BufferError):
+            self._block.close()
+        os.close(self._fd)
+
+
+def _failure(status: int, message: str) -> Exception:
+    """The engine's failure as the worker reports it (full is 429, shutting down 503, late 504)."""
+    if status == _FULL:
+        return QueueFull(f"the shared engine's queue is full: {message}")
+    if status == _UNAVAILABLE:
+        return BackendUnavailable(f"engine: {message}")
+    if status == _LATE:
+        return DeadlineExceeded(f"engine: {message}")
+    return BackendError(f"engine: {message}")
