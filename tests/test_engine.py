@@ -8,8 +8,14 @@ on the CPU and its engine process, against the same model called directly, and w
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
 import signal
-from collections.abc import AsyncIterator
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from pathlib import Path
 
@@ -19,14 +25,15 @@ import psutil
 import pytest
 from prometheus_client import CollectorRegistry
 
-from loadtests.http_load import start_gateway
+from loadtests.http_load import start_gateway, stop_process
 from service.backends.engine import EngineClient, EngineServer, Geometry
 from service.backends.fake import FakeBackend
 from service.backends.torch_backend import TorchBackend
 from service.batcher import DynamicBatcher
 from service.errors import BackendError, BackendUnavailable, DeadlineExceeded, QueueFull
 from service.preprocess import PreprocessConfig, prepare
-from tests.engine_process import engine_client, engine_process
+from service.tune.runner import free_port
+from tests.engine_process import MODEL, engine_client, engine_process
 from tests.engine_process import images as process_images
 
 GEOMETRY = Geometry(image_size=8, classes=1000)
@@ -134,21 +141,45 @@ async def test_a_worker_without_its_engine_is_not_ready_and_reconnects(tmp_path:
                 await asyncio.sleep(0.05)
 
 
+SHARED_ENGINE = {
+    "GATEWAY_BACKEND": "torch",
+    "GATEWAY_TORCH_DEVICE": "cpu",
+    "GATEWAY_TORCH_ENGINE": "shared",
+    "GATEWAY_MODEL": "resnet50",
+    "GATEWAY_WORKERS": "2",
+    "GATEWAY_MAX_BATCH_SIZE": "4",
+    "GATEWAY_REQUEST_TIMEOUT": "60",
+}
+
+
+def children(proc: subprocess.Popen[bytes], word: str) -> list[psutil.Process]:
+    """``gateway serve``'s processes whose command line has ``word`` (``engine``, ``spawn_main``)."""
+    found = []
+    for child in psutil.Process(proc.pid).children(recursive=True):
+        with contextlib.suppress(psutil.ZombieProcess, psutil.NoSuchProcess):  # a killed one not reaped yet
+            if any(word in a for a in child.cmdline()):
+                found.append(child)
+    return found
+
+
+def poll(condition: Callable[[], bool], seconds: float, what: str) -> None:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, f"not within {seconds} s: {what}"
+        time.sleep(0.05)
+
+
+def status(url: str) -> int:
+    return httpx.get(url).status_code
+
+
 @pytest.mark.slow
 def test_serve_with_a_shared_engine_answers_as_the_model_does(
     tmp_path: Path, cat_jpeg: bytes, coffee_jpeg: bytes
 ) -> None:
     """Two workers, one engine process (the torch backend on the CPU): the scores are the model's,
-    the engine's batches are on every worker's /metrics, and without the engine nothing is ready."""
-    env = {
-        "GATEWAY_BACKEND": "torch",
-        "GATEWAY_TORCH_DEVICE": "cpu",
-        "GATEWAY_TORCH_ENGINE": "shared",
-        "GATEWAY_MODEL": "resnet50",
-        "GATEWAY_WORKERS": "2",
-        "GATEWAY_MAX_BATCH_SIZE": "4",
-    }
-    proc, url = start_gateway([], tmp_path / "models", env=env)
+    and the engine's batches are on every worker's /metrics."""
+    proc, url = start_gateway([], tmp_path / "models", env=SHARED_ENGINE)
     try:
         ready = httpx.get(f"{url}/readyz").json()
         assert "engine shared by the workers" in ready["checks"]["runtime"]
@@ -170,21 +201,147 @@ def test_serve_with_a_shared_engine_answers_as_the_model_does(
             assert labels[0]["score"] == pytest.approx(float(scores.max()), abs=1e-4)
         metrics = httpx.get(f"{url}/metrics").text
         assert "gateway_engine_batch_size_count 2.0" in metrics
-
-        engines = [p for p in psutil.Process(proc.pid).children(recursive=True) if "engine" in p.cmdline()]
-        assert len(engines) == 1
-        engines[0].send_signal(signal.SIGKILL)
-        for _ in range(100):
-            response = httpx.get(f"{url}/readyz")
-            if response.status_code == 503:
-                break
-            asyncio.run(asyncio.sleep(0.05))
-        assert response.status_code == 503
-        refused = httpx.post(f"{url}/classify", content=cat_jpeg, headers={"content-type": "image/jpeg"})
-        assert refused.status_code == 503
     finally:
-        proc.terminate()
-        proc.wait(30)
+        stop_process(proc)
+
+
+@pytest.mark.slow
+def test_serve_restarts_an_engine_killed_mid_request(tmp_path: Path, cat_jpeg: bytes) -> None:
+    """The engine SIGKILLed with a request in it: the request fails at once with 503 (not at its
+    60 s timeout, not never), ``gateway serve`` starts a new engine, the workers become ready again
+    by themselves and requests are answered again."""
+    proc, url = start_gateway([], tmp_path / "models", env=SHARED_ENGINE)
+    try:
+        (engine,) = children(proc, "engine")
+        engine.send_signal(signal.SIGSTOP)  # the next request's batch reaches the engine and stays there
+        with ThreadPoolExecutor(1) as pool:
+            request = pool.submit(
+                httpx.post, f"{url}/classify", content=cat_jpeg, headers={"content-type": "image/jpeg"}, timeout=90
+            )
+            poll(
+                lambda: "gateway_batcher_inflight_batches 1.0" in httpx.get(f"{url}/metrics").text,
+                30,
+                "the request's batch in the engine",
+            )
+            engine.send_signal(signal.SIGKILL)
+            killed = time.monotonic()
+            answer = request.result(timeout=90)
+        assert answer.status_code == 503, answer.text
+        assert time.monotonic() - killed < 10  # at once: the request's own timeout is 60 s
+        poll(lambda: [p.pid for p in children(proc, "engine")] not in ([], [engine.pid]), 30, "a new engine")
+        (restarted,) = children(proc, "engine")
+        poll(lambda: len(shared_memory_inodes(restarted.pid)) == 2, 120, "both workers connected to it")
+        poll(lambda: status(f"{url}/readyz") == 200, 30, "ready again")
+        for _ in range(4):  # whichever worker answers
+            again = httpx.post(f"{url}/classify", content=cat_jpeg, headers={"content-type": "image/jpeg"})
+            assert again.status_code == 200, again.text
+            assert status(f"{url}/healthz") == 200
+    finally:
+        stop_process(proc)
+
+
+def shared_memory_inodes(pid: int) -> set[int]:
+    """Inodes of the memory blocks a process maps to share with another (/dev/shm files, memfds)."""
+    inodes = set()
+    for line in Path(f"/proc/{pid}/maps").read_text().splitlines():
+        fields = line.split(maxsplit=5)
+        if len(fields) == 6 and (fields[5].startswith("/dev/shm/") or fields[5].startswith("/memfd:")):
+            inodes.add(int(fields[4]))
+    return inodes
+
+
+def dev_shm_inodes() -> set[int]:
+    return {entry.stat().st_ino for entry in Path("/dev/shm").iterdir()}
+
+
+@pytest.mark.slow
+def test_a_killed_workers_shared_memory_is_freed(tmp_path: Path, cat_jpeg: bytes) -> None:
+    """A SIGKILLed worker (an OOM kill, uvicorn killing a hung worker) leaves no block behind: none
+    in /dev/shm and none still mapped by the engine, so the kernel frees its memory; the worker
+    uvicorn starts in its place is served."""
+    proc, url = start_gateway([], tmp_path / "models", env=SHARED_ENGINE)
+    try:
+        (engine,) = children(proc, "engine")
+        worker = children(proc, "spawn_main")[0]
+        blocks = shared_memory_inodes(worker.pid)
+        assert blocks & shared_memory_inodes(engine.pid)  # the worker's block, as the engine maps it
+        worker.send_signal(signal.SIGKILL)
+        poll(
+            lambda: not blocks & (dev_shm_inodes() | shared_memory_inodes(engine.pid)),
+            30,
+            f"the killed worker's blocks {blocks} gone from /dev/shm and from the engine",
+        )
+        poll(lambda: len(children(proc, "spawn_main")) == 2, 60, "uvicorn's new worker")
+        poll(lambda: status(f"{url}/readyz") == 200, 60, "the new worker ready")
+        for _ in range(4):  # both workers answer
+            answer = httpx.post(f"{url}/classify", content=cat_jpeg, headers={"content-type": "image/jpeg"})
+            assert answer.status_code == 200, answer.text
+    finally:
+        stop_process(proc)
+
+
+@pytest.mark.slow
+def test_serve_exits_non_zero_when_its_engine_cannot_start(tmp_path: Path) -> None:
+    """An engine that exits at every start (here: a model the torch backend does not serve):
+    after GATEWAY_ENGINE_START_ATTEMPTS failed starts ``gateway serve`` stops its workers and exits
+    non-zero, so that the container is restarted instead of staying up, unready, for ever."""
+    env = {
+        **os.environ,
+        **SHARED_ENGINE,
+        "GATEWAY_MODEL": "trivial",
+        "GATEWAY_ENGINE_START_ATTEMPTS": "2",
+        "GATEWAY_MODELS_DIR": str(tmp_path / "models"),
+        "GATEWAY_LOG_LEVEL": "warning",
+    }
+    command = [sys.executable, "-m", "service", "serve", "--port", str(free_port())]
+    proc = subprocess.Popen(command, env=env, stderr=subprocess.PIPE)
+    try:
+        _, stderr = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 1, stderr.decode()[-2000:]
+    assert b"the shared engine failed 2 starts in a row" in stderr
+
+
+@pytest.mark.slow
+def test_healthz_fails_while_the_engine_is_gone_too_long(tmp_path: Path, cat_jpeg: bytes) -> None:
+    """A worker without its engine for GATEWAY_ENGINE_DOWN_LIMIT seconds fails /healthz (503, the
+    gateway's error body), so an orchestrator restarts the pod; once an engine listens it is live,
+    ready and answers again."""
+    socket = tmp_path / "engine.sock"
+    env = {
+        **os.environ,
+        **SHARED_ENGINE,
+        "GATEWAY_MODEL": MODEL,
+        "GATEWAY_WORKERS": "1",
+        "GATEWAY_ENGINE_SOCKET": str(socket),  # an engine run on its own: no supervisor
+        "GATEWAY_ENGINE_DOWN_LIMIT": "1",
+        "GATEWAY_MODELS_DIR": str(tmp_path / "models"),
+        "GATEWAY_LOG_LEVEL": "warning",
+    }
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "service", "serve", "--port", str(port)], env=env)
+    url = f"http://127.0.0.1:{port}"
+
+    def healthz() -> httpx.Response | None:
+        try:
+            return httpx.get(f"{url}/healthz")
+        except httpx.TransportError:
+            return None  # not listening yet
+
+    try:
+        poll(lambda: (r := healthz()) is not None and r.status_code == 503, 60, "/healthz failing")
+        failing = httpx.get(f"{url}/healthz")
+        assert failing.json()["error"] == "backend_unavailable"
+        assert "no shared engine for" in failing.json()["detail"]
+        with engine_process(socket):
+            poll(lambda: status(f"{url}/readyz") == 200, 30, "ready with the engine")
+            assert status(f"{url}/healthz") == 200
+            answer = httpx.post(f"{url}/classify", content=cat_jpeg, headers={"content-type": "image/jpeg"})
+            assert answer.status_code == 200, answer.text
+    finally:
+        stop_process(proc)
 
 
 # --- a real engine process, stopped and killed under its worker ---------------------------------
