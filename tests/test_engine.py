@@ -298,7 +298,9 @@ def test_serve_exits_non_zero_when_its_engine_cannot_start(tmp_path: Path) -> No
     try:
         _, stderr = proc.communicate(timeout=120)
     finally:
-        if proc.poll() is None:
+        if proc.poll() is None:  # its workers too, or they outlive the test
+            for child in psutil.Process(proc.pid).children(recursive=True):
+                child.kill()
             proc.kill()
     assert proc.returncode == 1, stderr.decode()[-2000:]
     assert b"the shared engine failed 2 starts in a row" in stderr

@@ -1,0 +1,215 @@
+"""Hostile input on the shared engine's Unix socket: any local process that can reach the socket
+can send it bytes and file descriptors. A real engine process (the fake backend) must close each
+such connection, never crash or read outside a worker's block, and keep serving a well-behaved
+worker all along."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import socket
+import subprocess
+from collections.abc import Iterator
+from multiprocessing import shared_memory
+from pathlib import Path
+
+import pytest
+
+from service.backends.engine import _HELLO, _MAGIC, _READY, _REQUEST, HELLO_TIMEOUT, create_block
+from tests.engine_process import GEOMETRY, engine_client, engine_process, images
+
+SLOTS, PER_SLOT = 2, 4
+BLOCK_BYTES = SLOTS * PER_SLOT * GEOMETRY.image_bytes
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, subprocess.Popen[bytes]]]:
+    socket_path = tmp_path_factory.mktemp("engine") / "engine.sock"
+    with engine_process(socket_path) as process:
+        yield socket_path, process
+
+
+def hello(slots: int = SLOTS, per_slot: int = PER_SLOT, image_bytes: int = GEOMETRY.image_bytes) -> bytes:
+    return _HELLO.pack(_MAGIC, slots, per_slot, image_bytes)
+
+
+async def connect(path: Path) -> socket.socket:
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.setblocking(False)
+    await asyncio.get_running_loop().sock_connect(sock, str(path))
+    return sock
+
+
+async def closed_by_engine(sock: socket.socket, within: float = 10.0) -> None:
+    """Return once the engine has closed ``sock`` (whatever it said before)."""
+    loop = asyncio.get_running_loop()
+    async with asyncio.timeout(within):
+        while True:
+            try:
+                if not await loop.sock_recv(sock, 65536):
+                    break
+            except ConnectionResetError:
+                break
+    sock.close()
+
+
+async def still_serving(engine: tuple[Path, subprocess.Popen[bytes]]) -> None:
+    """The engine process is alive and a well-behaved worker gets its answers."""
+    path, process = engine
+    assert process.poll() is None, f"the engine died with {process.returncode}"
+    async with engine_client(path, slots=SLOTS, max_batch_size=PER_SLOT) as worker:
+        assert await worker.ready() is None
+        assert list((await worker.infer(images(7, 8), timeout=30)).argmax(axis=1)) == [7, 8]
+
+
+def memfd(size: int, *, sealed: bool = True) -> int:
+    fd = os.memfd_create("hostile", os.MFD_ALLOW_SEALING)
+    os.ftruncate(fd, size)
+    if sealed:
+        import fcntl
+
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK)
+    return fd
+
+
+def regular_file(tmp_path: Path) -> int:
+    path = tmp_path / "block"
+    path.write_bytes(bytes(BLOCK_BYTES))
+    return os.open(path, os.O_RDWR)
+
+
+def dev_shm_block(tmp_path: Path) -> int:
+    """A block with a name in /dev/shm (the old wire's kind): it can be truncated under a reader."""
+    block = shared_memory.SharedMemory(create=True, size=BLOCK_BYTES)
+    fd = os.dup(block._fd)  # type: ignore[attr-defined]
+    block.close()
+    block.unlink()
+    return fd
+
+
+def pipe(tmp_path: Path) -> int:
+    read_end, write_end = os.pipe()
+    os.close(write_end)
+    return read_end
+
+
+HOSTILE_HELLOS = {
+    "wrong magic": (b"HTTP" + hello()[4:], ["memfd"]),
+    "no file descriptor": (hello(), []),
+    "two file descriptors": (hello(), ["memfd", "memfd"]),
+    "a regular file": (hello(), ["file"]),
+    "a /dev/shm block": (hello(), ["dev_shm"]),
+    "a pipe": (hello(), ["pipe"]),
+    "an unsealed memfd": (hello(), ["unsealed"]),
+    "a sealed memfd too small for its slots": (hello(), ["small"]),
+    "images of another size": (hello(image_bytes=12), ["memfd"]),
+    "no slots": (hello(slots=0), ["memfd"]),
+    "huge slot count": (hello(slots=2**32 - 1), ["memfd"]),
+    "huge images per slot": (hello(per_slot=2**32 - 1), ["memfd"]),
+    "random bytes": (random.Random(31).randbytes(_HELLO.size), ["memfd"]),
+}
+
+
+def make_fd(kind: str, tmp_path: Path) -> int:
+    makers = {
+        "memfd": lambda: memfd(BLOCK_BYTES),
+        "unsealed": lambda: memfd(BLOCK_BYTES, sealed=False),
+        "small": lambda: memfd(BLOCK_BYTES // 2),
+        "file": lambda: regular_file(tmp_path),
+        "dev_shm": lambda: dev_shm_block(tmp_path),
+        "pipe": lambda: pipe(tmp_path),
+    }
+    return makers[kind]()
+
+
+@pytest.mark.parametrize("case", list(HOSTILE_HELLOS))
+async def test_a_hello_the_engine_does_not_serve_closes_the_connection(
+    engine: tuple[Path, subprocess.Popen[bytes]], tmp_path: Path, case: str
+) -> None:
+    """A HELLO with the wrong magic, sizes out of range, or anything but one sealed memory file
+    big enough for its slots (a regular file, a /dev/shm block, a pipe, an unsealed or short
+    memfd: each could be truncated under the engine's reads, or is not memory at all): the engine
+    closes the connection without mapping it, and serves the next worker."""
+    data, kinds = HOSTILE_HELLOS[case]
+    fds = [make_fd(kind, tmp_path) for kind in kinds]
+    sock = await connect(engine[0])
+    try:
+        socket.send_fds(sock, [data], fds)
+    finally:
+        for fd in fds:
+            os.close(fd)
+    await closed_by_engine(sock)
+    await still_serving(engine)
+
+
+BAD_REQUESTS = {
+    "slot past the block": _REQUEST.pack(1, SLOTS, 1, 0.0),
+    "huge slot": _REQUEST.pack(1, 2**32 - 1, 1, 0.0),
+    "no images": _REQUEST.pack(1, 0, 0, 0.0),
+    "more images than a slot holds": _REQUEST.pack(1, 0, PER_SLOT + 1, 0.0),
+    "huge image count": _REQUEST.pack(1, 1, 2**32 - 1, 0.0),
+    "more batches at once than slots": b"".join(_REQUEST.pack(i, 0, 1, 0.0) for i in range(SLOTS + 1)),
+    "random bytes": random.Random(13).randbytes(4096),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_REQUESTS))
+async def test_a_request_outside_the_block_closes_the_connection(
+    engine: tuple[Path, subprocess.Popen[bytes]], case: str
+) -> None:
+    """After a good HELLO, a request naming a slot or an image count outside the block (or more
+    batches at once than slots, which a worker never sends): the engine reads nothing outside the
+    block, closes that connection, and serves the next worker."""
+    fd = memfd(BLOCK_BYTES)
+    sock = await connect(engine[0])
+    try:
+        socket.send_fds(sock, [hello()], [fd])
+    finally:
+        os.close(fd)
+    loop = asyncio.get_running_loop()
+    (length,) = _READY.unpack(await loop.sock_recv(sock, _READY.size))  # served: it mapped the block
+    assert length > 0
+    await loop.sock_sendall(sock, BAD_REQUESTS[case])
+    await closed_by_engine(sock)
+    await still_serving(engine)
+
+
+async def test_silent_truncated_and_vanishing_clients_hold_nothing(
+    engine: tuple[Path, subprocess.Popen[bytes]],
+) -> None:
+    """A client that connects and says nothing, one that sends half a HELLO and waits, one that
+    sends half a HELLO and goes, and one that goes in the middle of a request: a worker is served
+    while they hang on, and the engine closes the silent ones at the HELLO deadline."""
+    loop = asyncio.get_running_loop()
+    silent = await connect(engine[0])
+    half_hello = await connect(engine[0])
+    await loop.sock_sendall(half_hello, hello()[:7])
+    gone = await connect(engine[0])
+    await loop.sock_sendall(gone, hello()[:7])
+    gone.close()
+    mid_request = await connect(engine[0])
+    fd = memfd(BLOCK_BYTES)
+    try:
+        socket.send_fds(mid_request, [hello() + _REQUEST.pack(1, 0, 1, 0.0)[:5]], [fd])
+    finally:
+        os.close(fd)
+    await loop.sock_recv(mid_request, 65536)  # its READY
+    mid_request.close()
+    await still_serving(engine)
+    await asyncio.gather(closed_by_engine(silent, HELLO_TIMEOUT + 10), closed_by_engine(half_hello, HELLO_TIMEOUT + 10))
+    await still_serving(engine)
+
+
+def test_a_workers_block_cannot_be_shrunk_under_the_engine() -> None:
+    """The worker's block is sealed: truncating it (which would make the engine's next read a
+    SIGBUS) or growing it fails in the kernel."""
+    fd, block = create_block(BLOCK_BYTES)
+    try:
+        with pytest.raises(PermissionError):
+            os.ftruncate(fd, 0)
+        with pytest.raises(PermissionError):
+            os.ftruncate(fd, BLOCK_BYTES * 2)
+    finally:
+        block.close()
+        os.close(fd)
