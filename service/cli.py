@@ -124,6 +124,8 @@ def _engine(args: argparse.Namespace) -> int:
         loop = asyncio.get_running_loop()
         for signum in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(signum, stop.set)
+        if args.parent_fd is not None:  # readable at end-of-file: the serving process that started it is gone
+            loop.add_reader(args.parent_fd, stop.set)
         await run_engine(args.socket, stop, ready)
 
     eventloop.run(main())
@@ -352,6 +354,12 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument("--socket", required=True, help="Unix socket the workers connect to")
     engine.add_argument(
         "--ready-fd", type=int, default=None, help="a pipe's fd to write one byte to once listening (gateway serve's)"
+    )
+    engine.add_argument(
+        "--parent-fd",
+        type=int,
+        default=None,
+        help="a pipe's fd whose end-of-file means the process that started the engine is gone: the engine stops",
     )
     engine.set_defaults(func=_engine)
     queues = commands.add_parser("queues", help="RabbitMQ set-up for offline mode")

@@ -281,6 +281,25 @@ def test_a_killed_workers_shared_memory_is_freed(tmp_path: Path, cat_jpeg: bytes
 
 
 @pytest.mark.slow
+def test_no_engine_outlives_a_killed_gateway(tmp_path: Path) -> None:
+    """``gateway serve`` SIGKILLed (an OOM kill): its engine, which no one would stop or restart,
+    stops by itself (end-of-file on the pipe only the serving process held open)."""
+    proc, _ = start_gateway([], tmp_path / "models", env=SHARED_ENGINE)
+    workers = children(proc, "spawn_main")
+    (engine,) = children(proc, "engine")
+    proc.kill()
+    proc.wait()
+    for worker in workers:  # uvicorn's workers are not the engine's to stop
+        with contextlib.suppress(psutil.NoSuchProcess):
+            worker.kill()
+    try:
+        engine.wait(timeout=30)
+    except psutil.TimeoutExpired:
+        engine.kill()
+        raise AssertionError("the engine outlived its gateway by 30 s") from None
+
+
+@pytest.mark.slow
 def test_serve_exits_non_zero_when_its_engine_cannot_start(tmp_path: Path) -> None:
     """An engine that exits at every start (here: a model the torch backend does not serve):
     after GATEWAY_ENGINE_START_ATTEMPTS failed starts ``gateway serve`` stops its workers and exits

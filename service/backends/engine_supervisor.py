@@ -7,6 +7,10 @@ listens or within ``stable`` seconds of being started; after ``attempts`` failed
 supervisor gives up and calls ``on_give_up`` (``gateway serve`` then stops its workers and exits
 non-zero, so the container is restarted: a crash loop is the orchestrator's to see). The workers
 reconnect by themselves to each new engine.
+
+The engine also holds the read end of a second pipe whose write end only the serving process has
+(``--parent-fd``): when that process dies, however (SIGKILL, an OOM kill), the kernel closes the
+write end and the engine, reading end-of-file, stops; no engine outlives the gateway that started it.
 """
 
 from __future__ import annotations
@@ -32,8 +36,8 @@ class EngineSupervisor:
         max_backoff: float = 30.0,
         stable: float = 60.0,
     ) -> None:
-        """``command`` starts the engine; ``--ready-fd N`` is added (the engine writes a byte to
-        that fd once it listens)."""
+        """``command`` starts the engine; ``--ready-fd N`` (the engine writes a byte to that fd once
+        it listens) and ``--parent-fd M`` (end-of-file there: the serving process is gone) are added."""
         self.command = list(command)
         self.attempts = attempts
         self.on_give_up = on_give_up
@@ -92,21 +96,27 @@ class EngineSupervisor:
     def _run_once(self) -> tuple[bool, int | None]:
         """One engine process's life: whether it listened, and its exit status."""
         read_end, write_end = os.pipe()  # not inheritable: only the engine gets the write end
+        parent_read, parent_write = os.pipe()  # the engine gets the read end; this process keeps the other
         try:
-            with self._lock:
-                if self._stopping.is_set():
-                    os.close(read_end)
-                    return False, None
-                self._process = process = subprocess.Popen(
-                    [*self.command, "--ready-fd", str(write_end)], pass_fds=(write_end,)
-                )
-                self.starts += 1
-        except OSError as exc:
-            logger.error("engine: could not be started: %s", exc)
-            os.close(read_end)
-            return False, None
+            try:
+                with self._lock:
+                    if self._stopping.is_set():
+                        os.close(read_end)
+                        return False, None
+                    self._process = process = subprocess.Popen(
+                        [*self.command, "--ready-fd", str(write_end), "--parent-fd", str(parent_read)],
+                        pass_fds=(write_end, parent_read),
+                    )
+                    self.starts += 1
+            except OSError as exc:
+                logger.error("engine: could not be started: %s", exc)
+                os.close(read_end)
+                return False, None
+            finally:
+                os.close(write_end)
+                os.close(parent_read)
+            with os.fdopen(read_end, "rb") as ready:
+                served = ready.read(1) == b"1"  # b"" once the engine exits without listening
+            return served, process.wait()
         finally:
-            os.close(write_end)
-        with os.fdopen(read_end, "rb") as ready:
-            served = ready.read(1) == b"1"  # b"" once the engine exits without listening
-        return served, process.wait()
+            os.close(parent_write)  # held for the engine's life: the kernel closes it if this process dies
