@@ -19,7 +19,8 @@ and which addresses it connects to.
   be bypassed. As no connection is attempted, the refusal reads the same whether anything listens
   there or not.
 * **Names** are also checked where they are resolved (``GuardedResolver``): one name, one verdict
-  (a name with any refused address is refused), and an error that names the host.
+  (a name with any refused address is refused), and an error that names the host and the kind of
+  address, never the address (the gateway is no oracle of its internal DNS).
 """
 
 from __future__ import annotations
@@ -85,18 +86,22 @@ def embedded_ipv4(address: ipaddress.IPv6Address) -> tuple[ipaddress.IPv4Address
     return None
 
 
-def refusal(address: Address, allowlist: Sequence[Network]) -> str | None:
-    """Why the gateway must not connect to ``address`` (None: it may)."""
+def refusal(address: Address, allowlist: Sequence[Network], name: str | None = None) -> str | None:
+    """Why the gateway must not connect to ``address`` (None: it may). With ``name``, the host name
+    that resolved to ``address``, the reason names the host and the kind of address, never the
+    address: what an internal name resolves to is not the client's to learn."""
     if any(address in network for network in allowlist):
         return None
     if isinstance(address, ipaddress.IPv6Address):
         for network, kind in REFUSED_RANGES:
             if address in network:
-                return f"{address} is {kind}"
+                return _reason(address, name, kind)
         if (embedded := embedded_ipv4(address)) is not None:
             inner, form = embedded
-            why = refusal(inner, allowlist)
-            return None if why is None else f"{why} (the {form} address {address} carries it)"
+            why = refusal(inner, allowlist, name)
+            if why is None:
+                return None
+            return f"{why} (in {form} form)" if name is not None else f"{why} (the {form} address {address} carries it)"
     if address.is_multicast or not address.is_global:
         kind = (
             "loopback"
@@ -107,8 +112,12 @@ def refusal(address: Address, allowlist: Sequence[Network]) -> str | None:
             if address.is_private
             else "not globally routable"
         )
-        return f"{address} is a {kind} address"
+        return _reason(address, name, f"a {kind} address")
     return None
+
+
+def _reason(address: Address, name: str | None, kind: str) -> str:
+    return f"{address} is {kind}" if name is None else f"{name} resolves to {kind}"
 
 
 def parse_url(url: str, where: str, allow_http: bool) -> URL:
@@ -213,9 +222,13 @@ class GuardedResolver(AbstractResolver):
         results = await self._resolver.resolve(host, port, family)
         for result in results:
             address = literal(result["host"])
-            why = f"{result['host']!r} is not an address" if address is None else refusal(address, self.allowlist)
+            why = (
+                f"{host} resolves to what is not an address"
+                if address is None
+                else refusal(address, self.allowlist, host)
+            )
             if why is not None:
-                raise AddressRefused(f"{host} resolves to an address the gateway does not connect to: {why}")
+                raise AddressRefused(f"{why}; the gateway does not connect to it")
         return results
 
     async def close(self) -> None:

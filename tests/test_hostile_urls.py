@@ -307,3 +307,29 @@ async def test_the_webhook_sender_refuses_those_forms_where_it_connects(
     for job_id in urls:
         reason = dead[job_id]
         assert "loopback" in reason or "empty label" in reason, (job_id, reason)
+
+
+async def test_a_refused_name_does_not_tell_what_it_resolves_to(gateway_factory: MakeSettings, prefix: str) -> None:
+    """A name that resolves to a refused address (``localhost`` here; ``db.internal`` in a cluster)
+    is 403 naming the host and the kind of address, never the address: the gateway's answers are
+    no oracle of its internal DNS. Given, redirected to, or as a ``Webhook-URL``."""
+    settings = fetching(
+        gateway_factory,
+        broker_url=BROKER_URL,
+        queue_prefix=prefix,
+        backend="fake",
+        webhook_secret=SECRET,
+        webhook_allow_http=True,
+    )
+    image = [("file", ("a.png", png_bytes(solid_image(5, 16)), "image/png"))]
+    async with trap() as caught, allowed_host() as public, running_gateway(settings) as client:
+        url = f"http://localhost:{caught.port}/x.jpg"
+        answers = [await by_url(client, url), await by_url(client, f"{public}/to?location={quote(url)}")]
+        answers.append(await client.post("/classify?mode=offline", files=image, headers={"Webhook-URL": url}))
+        for answer in answers:
+            assert answer.status_code == 403, answer.text
+            detail = answer.json()["detail"]
+            assert "localhost resolves to a loopback address" in detail, detail
+            assert "127.0.0.1" not in detail, detail
+            assert "::1" not in detail, detail
+        assert caught.accepted == 0
