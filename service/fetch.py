@@ -143,5 +143,5 @@ def _redirect_target(base: URL, location: str) -> str:
     judges its form: a Location yarl cannot parse is answered as itself."""
     try:
         return str(base.join(URL(location)))
-    except ValueError:
+    except (ValueError, IndexError):  # IndexError: yarl 1.25 on "http://a[:]@"
         return location

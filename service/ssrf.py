@@ -49,6 +49,8 @@ MAX_HOST = 253
 _LABEL = re.compile(r"[a-z0-9_-]{1,63}", re.IGNORECASE | re.ASCII)
 _NUMERIC_LABEL = re.compile(r"[0-9]+|0x[0-9a-f]*", re.IGNORECASE | re.ASCII)
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+_AUTHORITY = re.compile(r"[^/?#]*//(?:[^/?#]*@)?([^/?#]*)")
+"""The host and port of a URL's text, as yarl splits them (after the credentials)."""
 
 _V6 = ipaddress.IPv6Network
 EMBEDDING_RANGES: tuple[tuple[ipaddress.IPv6Network, str], ...] = (
@@ -131,8 +133,8 @@ def parse_url(url: str, where: str, allow_http: bool) -> URL:
         parsed = URL(url)  # yarl checks the port and encodes the host (IDNA) here
         host = parsed.raw_host
         _ = parsed.host  # and decodes it here: an invalid A-label ("xn--") fails
-    except ValueError as exc:  # UnicodeError (the IDNA codec) included
-        raise BadRequest(f"{where}: not a valid URL ({exc})") from None
+    except (ValueError, IndexError) as exc:  # UnicodeError (the IDNA codec) included; IndexError: yarl
+        raise BadRequest(f"{where}: not a valid URL ({exc})") from None  # on "http://a[:]@" (1.25)
     schemes = ("https", "http") if allow_http else ("https",)
     if parsed.scheme not in schemes:
         raise (BadRequest if parsed.scheme not in ("http", "https") else UrlNotAllowed)(
@@ -144,6 +146,8 @@ def parse_url(url: str, where: str, allow_http: bool) -> URL:
         raise BadRequest(f"{where}: credentials in the URL are not accepted")
     if (fault := host_fault(host)) is not None:
         raise BadRequest(f"{where}: {fault}")
+    if literal(host) is None and (authority := _AUTHORITY.match(url)) and authority[1].startswith("["):
+        raise BadRequest(f"{where}: {host!r} in brackets; brackets hold only an IPv6 address")  # IPvFuture
     return parsed
 
 
