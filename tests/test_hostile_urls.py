@@ -342,3 +342,31 @@ async def test_a_refused_name_does_not_tell_what_it_resolves_to(gateway_factory:
             assert "127.0.0.1" not in detail, detail
             assert "::1" not in detail, detail
         assert caught.accepted == 0
+
+
+async def test_a_malformed_webhook_url_is_dead_lettered_once(gateway_factory: MakeSettings, prefix: str) -> None:
+    """A delivery whose URL no parser can split (``https://[::1``) is dead-lettered once and acked:
+    logging where it was going must not fail after the dead letter is out, which requeued the
+    delivery to be dead-lettered again, over and over."""
+    names = Names(prefix)
+    settings = gateway_factory(broker_url=BROKER_URL, queue_prefix=prefix, webhook_secret=SECRET)
+    broker = Broker(BROKER_URL, names)
+    await broker.connect(timeout=10)
+    urls = {"unclosed": "https://[::1/hook?token=secret", "yarl": "http://a[:]@"}
+    sender = WebhookSender(settings, broker, Metrics())
+    await sender.start()
+    try:
+        for job_id, url in urls.items():
+            await broker.publish(
+                "queue", delivery_message(JobResult(job_id=job_id, status="done"), url), names.webhooks
+            )
+        async with asyncio.timeout(30):
+            while await queue_depth(names.dead) < len(urls):  # noqa: ASYNC110
+                await asyncio.sleep(0.05)
+    finally:
+        await sender.stop(drain_timeout=2)  # settles what is in progress: a requeue is back in the queue
+        await broker.aclose()
+    assert await queue_depth(names.webhooks) == 0
+    dead = await drain(names.dead)
+    assert sorted(m.message_id or "" for m in dead) == sorted(urls)
+    assert sender.metrics.webhook_deliveries.labels("undeliverable")._value.get() == len(urls)

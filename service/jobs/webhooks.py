@@ -102,8 +102,14 @@ def _number(headers: Mapping[str, Any], name: str, default: float) -> float:
 
 
 def _where(url: str) -> str:
-    """The URL for logs: scheme, host and path, never the query (it may hold a token)."""
-    parts = urlsplit(url)
+    """The URL for logs: scheme, host and path, never the query (it may hold a token) nor
+    credentials; of any text, a URL or not (a malformed one is logged as it is given up on)."""
+    try:
+        parts = urlsplit(url)
+    except ValueError:  # "https://[::1": split by hand, as the text before the query
+        scheme, slashes, rest = url.partition("#")[0].partition("?")[0].partition("//")
+        authority, slash, path = rest.partition("/")
+        return f"{scheme}{slashes}{authority.rpartition('@')[2]}{slash}{path}"[:200]
     return f"{parts.scheme}://{parts.netloc.rpartition('@')[2]}{parts.path}"
 
 
