@@ -18,13 +18,19 @@ from urllib.parse import quote
 import httpx
 import pytest
 from aiohttp import web
+from hypothesis import HealthCheck, example, given, settings
+from hypothesis import strategies as st
+from yarl import URL
 
+from service.errors import GatewayError
+from service.fetch import _redirect_target
 from service.jobs.broker import Broker
 from service.jobs.messages import DETAIL_HEADER, JobResult
 from service.jobs.topology import Names
 from service.jobs.webhooks import WebhookSender, delivery_message
 from service.metrics import Metrics
 from service.settings import Settings
+from service.ssrf import parse_url
 from tests.conftest import png_bytes, running_gateway, solid_image
 from tests.jobs.conftest import BROKER_URL, _delete_everything, drain, queue_depth
 
@@ -370,3 +376,46 @@ async def test_a_malformed_webhook_url_is_dead_lettered_once(gateway_factory: Ma
     dead = await drain(names.dead)
     assert sorted(m.message_id or "" for m in dead) == sorted(urls)
     assert sender.metrics.webhook_deliveries.labels("undeliverable")._value.get() == len(urls)
+
+
+URL_PIECES = st.sampled_from(
+    [
+        *"hts:/[]@%.-0129afvx?#\\ ",
+        "\u3002",
+        "\uff0e",
+        "\u2024",
+        "\u200b",
+        "\ud800",
+        "\udcff",
+        "\x00",
+        "\n",
+        "ß",
+        "\uff11",  # fullwidth 1
+        "\u210c",  # black-letter H
+        "İ",
+    ]
+)
+
+
+@settings(max_examples=3000, derandomize=True, deadline=None, suppress_health_check=list(HealthCheck))
+@given(
+    st.one_of(
+        st.text(URL_PIECES, max_size=30).map(lambda s: "http://" + s),
+        st.text(URL_PIECES, max_size=30).map(lambda s: "//" + s),
+        st.text(URL_PIECES, max_size=30),
+        st.text(max_size=40).map(lambda s: "https://" + s),
+    )
+)
+@example("http://a[:]@")
+def test_url_text_is_taken_or_refused_never_an_exception(text: str) -> None:
+    """Any text, as an image or webhook URL or as a redirect's Location, is either a URL the
+    guard takes or its 400/403: never another exception (a 500)."""
+    for allow_http in (True, False):
+        for url in (text, _redirect_target(URL("http://127.0.0.2:8080/to?x=1"), text)):
+            try:
+                parse_url(url, "image", allow_http)
+            except GatewayError as exc:
+                status = exc.status_code
+            else:
+                status = 200
+            assert status in (200, 400, 403), (url, status)
