@@ -7,6 +7,12 @@ and enough of them lock everyone out. Here a request's headers must be complete 
 within ``body_timeout`` seconds of its headers. A slower request gets 408 with the gateway's JSON
 error and the connection is closed.
 
+Every connection always has a clock: between requests it is uvicorn's keep-alive timer until a
+byte arrives (uvicorn cancels that timer on any byte), then the header clock. Bytes that begin no
+message start it too: llhttp skips CR and LF between messages without a callback, so a client
+that answered ``\r\n`` to a response would otherwise hold its connection for ever. A pipelined
+request waiting behind an earlier response is not timed while it waits: its bytes wait on us.
+
 The bounds live here, on the connection's own timer, rather than around every ``receive()`` in
 middleware: one timer per request phase costs less on the serving path than an asyncio timeout per
 body chunk. The app learns of a body timeout as a disconnect whose scope carries ``TIMED_OUT``
@@ -70,6 +76,8 @@ class TimeoutProtocol(HttpToolsProtocol):
         """What the connection waits for now: (deadline on the loop's clock, what to do when it
         passes); None between requests."""
         self._body_bytes = 0
+        self._handed_over = False
+        """The connection belongs to a WebSocket protocol now: its clocks are that protocol's."""
 
     def _wait(self, seconds: float, expired: Callable[[], None]) -> None:
         self._waiting = (self.loop.time() + seconds, expired)
@@ -99,7 +107,17 @@ class TimeoutProtocol(HttpToolsProtocol):
 
     def data_received(self, data: bytes) -> None:
         super().data_received(data)
+        if self._waiting is None and (self.cycle is None or self.cycle.response_complete) and not self._handed_over:
+            # Between requests, bytes that began no message (CR, LF): uvicorn has just cancelled its
+            # keep-alive timer, so these bytes start the header clock.
+            self._wait(self.header_timeout, self._headers_too_slow)
         self._sync_timer()
+
+    def handle_websocket_upgrade(self) -> None:
+        self._handed_over = True
+        self._waiting = None
+        self._sync_timer()
+        super().handle_websocket_upgrade()
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
@@ -132,12 +150,22 @@ class TimeoutProtocol(HttpToolsProtocol):
         super().connection_lost(exc)
 
     def _headers_too_slow(self) -> None:
+        if self.cycle is not None and not self.cycle.response_complete:
+            # An earlier response is still being made: a pipelined request's bytes may wait unread
+            # behind it (reading is paused), and no answer may go before it. Time it afresh.
+            self._wait(self.header_timeout, self._headers_too_slow)
+            self._sync_timer()
+            return
         self._refuse(f"the request headers did not arrive within {self.header_timeout:g} s")
 
     def _body_too_slow(self) -> None:
         cycle = self.cycle
         if cycle is None or cycle.response_started:  # answered early (e.g. 429): just stop reading
             self.transport.close()
+            return
+        if self.pipeline and self.flow.read_paused:  # waiting its turn behind an earlier response, unread
+            self._wait(self.body_timeout, self._body_too_slow)
+            self._sync_timer()
             return
         detail = f"the request body did not arrive within {self.body_timeout:g} s ({self._body_bytes} bytes received)"
         cycle.scope[TIMED_OUT] = detail  # type: ignore[literal-required]

@@ -132,7 +132,9 @@ async def running_gateway(settings: Settings, backend: Backend | None = None) ->
     port = sock.getsockname()[1]
     app = create_app(settings, backend=backend)
     protocol = http_protocol(settings.header_timeout, settings.body_timeout)
-    config = uvicorn.Config(app, log_level="warning", lifespan="on", http=protocol)
+    config = uvicorn.Config(
+        app, log_level="warning", lifespan="on", http=protocol, limit_concurrency=settings.max_connections
+    )
     server = uvicorn.Server(config)
     task = asyncio.create_task(server.serve(sockets=[sock]))
     try:

@@ -1,0 +1,218 @@
+"""Hostile bytes on the HTTP connection, sent on raw sockets to a real uvicorn running the gateway's
+protocol (``service.http_protocol``): stray CR and LF between requests, partial request lines,
+pipelined requests, requests split at every byte. Every connection must always have a clock."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+
+import pytest
+
+from service.backends.fake import FakeBackend
+from service.settings import Settings
+from tests.conftest import png_bytes, running_gateway, solid_image
+
+MakeSettings = Callable[..., Settings]
+HEALTHZ = b"GET /healthz HTTP/1.1\r\nhost: x\r\n\r\n"
+PNG = png_bytes(solid_image(7, 32))
+CLASSIFY = b"POST /classify HTTP/1.1\r\nhost: x\r\ncontent-type: image/png\r\n" + (
+    f"content-length: {len(PNG)}\r\n\r\n".encode() + PNG
+)
+HEADER_TIMEOUT = 0.5
+"""Far below uvicorn's keep-alive timeout (5 s), so a close within it is the header clock's."""
+ENDS_WITHIN = 4.0
+"""How long a test waits for the server to end a connection it must end after HEADER_TIMEOUT."""
+
+Connection = tuple[asyncio.StreamReader, asyncio.StreamWriter]
+
+
+async def _answer(reader: asyncio.StreamReader) -> bytes:
+    """One whole response (head and Content-Length body)."""
+    head = await reader.readuntil(b"\r\n\r\n")
+    length = next(
+        int(line.split(b":")[1]) for line in head.split(b"\r\n") if line.lower().startswith(b"content-length")
+    )
+    return head + await reader.readexactly(length)
+
+
+async def _until_closed(reader: asyncio.StreamReader) -> bytes:
+    """What the server sends until it closes the connection; fails if it keeps it open."""
+    async with asyncio.timeout(ENDS_WITHIN):
+        return await reader.read()
+
+
+@asynccontextmanager
+async def _gateway(
+    settings: Settings, backend: FakeBackend | None = None
+) -> AsyncIterator[Callable[[], asyncio.Future[Connection]]]:
+    """A running gateway, and a way to open raw connections to it (closed at the end)."""
+    writers: list[asyncio.StreamWriter] = []
+    async with running_gateway(settings, backend or FakeBackend()) as client:
+        port = client.base_url.port
+        assert port is not None
+
+        async def connect() -> Connection:
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writers.append(writer)
+            return reader, writer
+
+        try:
+            yield lambda: asyncio.ensure_future(connect())
+        finally:
+            for writer in writers:
+                writer.close()
+
+
+@pytest.mark.parametrize("stray", [b"\r\n", b"\n", b"\r", b"\r\n\r\n\r\n"], ids=["crlf", "lf", "cr", "crlfs"])
+async def test_stray_line_ends_after_a_response_are_timed_out(gateway_factory: MakeSettings, stray: bytes) -> None:
+    """After a response, bytes that begin no request (llhttp skips CR and LF between messages) and
+    then silence: the connection gets 408 and is closed within the header timeout, not held for ever."""
+    async with _gateway(gateway_factory(backend="fake", header_timeout=HEADER_TIMEOUT)) as connect:
+        reader, writer = await connect()
+        writer.write(HEALTHZ)
+        assert (await _answer(reader)).startswith(b"HTTP/1.1 200")
+        writer.write(stray)
+        answer = await _until_closed(reader)
+        assert answer.startswith(b"HTTP/1.1 408")
+        assert b'"request_timeout"' in answer
+
+
+async def test_trickled_line_ends_do_not_restart_the_clock(gateway_factory: MakeSettings) -> None:
+    """A CRLF every 0.2 s after a response, for longer than the header timeout: the first one starts
+    the clock and later ones do not restart it; the connection is cut off."""
+    async with _gateway(gateway_factory(backend="fake", header_timeout=HEADER_TIMEOUT)) as connect:
+        reader, writer = await connect()
+        writer.write(HEALTHZ)
+        assert (await _answer(reader)).startswith(b"HTTP/1.1 200")
+
+        async def trickle() -> None:
+            while not writer.is_closing():
+                writer.write(b"\r\n")
+                await asyncio.sleep(0.2)
+
+        sender = asyncio.create_task(trickle())
+        try:
+            assert (await _until_closed(reader)).startswith(b"HTTP/1.1 408")
+        finally:
+            sender.cancel()
+            await asyncio.gather(sender, return_exceptions=True)
+
+
+@pytest.mark.parametrize("partial", [b"G", b"GET /healthz HT", b"\r\nGET /healthz HTTP/1.1\r\nhost: x\r\n"])
+async def test_a_partial_next_request_is_timed_out(gateway_factory: MakeSettings, partial: bytes) -> None:
+    """After a response, the start of a next request (after stray line ends or not) and then silence:
+    408 and close within the header timeout."""
+    async with _gateway(gateway_factory(backend="fake", header_timeout=HEADER_TIMEOUT)) as connect:
+        reader, writer = await connect()
+        writer.write(HEALTHZ)
+        assert (await _answer(reader)).startswith(b"HTTP/1.1 200")
+        writer.write(partial)
+        assert (await _until_closed(reader)).startswith(b"HTTP/1.1 408")
+
+
+async def test_stray_bytes_before_the_first_request_are_timed_out(gateway_factory: MakeSettings) -> None:
+    """A new connection that sends only CRLFs: 408 and close within the header timeout."""
+    async with _gateway(gateway_factory(backend="fake", header_timeout=HEADER_TIMEOUT)) as connect:
+        reader, writer = await connect()
+        writer.write(b"\r\n\r\n")
+        assert (await _until_closed(reader)).startswith(b"HTTP/1.1 408")
+
+
+async def test_line_end_holders_cannot_lock_out_other_clients(gateway_factory: MakeSettings) -> None:
+    """max_connections - 1 clients that each answer a response with a CRLF and then nothing: while
+    they are connected others get 503, but their connections are ended within the header timeout
+    and then another client is served."""
+    settings = gateway_factory(backend="fake", header_timeout=HEADER_TIMEOUT, max_connections=4)
+    async with _gateway(settings) as connect:
+        holders = [await connect() for _ in range(settings.max_connections - 1)]
+        for reader, writer in holders:
+            writer.write(HEALTHZ)
+            assert (await _answer(reader)).startswith(b"HTTP/1.1 200")
+            writer.write(b"\r\n")
+        reader, writer = await connect()
+        writer.write(HEALTHZ)
+        assert (await _answer(reader)).startswith(b"HTTP/1.1 503")  # locked out while they hold on
+        await asyncio.gather(*(_until_closed(holder) for holder, _ in holders))
+        reader, writer = await connect()
+        writer.write(HEALTHZ)
+        assert (await _answer(reader)).startswith(b"HTTP/1.1 200")
+
+
+async def test_a_request_split_at_every_byte_is_served(gateway_factory: MakeSettings) -> None:
+    """A request sent one byte per write, with stray CRLFs before it, within the header timeout: it
+    is served, and the connection stays usable."""
+    async with _gateway(gateway_factory(backend="fake", header_timeout=5.0)) as connect:
+        reader, writer = await connect()
+        for byte in b"\r\n" + CLASSIFY:
+            writer.write(bytes([byte]))
+            await writer.drain()
+        assert (await _answer(reader)).startswith(b"HTTP/1.1 200")
+        writer.write(HEALTHZ)
+        assert (await _answer(reader)).startswith(b"HTTP/1.1 200")
+
+
+async def test_pipelined_requests_behind_a_slow_one_are_not_timed_out(gateway_factory: MakeSettings) -> None:
+    """Pipelined requests, the last one's head cut in two and its rest sent only after the header
+    timeout, behind a request answered even later: while an earlier answer is being made the
+    waiting request is not cut off (its bytes may sit unread: uvicorn pauses reading behind a
+    pipelined request), and no 408 jumps ahead; every request is answered, in order."""
+    backend, held = _held_backend()
+    async with _gateway(gateway_factory(backend="fake", header_timeout=HEADER_TIMEOUT), backend) as connect:
+        reader, writer = await connect()
+        cut = len(HEALTHZ) // 2
+        writer.write(CLASSIFY + HEALTHZ + HEALTHZ[:cut])
+        await backend.wait_for_batches(1)
+        await asyncio.sleep(2 * HEADER_TIMEOUT)  # past the last request's header timeout
+        writer.write(HEALTHZ[cut:])
+        held.set()
+        answers = [await _answer(reader) for _ in range(3)]
+        assert [a.split(b" ", 2)[1] for a in answers] == [b"200", b"200", b"200"]
+        assert b'"results"' in answers[0]
+
+
+async def test_a_stalled_pipelined_request_waits_for_the_earlier_answer(gateway_factory: MakeSettings) -> None:
+    """A request answered later than the header timeout, with half of a next request pipelined
+    behind it and then silence: the first request's answer comes whole, then the 408, then close."""
+    backend, held = _held_backend()
+    async with _gateway(gateway_factory(backend="fake", header_timeout=HEADER_TIMEOUT), backend) as connect:
+        reader, writer = await connect()
+        writer.write(CLASSIFY + HEALTHZ[:10])
+        await backend.wait_for_batches(1)
+        await asyncio.sleep(2 * HEADER_TIMEOUT)  # the answer comes after the next request's header timeout
+        held.set()
+        assert b'"results"' in await _answer(reader)
+        assert (await _until_closed(reader)).startswith(b"HTTP/1.1 408")
+
+
+def _held_backend() -> tuple[FakeBackend, asyncio.Event]:
+    """A fake backend whose batches wait for the returned event."""
+    backend = FakeBackend()
+    backend.gate = asyncio.Event()
+    return backend, backend.gate
+
+
+async def test_an_unsupported_upgrade_then_a_stray_byte_is_timed_out(gateway_factory: MakeSettings) -> None:
+    """A request asking to upgrade to a protocol the server does not speak is served as plain HTTP;
+    a line end after it and then silence is timed out like any other."""
+    async with _gateway(gateway_factory(backend="fake", header_timeout=HEADER_TIMEOUT)) as connect:
+        reader, writer = await connect()
+        writer.write(b"GET /healthz HTTP/1.1\r\nhost: x\r\nconnection: upgrade\r\nupgrade: h2c\r\n\r\n")
+        assert (await _answer(reader)).startswith(b"HTTP/1.1 200")
+        writer.write(b"\r\n")
+        assert (await _until_closed(reader)).startswith(b"HTTP/1.1 408")
+
+
+async def test_a_websocket_upgrade_is_refused_and_closed(gateway_factory: MakeSettings) -> None:
+    """A WebSocket upgrade (the gateway has no WebSocket route) is handed to uvicorn's WebSocket
+    protocol, refused, and the connection closed: the HTTP protocol's clock does not write into it."""
+    async with _gateway(gateway_factory(backend="fake", header_timeout=HEADER_TIMEOUT)) as connect:
+        reader, writer = await connect()
+        writer.write(
+            b"GET /healthz HTTP/1.1\r\nhost: x\r\nconnection: upgrade\r\nupgrade: websocket\r\n"
+            b"sec-websocket-version: 13\r\nsec-websocket-key: dGhlIHNhbXBsZSBub25jZQ==\r\n\r\n"
+        )
+        answer = await _until_closed(reader)
+        assert answer.startswith(b"HTTP/1.1 403")
+        assert b"408" not in answer
