@@ -32,7 +32,8 @@ def _add_setting_flags(parser: argparse.ArgumentParser) -> None:
             dest=name,
             default=None,
             metavar=name.upper(),
-            help=f"{field.description or ''} (env GATEWAY_{name.upper()})",
+            # argparse formats help with %: a description saying "99 % of" must not read as a format
+            help=f"{field.description or ''} (env GATEWAY_{name.upper()})".replace("%", "%%"),
         )
 
 

@@ -25,6 +25,9 @@ def _default_models_dir() -> Path:
 DECODE_THREADS_PER_CPU = 2
 """Default decode threads per usable CPU (measured: ``python -m loadtests.serving_path --threads``)."""
 
+MAX_INT = 2**63 - 1
+"""Largest integer a setting may hold."""
+
 RENAMED = {
     "GATEWAY_MAX_IMAGE_PIXELS": "GATEWAY_MAX_IMAGE_BYTES (decoder memory per image: an 8-bit RGB PNG takes "
     "6 bytes per pixel, a JPEG far less)",
@@ -50,6 +53,7 @@ class Settings(BaseSettings):
         extra="forbid",
         use_attribute_docstrings=True,
         hide_input_in_errors=True,  # an error must not print the API keys, secrets or broker password it was given
+        allow_inf_nan=False,  # a size or a timeout of inf or nan is a mistake, refused by name, not a crash later
     )
 
     host: str = "127.0.0.1"
@@ -347,6 +351,15 @@ class Settings(BaseSettings):
         if self.embedded_threads:
             return self.embedded_threads
         return max(1, available_cpus() // self.max_inflight_batches)
+
+    @field_validator("*", mode="after")
+    @classmethod
+    def _fits_in_64_bits(cls, value: object) -> object:
+        """Every number is handed to C somewhere (sockets, timers, arrays): one over a signed 64-bit
+        integer is refused here by name, not met later as an OverflowError."""
+        if isinstance(value, int) and not isinstance(value, bool) and abs(value) > MAX_INT:
+            raise ValueError(f"{value} is too large (at most 2**63 - 1)")
+        return value
 
     @field_validator("webhook_secret", mode="before")
     @classmethod

@@ -1,0 +1,110 @@
+"""Hostile and careless input to the command line and the settings, run as a user runs it: every
+command's --help works, and a bad GATEWAY_* value or flag ends the process with a message naming
+the setting and a non-zero exit, never a traceback."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+
+import pytest
+
+from service.cli import build_parser
+
+RUN_FOR = 60.0
+"""Seconds a command may take before it counts as hanging (a gateway serving when it should refuse)."""
+
+
+def _commands(parser: argparse.ArgumentParser, path: tuple[str, ...] = ()) -> Iterator[tuple[str, ...]]:
+    """Every command line the parser knows, as the words that name it (the top level first)."""
+    yield path
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                yield from _commands(sub, (*path, name))
+
+
+def _gateway(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """``python -m service ARGS`` in a real process (killed if it outlives RUN_FOR)."""
+    return subprocess.run(
+        [sys.executable, "-m", "service", *args],
+        env={**os.environ, **(env or {})},
+        capture_output=True,
+        text=True,
+        timeout=RUN_FOR,
+    )
+
+
+def test_every_command_has_working_help() -> None:
+    """``--help`` of every command and subcommand the parser knows (found from the parser, not a
+    list kept by hand) exits 0 and prints its usage, run as ``python -m service ... --help``."""
+    commands = list(_commands(build_parser()))
+    assert ("serve",) in commands
+    assert ("models", "fetch") in commands
+    processes = {
+        words: subprocess.Popen(
+            [sys.executable, "-m", "service", *words, "--help"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for words in commands
+    }
+    failures = []
+    for words, process in processes.items():
+        out, err = process.communicate(timeout=RUN_FOR)
+        if process.returncode != 0 or not out.startswith(f"usage: {' '.join(('gateway', *words))}"):
+            failures.append(f"gateway {' '.join(words)} --help: exit {process.returncode}\n{out[:200]}{err[-500:]}")
+    assert not failures, "\n\n".join(failures)
+
+
+def test_a_settings_help_shows_its_percent_sign() -> None:
+    """A setting whose description says "99 %" shows it as written in ``serve --help``."""
+    assert "99 % of" in " ".join(_gateway("serve", "--help").stdout.split())
+
+
+BAD_VALUES = [
+    ("GATEWAY_MAX_BODY_BYTES", "-5", "max_body_bytes"),
+    ("GATEWAY_MAX_BODY_BYTES", "", "max_body_bytes"),
+    ("GATEWAY_PORT", "abc", "port"),
+    ("GATEWAY_PORT", "70000", "port"),
+    ("GATEWAY_PORT", "1e3", "port"),
+    ("GATEWAY_WORKERS", "0", "workers"),
+    ("GATEWAY_HEADER_TIMEOUT", "nan", "header_timeout"),
+    ("GATEWAY_REQUEST_TIMEOUT", "inf", "request_timeout"),
+    ("GATEWAY_BODY_TIMEOUT", "1e400", "body_timeout"),
+    ("GATEWAY_MAX_DELAY", "-0.1", "max_delay"),
+    ("GATEWAY_MAX_CONNECTIONS", "9" * 30, "max_connections"),
+    ("GATEWAY_MAX_QUEUE_SIZE", str(2**63), "max_queue_size"),
+    ("GATEWAY_ACCESS_LOG", "maybe", "access_log"),
+    ("GATEWAY_LOG_LEVEL", "loud", "log_level"),
+    ("GATEWAY_LOG_FORMAT", "xml", "log_format"),
+    ("GATEWAY_URL_ALLOWLIST", "300.1.1.1/40", "url_allowlist"),
+    ("GATEWAY_WEBHOOK_RETRY_DELAYS", "soon", "webhook_retry_delays"),
+]
+
+
+@pytest.mark.parametrize(("variable", "value", "setting"), BAD_VALUES, ids=[f"{v}={x[:12]}" for v, x, _ in BAD_VALUES])
+def test_a_bad_environment_value_is_refused_by_name(variable: str, value: str, setting: str) -> None:
+    """``gateway serve`` with a bad GATEWAY_* value (negative, empty, not a number, inf or nan,
+    beyond 64 bits, not one of the choices) exits non-zero at once with a message that names the
+    setting, and no traceback."""
+    done = _gateway("serve", "--backend", "fake", env={variable: value})
+    assert done.returncode != 0
+    assert "gateway: invalid settings" in done.stderr
+    assert setting in done.stderr
+    assert "Traceback" not in done.stderr
+
+
+@pytest.mark.parametrize("command", [["serve"], ["worker"], ["engine", "--socket", "x"], ["models", "list"]])
+def test_a_bad_flag_value_is_refused_by_name(command: list[str]) -> None:
+    """The same settings as flags (``--max-body-bytes -5``, ``--header-timeout inf``) on several
+    commands: a non-zero exit with a message naming each setting, and no traceback."""
+    done = _gateway(*command, "--max-body-bytes", "-5", "--header-timeout", "inf")
+    assert done.returncode != 0
+    assert "max_body_bytes" in done.stderr
+    assert "header_timeout" in done.stderr
+    assert "Traceback" not in done.stderr
