@@ -5,13 +5,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
-from collections.abc import Mapping, Sequence
 from typing import Any
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from opentelemetry import trace
-from pydantic import ValidationError
 from starlette.datastructures import UploadFile
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
@@ -34,6 +32,7 @@ from service.errors import (
 )
 from service.http_protocol import TIMED_OUT
 from service.jobs.client import OfflineImage, PendingJob
+from service.json_body import read_urls
 from service.metrics import Metrics
 from service.middleware import API_KEY, AUTHENTICATED
 from service.models.checkpoints import real_weights_hint
@@ -328,24 +327,8 @@ async def _admitted(request: Request, gateway: Any, images: list[ImageInput], to
 async def _read_urls(request: Request, gateway: Any) -> list[str]:
     if gateway.fetcher is None:
         raise UnsupportedMediaType("images by URL are turned off here (GATEWAY_URL_INPUTS); upload the images")
-    try:
-        body = UrlImages.model_validate_json(await request.body())
-    except ValidationError as exc:
-        raise BadRequest(f"JSON body: {validation_detail(exc.errors())}") from None
-    limit = gateway.settings.max_images_per_request
-    if len(body.images) > limit:
-        raise BadRequest(f"{len(body.images)} images; at most {limit} per request (GATEWAY_MAX_IMAGES_PER_REQUEST)")
-    return [image.url for image in body.images]
-
-
-def validation_detail(errors: Sequence[Mapping[str, Any]]) -> str:
-    """Pydantic's errors as one line, ``where: what; ...`` (the request part a location starts with,
-    query or body, left out)."""
-    parts = []
-    for err in errors:
-        loc = ".".join(str(p) for p in err.get("loc", ()) if p not in ("query", "body", "path", "header"))
-        parts.append(f"{loc}: {err.get('msg')}" if loc else str(err.get("msg")))
-    return "; ".join(parts) or "invalid request"
+    settings = gateway.settings
+    return await read_urls(request, settings.max_json_body_bytes_effective, settings.max_images_per_request)
 
 
 def _spend_quota(request: Request, gateway: Any, images: int) -> None:

@@ -19,10 +19,10 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp
 
 from service import __version__
-from service.api import ClassifyFastPath, refusal, router, validation_detail
+from service.api import ClassifyFastPath, refusal, router
 from service.backends.base import Backend
 from service.classifier import Classifier
-from service.errors import GatewayError, error_body
+from service.errors import GatewayError, error_body, validation_detail
 from service.fetch import Fetcher
 from service.health import BackendHealth
 from service.jobs.client import JobsClient

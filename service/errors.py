@@ -6,6 +6,7 @@ handler in the app renders every one as ``{"error": ..., "detail": ...}``.
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from starlette.responses import JSONResponse
@@ -144,3 +145,13 @@ def error_body(error: str, detail: str) -> dict[str, Any]:
 
 def error_response(exc: GatewayError) -> JSONResponse:
     return JSONResponse(error_body(exc.error, exc.detail), status_code=exc.status_code, headers=exc.headers)
+
+
+def validation_detail(errors: Sequence[Mapping[str, Any]]) -> str:
+    """Pydantic's errors as one line, ``where: what; ...`` (the request part a location starts with,
+    query or body, left out)."""
+    parts = []
+    for err in errors:
+        loc = ".".join(str(p) for p in err.get("loc", ()) if p not in ("query", "body", "path", "header"))
+        parts.append(f"{loc}: {err.get('msg')}" if loc else str(err.get("msg")))
+    return "; ".join(parts) or "invalid request"

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field
 
+MAX_URL_LENGTH = 2048
+"""Longest image URL accepted in a JSON body, in characters."""
+
 
 class UrlImage(BaseModel):
     model_config = ConfigDict(extra="forbid")
     url: str = Field(
         min_length=1,
-        max_length=2048,
+        max_length=MAX_URL_LENGTH,
         description="An https URL of the image (http only where GATEWAY_URL_ALLOW_HTTP is set). The "
         "gateway fetches it; private, loopback, link-local and metadata addresses are refused unless "
         "allow-listed.",

@@ -15,6 +15,7 @@ from service.cpus import available_cpus
 from service.jobs.signing import parse_secret
 from service.models.checkpoints import fetched
 from service.quotas import ApiKey, Quota, parse_keys
+from service.schemas import MAX_URL_LENGTH
 
 
 def _default_models_dir() -> Path:
@@ -25,6 +26,9 @@ def _default_models_dir() -> Path:
 DECODE_THREADS_PER_CPU = 2
 """Default decode threads per usable CPU (measured: ``python -m loadtests.serving_path --threads``)."""
 
+JSON_BYTES_PER_URL = MAX_URL_LENGTH + 64
+"""Room per image in the default bound of a JSON body: a URL of the longest length and the JSON
+around it."""
 MAX_INT = 2**63 - 1
 """Largest integer a setting may hold."""
 
@@ -300,6 +304,10 @@ class Settings(BaseSettings):
     ``max_image_bytes``). This, not the number of decode threads, bounds decoding's memory."""
     max_images_per_request: int = Field(64, ge=1)
     """Most images in one /classify request."""
+    max_json_body_bytes: int = Field(0, ge=0)
+    """Largest JSON body (images by URL) accepted, checked before it is parsed; larger ones get 413
+    (0: room for ``max_images_per_request`` URLs of the longest length, 2,112 bytes each: 135 KB
+    by default)."""
     preprocess_workers: int = Field(default_factory=lambda: DECODE_THREADS_PER_CPU * available_cpus(), ge=1)
     """Threads that decode and resize images (OpenCV releases the GIL); default two per CPU the
     process may use (its affinity, capped by a cgroup CPU quota): a thread also waits for the GIL
@@ -318,6 +326,10 @@ class Settings(BaseSettings):
     @property
     def max_buffered_body_bytes_effective(self) -> int:
         return self.max_buffered_body_bytes or self.max_concurrent_requests * self.max_body_bytes
+
+    @property
+    def max_json_body_bytes_effective(self) -> int:
+        return self.max_json_body_bytes or self.max_images_per_request * JSON_BYTES_PER_URL
 
     @property
     def max_decode_bytes_effective(self) -> int:
