@@ -12,6 +12,8 @@ byte arrives (uvicorn cancels that timer on any byte), then the header clock. By
 message start it too: llhttp skips CR and LF between messages without a callback, so a client
 that answered ``\r\n`` to a response would otherwise hold its connection for ever. A pipelined
 request waiting behind an earlier response is not timed while it waits: its bytes wait on us.
+And a client that leaves the answers unread (pipelining requests without reading) has
+``body_timeout`` seconds once the gateway's writes back up; then the connection is dropped.
 
 The bounds live here, on the connection's own timer, rather than around every ``receive()`` in
 middleware: one timer per request phase costs less on the serving path than an asyncio timeout per
@@ -78,6 +80,8 @@ class TimeoutProtocol(HttpToolsProtocol):
         self._body_bytes = 0
         self._handed_over = False
         """The connection belongs to a WebSocket protocol now: its clocks are that protocol's."""
+        self._unread: asyncio.TimerHandle | None = None
+        """Armed while writes are backed up (the client is not reading its answers)."""
 
     def _wait(self, seconds: float, expired: Callable[[], None]) -> None:
         self._waiting = (self.loop.time() + seconds, expired)
@@ -144,9 +148,29 @@ class TimeoutProtocol(HttpToolsProtocol):
         self._waiting = None
         super().on_message_complete()
 
+    def pause_writing(self) -> None:
+        super().pause_writing()
+        if self._unread is None:
+            self._unread = self.loop.call_later(self.body_timeout, self._answers_unread)
+
+    def resume_writing(self) -> None:
+        super().resume_writing()
+        if self._unread is not None:
+            self._unread.cancel()
+            self._unread = None
+
+    def _answers_unread(self) -> None:
+        """The client left the answers unread for ``body_timeout``: drop the connection (``close``
+        would wait for it to read what is pending, which it may never do)."""
+        self._unread = None
+        self.transport.abort()
+
     def connection_lost(self, exc: Exception | None) -> None:
         self._waiting = None
         self._sync_timer()
+        if self._unread is not None:
+            self._unread.cancel()
+            self._unread = None
         super().connection_lost(exc)
 
     def _headers_too_slow(self) -> None:

@@ -276,10 +276,13 @@ class Settings(BaseSettings):
     """Largest request body accepted; larger bodies get 413."""
     header_timeout: float = Field(10.0, gt=0.0)
     """Seconds a client has to send a request's line and headers (from the connection opening, or
-    from the request's first byte); slower ones get 408 and the connection is closed."""
+    from the first byte after an answer, stray line ends included); slower ones get 408 and the
+    connection is closed."""
     body_timeout: float = Field(15.0, gt=0.0)
     """Seconds a client has to send the whole request body once its headers have arrived; slower
-    uploads get 408 and the connection is closed (a trickled body holds nothing longer)."""
+    uploads get 408 and the connection is closed (a trickled body holds nothing longer). Also how
+    long a client may leave the answers unread once the gateway's writes to it back up (over
+    64 KiB waiting): then the connection is dropped."""
     max_buffered_body_bytes: int = Field(0, ge=0)
     """Body bytes all requests being handled may hold together; a chunk over it gets 429 (0:
     max_concurrent_requests x max_body_bytes). Counted in bytes received, so slow senders holding

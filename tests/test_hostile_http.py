@@ -5,6 +5,7 @@ pipelined requests, requests split at every byte. Every connection must always h
 from __future__ import annotations
 
 import asyncio
+import socket
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 
@@ -46,20 +47,26 @@ async def _until_closed(reader: asyncio.StreamReader) -> bytes:
 @asynccontextmanager
 async def _gateway(
     settings: Settings, backend: FakeBackend | None = None
-) -> AsyncIterator[Callable[[], asyncio.Future[Connection]]]:
-    """A running gateway, and a way to open raw connections to it (closed at the end)."""
+) -> AsyncIterator[Callable[..., asyncio.Future[Connection]]]:
+    """A running gateway, and a way to open raw connections to it (closed at the end): from a new
+    socket, or from a given unconnected one."""
     writers: list[asyncio.StreamWriter] = []
     async with running_gateway(settings, backend or FakeBackend()) as client:
         port = client.base_url.port
         assert port is not None
 
-        async def connect() -> Connection:
-            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        async def connect(sock: socket.socket | None = None) -> Connection:
+            if sock is None:
+                reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            else:
+                sock.setblocking(False)
+                await asyncio.get_running_loop().sock_connect(sock, ("127.0.0.1", port))
+                reader, writer = await asyncio.open_connection(sock=sock)
             writers.append(writer)
             return reader, writer
 
         try:
-            yield lambda: asyncio.ensure_future(connect())
+            yield lambda sock=None: asyncio.ensure_future(connect(sock))
         finally:
             for writer in writers:
                 writer.close()
@@ -216,3 +223,27 @@ async def test_a_websocket_upgrade_is_refused_and_closed(gateway_factory: MakeSe
         answer = await _until_closed(reader)
         assert answer.startswith(b"HTTP/1.1 403")
         assert b"408" not in answer
+
+
+async def test_a_client_that_never_reads_its_answers_is_dropped(gateway_factory: MakeSettings) -> None:
+    """Hundreds of pipelined GET /metrics (19 KB answers each) on a socket with a small receive
+    buffer, never read: the gateway's writes back up, and after the body timeout the connection is
+    dropped, so such clients cannot hold max_connections - 1 connections for ever."""
+    settings = gateway_factory(
+        backend="fake", header_timeout=HEADER_TIMEOUT, body_timeout=HEADER_TIMEOUT, max_connections=2
+    )
+    async with _gateway(settings) as connect:
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # set before connecting: a small window
+        _, hoarder = await connect(sock)
+        hoarder.write(b"GET /metrics HTTP/1.1\r\nhost: x\r\n\r\n" * 600)  # ~11 MB of answers
+        async with asyncio.timeout(ENDS_WITHIN):
+            while True:  # poll: served once the hoarder's connection is gone (503 while it holds on)
+                reader, writer = await connect()
+                writer.write(HEALTHZ)
+                answer = await _answer(reader)
+                writer.close()
+                if answer.startswith(b"HTTP/1.1 200"):
+                    break
+                await asyncio.sleep(0.1)
+        hoarder.close()
