@@ -137,7 +137,7 @@ class IdempotencyLog:
         self._waiters: dict[bytes, list[asyncio.Future[None]]] = {}
         self._locks: WeakValueDictionary[bytes, asyncio.Lock] = WeakValueDictionary()
         self._offset = -1
-        """The last stream offset applied: a consumer restored after a reconnect reads from the start again."""
+        """The last stream offset read: a lower one means the stream is read from its start again."""
 
     def lock(self, key: bytes) -> asyncio.Lock:
         """Held while a submit with this key runs on this replica: a concurrent retry here waits
@@ -156,11 +156,22 @@ class IdempotencyLog:
 
     async def _on_entry(self, message: AbstractIncomingMessage) -> None:
         offset = (message.headers or {}).get("x-stream-offset")
-        if not isinstance(offset, int) or offset > self._offset:
-            if isinstance(offset, int):
-                self._offset = offset
-            self._read(message.body)
+        if isinstance(offset, int):
+            if offset <= self._offset:
+                self._restart()
+            self._offset = offset
+        self._read(message.body)
         await message.ack()
+
+    def _restart(self) -> None:
+        """The stream is read from its start again: the consumer was restored after a reconnect
+        (the same entries follow), or the stream was deleted and declared again (its offsets begin
+        at 0, and what the old one held is gone for every replica). Either way the states are
+        rebuilt from what follows, so that they stay what the stream says on every replica.
+        Skipping offsets already seen instead skipped a new stream's entries until it outgrew the
+        old one: every idempotent submit was 503 meanwhile."""
+        logger.info("jobs: reading the idempotency stream %s from its start again", self.stream)
+        self.states.clear()
 
     def _read(self, body: bytes) -> None:
         try:
