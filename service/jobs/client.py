@@ -27,9 +27,9 @@ from aio_pika.abc import AbstractIncomingMessage
 from cachetools import TTLCache
 from pydantic import ValidationError
 
-from service.errors import BackendUnavailable, GatewayError
+from service.errors import BackendUnavailable, BadRequest, GatewayError
 from service.jobs.broker import Broker
-from service.jobs.idempotency import HOLD_TIMEOUTS, IdempotencyLog, fingerprint, key_digest
+from service.jobs.idempotency import HOLD_TIMEOUTS, MAX_IMAGES, IdempotencyLog, fingerprint, key_digest
 from service.jobs.messages import DEFAULT_REPLY_TO, JobResult, request_message
 from service.jobs.owners import derived_job_ids, fresh_job_id, owns
 from service.jobs.topology import REQUEST_KEY, Names
@@ -218,6 +218,8 @@ class JobsClient:
             ids = [fresh_job_id(secret) for _ in images]
             _raise_first(await self._publish_all(images, ids, range(len(images)), top_k, webhook))
             return Submitted(ids)
+        if len(images) > MAX_IMAGES:  # only where GATEWAY_MAX_IMAGES_PER_REQUEST allows more
+            raise BadRequest(f"{len(images)} images; an idempotent submit takes at most {MAX_IMAGES}")
         body = fingerprint([(i.data, i.content_type, i.filename) for i in images], top_k, webhook)
         ids = derived_job_ids(secret, key, body, len(images))
         slot = key_digest(secret, key)

@@ -42,7 +42,7 @@ from weakref import WeakValueDictionary
 import aio_pika
 from aio_pika.abc import AbstractIncomingMessage, AbstractRobustChannel
 from cachetools import TLRUCache
-from pydantic import BaseModel, Field, ValidationError
+from pydantic import BaseModel, Field, ValidationError, model_validator
 
 from service.errors import BackendUnavailable
 from service.jobs.topology import Names
@@ -56,24 +56,36 @@ STATE_BYTES = 576
 """What a key's state costs in memory besides its bitmask (the state, its digests, the cache's
 entry): measured with ``python -m loadtests.idempotency_memory``."""
 DIGEST_BYTES = 16
-MAX_IMAGES = 1 << 16
-"""Most images an entry may count (a bitmask that large is 8 KiB)."""
+MAX_IMAGES = 1 << 13
+"""Most images an entry may count: its bitmask, written in decimal, stays within the 4,300 digits
+that a JSON integer may have (a larger one is refused as out of range)."""
+MAX_ENTRY_BYTES = 4096
+"""Longest entry a replica reads (one of ``MAX_IMAGES`` images is about 2.8 KB): anything longer in
+the stream was not written by a replica, and is skipped unparsed."""
+HEX_DIGEST = rf"^[0-9a-f]{{{2 * DIGEST_BYTES}}}$"
 
 
 class Entry(BaseModel):
-    """One entry of the claims stream."""
+    """One entry of the claims stream. Every field is bounded: an entry is read from a stream
+    anyone with broker access can append to, and what it holds stays in memory."""
 
     kind: Literal["intent", "outcome"]
-    key: str
+    key: str = Field(pattern=HEX_DIGEST)
     """Hex digest of the API key and the idempotency key (``key_digest``): never the key itself."""
-    claim: str
+    claim: str = Field(pattern=HEX_DIGEST)
     """Hex id of the attempt; an outcome names the intent it settles."""
-    fingerprint: str
+    fingerprint: str = Field(pattern=HEX_DIGEST)
     count: int = Field(ge=1, le=MAX_IMAGES)
     published: int = Field(0, ge=0)
-    """Outcome: bit i set when the broker confirmed image i."""
-    at: float
+    """Outcome: bit i set when the broker confirmed image i (i < ``count``)."""
+    at: float = Field(allow_inf_nan=False)
     """Wall-clock time of the entry (epoch seconds)."""
+
+    @model_validator(mode="after")
+    def _within_count(self) -> Entry:
+        if self.published >> self.count:
+            raise ValueError(f"published has bits beyond the {self.count} images")
+        return self
 
 
 @dataclass(frozen=True, slots=True)
@@ -174,6 +186,9 @@ class IdempotencyLog:
         self.states.clear()
 
     def _read(self, body: bytes) -> None:
+        if len(body) > MAX_ENTRY_BYTES:
+            logger.warning("jobs: ignoring an idempotency entry of %d bytes (at most %d)", len(body), MAX_ENTRY_BYTES)
+            return
         try:
             entry = Entry.model_validate_json(body)
         except ValidationError as exc:
@@ -182,11 +197,7 @@ class IdempotencyLog:
             return
         if time.time() - entry.at >= self.ttl:
             return
-        try:
-            decision = self.apply(entry)
-        except ValueError as exc:  # a hex field that is not hex
-            logger.warning("jobs: ignoring a malformed idempotency entry: %s", exc)
-            return
+        decision = self.apply(entry)
         future = self._decisions.pop(bytes.fromhex(entry.claim), None)
         if future is not None and decision is not None and not future.done():
             future.set_result(decision)

@@ -6,14 +6,18 @@ answer within their timeout, each image queued once."""
 from __future__ import annotations
 
 import asyncio
+import json
 import secrets
+import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 import aio_pika
+import pytest
 
-from service.errors import BackendUnavailable
+from service.errors import BackendUnavailable, BadRequest
 from service.jobs.client import JobsClient, OfflineImage, Submitted
+from service.jobs.idempotency import MAX_IMAGES, key_digest
 from service.jobs.topology import Names
 from service.metrics import Metrics
 from service.settings import Settings
@@ -85,3 +89,72 @@ async def test_a_stream_deleted_and_declared_again_is_followed_from_its_start(pr
         assert again.replayed
         assert again.job_ids == submitted.job_ids
     assert await queue_depth(names.work) == len(IMAGES)
+
+
+def hostile_entries() -> list[bytes]:
+    """Entries no replica writes: each is skipped, and none may become a state."""
+
+    def entry(**fields: object) -> bytes:
+        base: dict[str, object] = {
+            "kind": "intent",
+            "key": secrets.token_hex(16),
+            "claim": secrets.token_hex(16),
+            "fingerprint": secrets.token_hex(16),
+            "count": 1,
+            "published": 0,
+            "at": time.time(),
+        }
+        return json.dumps({**base, **fields}).encode()
+
+    return [
+        b"\xff\xfe not json",
+        b"[" * 100_000,
+        entry(kind="claim"),  # an unknown kind
+        entry(key="zz" * 16),  # not hex
+        entry(key=secrets.token_hex(64 * 1024)),  # 128 KiB in one state, counted as 576 bytes
+        entry(fingerprint=secrets.token_hex(64 * 1024)),
+        entry(claim=secrets.token_hex(64 * 1024)),
+        entry(count=0),
+        entry(count=10**6),
+        entry(kind="outcome", published=1 << 40),  # images beyond its count
+        entry(kind="outcome", published=0).replace(b'"published": 0', b'"published": ' + b"9" * 5000),
+        entry(at=float("nan")),  # json.dumps writes NaN, which JSON parsers may accept
+        entry(at=float("inf")),  # a key that would never expire
+        entry(key="ab" * 16, padding="x" * (4 << 20)),  # 4 MiB
+    ]
+
+
+async def test_hostile_entries_are_skipped_and_later_ones_applied(prefix: str) -> None:
+    """Whatever bytes are appended to the claims stream (not JSON, deep nesting, unknown kinds,
+    digests that are not 32 hex digits or are 128 KiB long, counts and bitmasks out of range,
+    NaN and infinite times, a 4 MiB entry), the replica skips each without keeping anything, its
+    consumer goes on, and the submits after them are decided and queued once. Before, an entry
+    with a 128 KiB key, fingerprint or claim became a state that the byte bound counted as 576
+    bytes (200 such entries held 10 MB against 120 KB counted), and an infinite time made a key
+    that never expired."""
+    names = Names(prefix)
+    async with replica(prefix) as client:
+        await append(names, hostile_entries())
+        submitted = await client.submit(IMAGES, 5, key="after-hostile-entries")
+        assert not submitted.replayed
+        states = dict(client.idempotency.states.items())
+        assert list(states) == [key_digest(b"", "after-hostile-entries")]
+        assert (await client.submit(IMAGES, 5, key="after-hostile-entries")).replayed
+
+    async with replica(prefix) as late:  # a replica started afterwards reads them all from the start
+        assert (await late.submit(IMAGES, 5, key="after-hostile-entries")).replayed
+        assert len(late.idempotency.states) == 1
+    assert await queue_depth(names.work) == len(IMAGES)
+
+
+async def test_an_idempotent_submit_beyond_what_an_entry_counts_is_400(prefix: str) -> None:
+    """Where GATEWAY_MAX_IMAGES_PER_REQUEST allows more images than a stream entry counts
+    (MAX_IMAGES, so that its bitmask stays a JSON integer every parser reads), an idempotent
+    submit of that many is a 400 that queues nothing. Before, building the entry raised a
+    ValidationError: a 500."""
+    names = Names(prefix)
+    async with replica(prefix, max_images_per_request=MAX_IMAGES + 1, max_queue_size=MAX_IMAGES + 1) as client:
+        images = [OfflineImage(b"x", "image/png", None)] * (MAX_IMAGES + 1)
+        with pytest.raises(BadRequest):
+            await client.submit(images, 5, key="too-many")
+    assert await queue_depth(names.work) == 0
