@@ -36,6 +36,7 @@ import sys
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, replace
+from datetime import UTC, datetime
 from typing import Literal
 from weakref import WeakValueDictionary
 
@@ -160,11 +161,16 @@ class IdempotencyLog:
         return lock
 
     async def follow(self, channel: AbstractRobustChannel) -> None:
-        """Declare the stream and read it from its start, then as it grows (on a channel of its
-        own: a stream consumer needs a prefetch and acks)."""
+        """Declare the stream and read it from its entries of the last TTL, then as it grows (on a
+        channel of its own: a stream consumer needs a prefetch and acks). RabbitMQ starts the
+        consumer at the first chunk written at or after that time (``x-stream-offset`` as a
+        timestamp): the entries before it are expired, and the stream's ``max-age`` policy only
+        removes whole segments (500 MB by default), so reading from ``first`` read every expired
+        entry still there at each start and reconnect."""
         await channel.set_qos(prefetch_count=1000)
         queue = await channel.declare_queue(self.stream, durable=True, arguments={"x-queue-type": "stream"})
-        await queue.consume(self._on_entry, arguments={"x-stream-offset": "first"})
+        since = datetime.fromtimestamp(time.time() - self.ttl, tz=UTC)
+        await queue.consume(self._on_entry, arguments={"x-stream-offset": since})
 
     async def _on_entry(self, message: AbstractIncomingMessage) -> None:
         offset = (message.headers or {}).get("x-stream-offset")

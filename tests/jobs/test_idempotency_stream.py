@@ -158,3 +158,32 @@ async def test_an_idempotent_submit_beyond_what_an_entry_counts_is_400(prefix: s
         with pytest.raises(BadRequest):
             await client.submit(images, 5, key="too-many")
     assert await queue_depth(names.work) == 0
+
+
+async def test_a_replica_starts_reading_the_stream_at_its_ttl(prefix: str) -> None:
+    """A replica that starts reads the claims written within the TTL, not the expired ones the
+    stream still holds (its max-age policy removes whole 500 MB segments only: millions of
+    entries). Before, it read the stream from its first entry at every start and reconnect:
+    100,000 entries took 30 s here, each idempotent submit 503 meanwhile."""
+    names = Names(prefix)
+    ttl = 1.0
+    async with replica(prefix, idempotency_ttl=ttl) as client:
+        old = [client.idempotency.message("outcome", secrets.token_bytes(16), b"c" * 16, b"f" * 16, 1, 1)]
+        await append(names, [old[0].body] * 300)
+        await read_up_to(client, 299)
+    await asyncio.sleep(ttl + 2)  # the condition is time itself: the entries expire (AMQP timestamps are whole seconds)
+    late = JobsClient(
+        Settings(broker_url=BROKER_URL, queue_prefix=prefix, publish_timeout=PUBLISH_TIMEOUT, idempotency_ttl=ttl),
+        Metrics(),
+    )
+    read: list[bytes] = []
+    parse = late.idempotency._read
+    late.idempotency._read = lambda body: (read.append(body), parse(body))[1]  # type: ignore[method-assign]
+    await late.broker.connect(timeout=30)
+    try:
+        submitted = await late.submit(IMAGES, 5, key="after-the-old-entries")
+        assert not submitted.replayed
+    finally:
+        await late.aclose()
+    assert late.idempotency._offset >= 300  # its intent came after the old entries
+    assert not any(body == old[0].body for body in read)
