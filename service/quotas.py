@@ -8,34 +8,43 @@ not name comes from ``GATEWAY_KEY_RATE`` / ``_BURST`` / ``_CONCURRENCY`` (0: unl
 A key is never written anywhere: metrics and logs name it by :attr:`ApiKey.id`, the first 12 hex
 digits of its SHA-256.
 
-The state lives in a small table shared by every worker process of one gateway (a file in the
-folder the processes already share for Prometheus' multiprocess mode, mapped into memory and
-guarded by ``flock``), so a key gets its quota whichever process its connections land on. Each
-replica of a deployment keeps its own table: with N replicas behind a balancer a key may get up to
-N times its limits (divide them by the replica count, or route a key to one replica).
+Every worker process of one gateway shares the state, in the folder the processes already share
+for Prometheus' multiprocess mode, so a key gets its quota whichever process its connections land
+on: the buckets in a small table (a file mapped into memory, guarded by ``flock``), and the
+requests in progress as kernel locks on bytes of lock files (:class:`Slots`), which the kernel
+drops when their process ends, however it ends. Each replica of a deployment keeps its own state:
+with N replicas behind a balancer a key may get up to N times its limits (divide them by the
+replica count, or route a key to one replica).
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import hashlib
 import math
 import mmap
 import os
+import random
 import struct
 import tempfile
+import threading
 import time
-from collections.abc import Iterable, Iterator
+import weakref
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 from service.errors import PayloadTooLarge, QuotaExceeded
 
-SLOT = struct.Struct("<ddq")
-"""Per key: tokens, when they were last refilled (CLOCK_MONOTONIC, the same in every process of
-the host; 0: never used, the bucket is full), requests in progress."""
+BUCKET = struct.Struct("<dd")
+"""Per key: tokens, and when they were last refilled (CLOCK_MONOTONIC, the same in every process of
+the host; 0: never used, the bucket is full)."""
 OPTIONS = ("rate", "burst", "concurrency")
+MAX_CONCURRENCY = 256
+"""The most requests a key may be allowed in progress (its slots; 0 means unlimited): refusing a
+request at the limit asks about every slot, a few microseconds each (``python -m loadtests.quota_cost``)."""
 
 
 @dataclass(frozen=True)
@@ -86,26 +95,159 @@ def parse_keys(entries: Iterable[str], default: Quota) -> list[ApiKey]:
             if number < 0:
                 raise ValueError(f"API key entry option {option!r} is negative")
             values[name] = number
-        keys.append(ApiKey(secret.encode(), replace(default, **values)))  # type: ignore[arg-type]
+        key = ApiKey(secret.encode(), replace(default, **values))  # type: ignore[arg-type]
+        if key.quota.concurrency > MAX_CONCURRENCY:
+            raise ValueError(
+                f"API key {key.id}: concurrency {key.quota.concurrency} is over {MAX_CONCURRENCY}, the most; "
+                "0 means unlimited"
+            )
+        keys.append(key)
     return keys
 
 
 STATE_FILE = "quotas.bin"
-"""The table's name in the folder the worker processes share (``gateway serve`` removes a previous
-run's before starting them)."""
+"""The buckets' table in the folder the worker processes share (``gateway serve`` removes a
+previous run's before starting them)."""
+SLOTS_DIR = "quotas-slots"
+"""The lock files of :class:`Slots` in that folder. They hold no data (only their locks matter, and
+the kernel drops those with their processes), so nothing needs clearing between runs."""
+SLOT_FILES = 16
+"""Lock files keys are spread over: the kernel checks a new lock against every lock on its file."""
+_FLOCK = struct.Struct("hhqqi")
+"""``struct flock``: type, whence, start, length, pid (0, as open file description locks want)."""
+_BUSY = (errno.EAGAIN, errno.EACCES)
+
+
+@dataclass(frozen=True)
+class _Place:
+    """Where a key's slots are: a lock file (its index) and the first of ``count`` bytes in it."""
+
+    file: int
+    start: int
+    count: int
+
+
+class Slots:
+    """Requests in progress, counted by the kernel: each is a lock on one byte of its key's slots.
+
+    A key allowed C requests in progress owns C bytes of a lock file, placed by its id (so every
+    process agrees whatever order the keys are listed in, and any number of keys fit); a request
+    takes a write lock on a free one without waiting (``F_OFD_SETLK``) and gives it back when done.
+    Open file description locks belong to the open file, not to the process: two processes (or two
+    instances in one process) conflict, and the kernel drops a process's locks when it exits, also
+    when it is SIGKILLed, so a dead worker's requests stop counting at once. An instance's own locks
+    do not conflict with each other, so it keeps which bytes it holds (guarded by a thread lock).
+
+    A process forked from one holding slots closes its copies of the files (which would keep the
+    parent's locks alive after the parent dies) and opens its own."""
+
+    def __init__(self, directory: Path | None) -> None:
+        """``directory``: the folder the worker processes share; None for slots private to this instance."""
+        self._directory = directory
+        self._lock = threading.Lock()
+        self._held: dict[int, set[int]] = {}
+        self._fds = self._open()
+        os.register_at_fork(after_in_child=_forked_callback(weakref.ref(self)))
+
+    def _open(self) -> list[int]:
+        if self._directory is None:
+            with tempfile.TemporaryDirectory(prefix="gateway-quota-slots-") as private:
+                return self._open_files(Path(private))  # unlinked on leaving: private to this instance
+        folder = self._directory / SLOTS_DIR
+        folder.mkdir(exist_ok=True)
+        return self._open_files(folder)
+
+    @staticmethod
+    def _open_files(folder: Path) -> list[int]:
+        return [os.open(folder / f"{index:x}", os.O_RDWR | os.O_CREAT, 0o600) for index in range(SLOT_FILES)]
+
+    @staticmethod
+    def place(key_id: str, count: int) -> _Place:
+        """Where the slots of the key with id ``key_id`` (12 hex digits) are, ``count`` of them."""
+        number = int(key_id, 16)  # 48 bits: regions of MAX_CONCURRENCY bytes end below 2**56, far from 2**63
+        return _Place(number % SLOT_FILES, number * MAX_CONCURRENCY, min(count, MAX_CONCURRENCY))
+
+    def take(self, place: _Place) -> bool:
+        """Lock a free slot of ``place`` for this instance; False when all of them are taken."""
+        fd = self._fds[place.file]
+        with self._lock:
+            held = self._held.setdefault(place.start, set())
+            if len(held) >= place.count:
+                return False
+            first = random.randrange(place.count) if place.count > 1 else 0  # spreads the processes' tries
+            for index in range(place.count):
+                offset = place.start + (first + index) % place.count
+                # after a first try, ask before trying: a refused try costs an exception, twice a question
+                if offset not in held and (index == 0 or _free(fd, offset)) and _lock(fd, offset):
+                    held.add(offset)
+                    return True
+            return False
+
+    def give(self, place: _Place) -> None:
+        """Unlock one of the slots of ``place`` this instance holds."""
+        with self._lock:
+            held = self._held.get(place.start)
+            if not held:
+                return
+            _unlock(self._fds[place.file], held.pop())
+
+    def _after_fork(self) -> None:
+        for fd in self._fds:
+            os.close(fd)  # our copy only: the parent's locks stay the parent's, and end with it
+        self._lock = threading.Lock()
+        self._held = {}
+        self._fds = self._open() if self._fds else []
+
+    def close(self) -> None:
+        """Close the files, which drops every lock this instance holds."""
+        with self._lock:
+            fds, self._fds, self._held = self._fds, [], {}
+        for fd in fds:
+            os.close(fd)
+
+
+def _lock(fd: int, offset: int) -> bool:
+    """Lock the byte at ``offset`` for this open file, unless another one holds it."""
+    try:
+        fcntl.fcntl(fd, fcntl.F_OFD_SETLK, _FLOCK.pack(fcntl.F_WRLCK, os.SEEK_SET, offset, 1, 0))
+    except OSError as exc:
+        if exc.errno in _BUSY:
+            return False
+        raise
+    return True
+
+
+def _free(fd: int, offset: int) -> bool:
+    """Whether no other open file holds the byte at ``offset``."""
+    answer = fcntl.fcntl(fd, fcntl.F_OFD_GETLK, _FLOCK.pack(fcntl.F_WRLCK, os.SEEK_SET, offset, 1, 0))
+    return bool(_FLOCK.unpack(answer)[0] == fcntl.F_UNLCK)
+
+
+def _unlock(fd: int, offset: int) -> None:
+    fcntl.fcntl(fd, fcntl.F_OFD_SETLK, _FLOCK.pack(fcntl.F_UNLCK, os.SEEK_SET, offset, 1, 0))
+
+
+def _forked_callback(ref: weakref.ref[Slots]) -> Callable[[], None]:
+    def after_fork() -> None:
+        slots = ref()
+        if slots is not None:
+            slots._after_fork()
+
+    return after_fork
 
 
 class Quotas:
-    """The limits of every configured key, enforced against one shared table.
+    """The limits of every configured key, enforced against one shared state.
 
     ``max_images`` (the most images one request may carry) sets the default burst's floor, so a
     full-size request can always pass a full bucket."""
 
     def __init__(self, keys: list[ApiKey], max_images: int, shared_dir: Path | None = None) -> None:
-        """``shared_dir``: the folder the worker processes share; None for a private table."""
-        self.slots = {key.id: i for i, key in enumerate(keys) if key.quota.limited}
+        """``shared_dir``: the folder the worker processes share; None for a private state."""
+        self.buckets = {key.id: i for i, key in enumerate(keys) if key.quota.rate > 0}
         self.quotas = {key.id: self._effective(key.quota, max_images) for key in keys}
-        size = max(1, len(keys)) * SLOT.size
+        self.places = {key.id: Slots.place(key.id, key.quota.concurrency) for key in keys if key.quota.concurrency > 0}
+        size = max(1, len(keys)) * BUCKET.size
         if shared_dir is None:
             handle, name = tempfile.mkstemp(prefix="gateway-quotas-")
             os.unlink(name)  # private to this process
@@ -114,6 +256,7 @@ class Quotas:
         os.ftruncate(handle, max(os.fstat(handle).st_size, size))
         self._fd = handle
         self._map = mmap.mmap(handle, size)
+        self.slots = Slots(shared_dir)
 
     @staticmethod
     def _effective(quota: Quota, max_images: int) -> Quota:
@@ -122,37 +265,33 @@ class Quotas:
         return quota
 
     @contextlib.contextmanager
-    def _slot(self, key_id: str) -> Iterator[list[float]]:
-        """The key's (tokens, refilled, in progress), locked across processes; written back after."""
-        offset = self.slots[key_id] * SLOT.size
+    def _bucket(self, key_id: str) -> Iterator[list[float]]:
+        """The key's (tokens, refilled), locked across processes; written back after."""
+        offset = self.buckets[key_id] * BUCKET.size
         fcntl.flock(self._fd, fcntl.LOCK_EX)
         try:
-            values = list(SLOT.unpack_from(self._map, offset))
+            values = list(BUCKET.unpack_from(self._map, offset))
             yield values
-            SLOT.pack_into(self._map, offset, values[0], values[1], int(values[2]))
+            BUCKET.pack_into(self._map, offset, *values)
         finally:
             fcntl.flock(self._fd, fcntl.LOCK_UN)
 
     def enter(self, key_id: str) -> None:
-        """Count a request in progress, or refuse it when the key already has its limit."""
-        quota = self.quotas.get(key_id)
-        if quota is None or quota.concurrency <= 0:
+        """Hold one of the key's slots for a request in progress, or refuse it when the key has
+        none free (every one held by a request of a live process)."""
+        place = self.places.get(key_id)
+        if place is None or self.slots.take(place):
             return
-        with self._slot(key_id) as slot:
-            if slot[2] >= quota.concurrency:
-                raise QuotaExceeded(
-                    f"this API key already has {quota.concurrency} request(s) in progress, its limit; retry "
-                    "when one finishes",
-                    retry_after=1,
-                )
-            slot[2] += 1
+        raise QuotaExceeded(
+            f"this API key already has {place.count} request(s) in progress, its limit; retry when one finishes",
+            retry_after=1,
+        )
 
     def leave(self, key_id: str) -> None:
-        quota = self.quotas.get(key_id)
-        if quota is None or quota.concurrency <= 0:
-            return
-        with self._slot(key_id) as slot:
-            slot[2] = max(0, slot[2] - 1)
+        """Free a slot :meth:`enter` took for the key in this process."""
+        place = self.places.get(key_id)
+        if place is not None:
+            self.slots.give(place)
 
     def take(self, key_id: str, images: int) -> None:
         """Spend ``images`` tokens, or refuse with the seconds until there will be enough."""
@@ -164,20 +303,21 @@ class Quotas:
                 f"this request has {images} images and this API key may send at most {quota.burst:g} at once; split it"
             )
         now = time.monotonic()
-        with self._slot(key_id) as slot:
-            tokens, refilled = slot[0], slot[1]
+        with self._bucket(key_id) as bucket:
+            tokens, refilled = bucket
             tokens = quota.burst if refilled == 0 else min(quota.burst, tokens + (now - refilled) * quota.rate)
-            slot[1] = now
+            bucket[1] = now
             if tokens < images:
-                slot[0] = tokens
+                bucket[0] = tokens
                 wait = (images - tokens) / quota.rate
                 raise QuotaExceeded(
                     f"this API key is over its rate of {quota.rate:g} images/s; {images} image(s) fit again in "
                     f"{wait:.1f} s",
                     retry_after=max(1, math.ceil(wait)),
                 )
-            slot[0] = tokens - images
+            bucket[0] = tokens - images
 
     def close(self) -> None:
+        self.slots.close()
         self._map.close()
         os.close(self._fd)

@@ -4,9 +4,14 @@ are served, metrics name keys by hash only, and the table is shared by every pro
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
+import os
 import re
-from collections.abc import Callable
+import signal
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
@@ -14,7 +19,7 @@ import pytest
 
 from service.backends.fake import FakeBackend
 from service.errors import PayloadTooLarge, QuotaExceeded
-from service.quotas import ApiKey, Quota, Quotas, parse_keys
+from service.quotas import MAX_CONCURRENCY, ApiKey, Quota, Quotas, parse_keys
 from service.settings import Settings
 from tests.conftest import png_bytes, running_gateway, solid_image
 
@@ -101,6 +106,113 @@ def test_processes_opening_the_same_folder_share_the_buckets(tmp_path: Path, clo
     second.take(key_id("b"), 3)  # each key its own bucket
     private = Quotas(keys, 1)
     private.take(key_id("a"), 3)  # without the folder, a table of its own
+
+
+def test_a_concurrency_over_the_most_is_refused_with_its_key_named() -> None:
+    """A limit over MAX_CONCURRENCY (each is a slot a refusal asks about) is a configuration error
+    naming the key by its id, whether on the entry or the default; the most itself is accepted."""
+    assert parse_keys([f"k concurrency={MAX_CONCURRENCY}"], Quota())[0].quota.concurrency == MAX_CONCURRENCY
+    for entries, default in (
+        ([f"s3cret concurrency={MAX_CONCURRENCY + 1}"], Quota()),
+        (["s3cret"], Quota(concurrency=10**9)),
+    ):
+        with pytest.raises(ValueError, match=f"concurrency .* over {MAX_CONCURRENCY}.*0 means unlimited") as bad:
+            parse_keys(entries, default)
+        assert key_id("s3cret") in str(bad.value)
+        assert "s3cret" not in str(bad.value).replace(key_id("s3cret"), "")
+    with pytest.raises(ValueError, match="negative"):
+        parse_keys(["k concurrency=-1"], Quota())
+
+
+def test_instances_on_one_folder_share_the_slots(tmp_path: Path) -> None:
+    """Two instances on one folder (as two workers) count one key's requests together, each key
+    on its own; a slot freed by one is taken by the other, and closing an instance frees its slots."""
+    keys = [ApiKey(b"k", Quota(concurrency=2)), ApiKey(b"j", Quota(concurrency=1)), ApiKey(b"free")]
+    first, second = Quotas(keys, 1, tmp_path), Quotas(keys, 1, tmp_path)
+    first.enter(key_id("k"))
+    second.enter(key_id("k"))
+    for quotas in (first, second):
+        with pytest.raises(QuotaExceeded, match="2 request"):
+            quotas.enter(key_id("k"))
+    second.enter(key_id("j"))  # another key: its own slots
+    second.enter(key_id("free"))  # no limit: nothing held
+    first.leave(key_id("k"))
+    second.enter(key_id("k"))
+    with pytest.raises(QuotaExceeded):
+        first.enter(key_id("k"))
+    second.close()
+    first.enter(key_id("k"))
+    first.enter(key_id("k"))
+    first.enter(key_id("j"))
+
+
+HOLDER = """
+import os, signal, sys
+from pathlib import Path
+from service.quotas import ApiKey, Quota, Quotas
+
+key = ApiKey(b"serial", Quota(concurrency=1))
+quotas = Quotas([key], 1, Path(sys.argv[1]))
+quotas.enter(key.id)
+if sys.argv[2] == "fork" and os.fork() == 0:
+    print("forked", os.getpid(), flush=True)
+    signal.pause()
+print("holding", os.getpid(), flush=True)
+signal.pause()
+"""
+
+
+@pytest.fixture
+def holders() -> Iterator[Callable[[Path, bool], dict[str, int]]]:
+    """Start processes that hold the one slot of key ``serial`` in a folder (and fork a child that
+    lives on, with ``fork``): the pids they report, once they hold it; each is SIGKILLed after."""
+    started: list[subprocess.Popen[str]] = []
+    pids: list[int] = []
+
+    def start(folder: Path, fork: bool) -> dict[str, int]:
+        proc = subprocess.Popen(
+            [sys.executable, "-c", HOLDER, str(folder), "fork" if fork else "no"], stdout=subprocess.PIPE, text=True
+        )
+        started.append(proc)
+        assert proc.stdout is not None
+        reported = dict(line.split() for line in (proc.stdout.readline() for _ in range(1 + fork)))
+        assert set(reported) == ({"holding", "forked"} if fork else {"holding"}), reported
+        pids.extend(int(pid) for pid in reported.values())
+        return {what: int(pid) for what, pid in reported.items()}
+
+    yield start
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    for proc in started:
+        proc.wait()
+
+
+def test_a_sigkilled_process_holds_no_slot(tmp_path: Path, holders: Callable[[Path, bool], dict[str, int]]) -> None:
+    """A process SIGKILLed while its request holds a key's only slot (an OOM-killed or hung
+    worker) stops counting as soon as it is dead: the kernel drops its lock, nobody clears a table."""
+    quotas = Quotas([ApiKey(b"serial", Quota(concurrency=1))], 1, tmp_path)
+    holder = holders(tmp_path, False)["holding"]
+    with pytest.raises(QuotaExceeded):
+        quotas.enter(key_id("serial"))
+    os.kill(holder, signal.SIGKILL)
+    assert os.waitpid(holder, 0)[0] == holder
+    quotas.enter(key_id("serial"))
+
+
+def test_a_child_forked_by_a_holder_does_not_keep_its_slots(
+    tmp_path: Path, holders: Callable[[Path, bool], dict[str, int]]
+) -> None:
+    """A process forked by one holding a slot (it shares the parent's open files) does not keep the
+    slot held once the parent is SIGKILLed: the child drops its copies of the lock files at fork."""
+    quotas = Quotas([ApiKey(b"serial", Quota(concurrency=1))], 1, tmp_path)
+    pids = holders(tmp_path, True)
+    with pytest.raises(QuotaExceeded):
+        quotas.enter(key_id("serial"))
+    os.kill(pids["holding"], signal.SIGKILL)
+    assert os.waitpid(pids["holding"], 0)[0] == pids["holding"]
+    os.kill(pids["forked"], 0)  # the child lives on
+    quotas.enter(key_id("serial"))
 
 
 async def test_a_key_over_its_quota_gets_429_while_other_keys_are_served(
