@@ -146,7 +146,7 @@ def test_instances_on_one_folder_share_the_slots(tmp_path: Path) -> None:
     first.enter(key_id("j"))
 
 
-HOLDER = """
+HOLDER = r"""
 import os, signal, sys
 from pathlib import Path
 from service.quotas import ApiKey, Quota, Quotas
@@ -155,9 +155,9 @@ key = ApiKey(b"serial", Quota(concurrency=1))
 quotas = Quotas([key], 1, Path(sys.argv[1]))
 quotas.enter(key.id)
 if sys.argv[2] == "fork" and os.fork() == 0:
-    print("forked", os.getpid(), flush=True)
+    os.write(1, f"forked {os.getpid()}\n".encode())  # one write each: the two lines do not mix
     signal.pause()
-print("holding", os.getpid(), flush=True)
+os.write(1, f"holding {os.getpid()}\n".encode())
 signal.pause()
 """
 
@@ -167,7 +167,7 @@ def holders() -> Iterator[Callable[[Path, bool], dict[str, int]]]:
     """Start processes that hold the one slot of key ``serial`` in a folder (and fork a child that
     lives on, with ``fork``): the pids they report, once they hold it; each is SIGKILLed after."""
     started: list[subprocess.Popen[str]] = []
-    pids: list[int] = []
+    forked: list[int] = []
 
     def start(folder: Path, fork: bool) -> dict[str, int]:
         proc = subprocess.Popen(
@@ -175,16 +175,17 @@ def holders() -> Iterator[Callable[[Path, bool], dict[str, int]]]:
         )
         started.append(proc)
         assert proc.stdout is not None
-        reported = dict(line.split() for line in (proc.stdout.readline() for _ in range(1 + fork)))
-        assert set(reported) == ({"holding", "forked"} if fork else {"holding"}), reported
-        pids.extend(int(pid) for pid in reported.values())
-        return {what: int(pid) for what, pid in reported.items()}
+        reported = {what: int(pid) for what, pid in (proc.stdout.readline().split() for _ in range(1 + fork))}
+        forked.extend(pid for what, pid in reported.items() if what == "forked")
+        assert reported.get("holding") == proc.pid, reported
+        return reported
 
     yield start
-    for pid in pids:
+    for pid in forked:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
     for proc in started:
+        proc.kill()
         proc.wait()
 
 
@@ -196,7 +197,7 @@ def test_a_sigkilled_process_holds_no_slot(tmp_path: Path, holders: Callable[[Pa
     with pytest.raises(QuotaExceeded):
         quotas.enter(key_id("serial"))
     os.kill(holder, signal.SIGKILL)
-    assert os.waitpid(holder, 0)[0] == holder
+    os.waitpid(holder, 0)
     quotas.enter(key_id("serial"))
 
 
@@ -210,7 +211,7 @@ def test_a_child_forked_by_a_holder_does_not_keep_its_slots(
     with pytest.raises(QuotaExceeded):
         quotas.enter(key_id("serial"))
     os.kill(pids["holding"], signal.SIGKILL)
-    assert os.waitpid(pids["holding"], 0)[0] == pids["holding"]
+    os.waitpid(pids["holding"], 0)
     os.kill(pids["forked"], 0)  # the child lives on
     quotas.enter(key_id("serial"))
 
