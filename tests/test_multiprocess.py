@@ -10,6 +10,7 @@ import tempfile
 from pathlib import Path
 
 import aiohttp
+import psutil
 import pytest
 
 from loadtests.http_load import start_gateway
@@ -59,11 +60,11 @@ async def test_two_workers_are_counted_once_each(tmp_path: Path) -> None:
 @pytest.mark.slow
 async def test_a_keys_rate_holds_over_all_workers(tmp_path: Path) -> None:
     """Workers share one quota table: a key with a burst of 10 and no refill to speak of gets 10
-    images through in total, not 10 per worker. A table left by an earlier run (here: a slot
-    saying the key has 99 requests in progress) is cleared at start."""
+    images through in total, not 10 per worker. A table left by an earlier run (here: a bucket
+    last refilled in the far future, so empty for ever) is cleared at start."""
     metrics_dir = tmp_path / "prometheus-multiproc"
     metrics_dir.mkdir()
-    (metrics_dir / "quotas.bin").write_bytes(struct.pack("<ddq", 0.0, 1.0, 99))
+    (metrics_dir / "quotas.bin").write_bytes(struct.pack("<dd", 0.0, 1e18))
     key = "shared-quota-key-3Vb8"
     proc, url = start_gateway(
         ["--backend", "fake", "--workers", "2"],
@@ -92,3 +93,50 @@ async def test_a_keys_rate_holds_over_all_workers(tmp_path: Path) -> None:
     assert statuses.count(429) == 30
     pids = {m.group(1) for f in metrics_dir.iterdir() if (m := re.match(r"counter_(\d+)\.db", f.name))}
     assert len(pids) >= 2, f"only {pids} served: the test did not exercise several workers"
+
+
+@pytest.mark.slow
+async def test_a_sigkilled_workers_request_stops_counting(tmp_path: Path) -> None:
+    """A worker SIGKILLed while a request of a key allowed one at a time is in progress on it (an
+    upload stalled halfway) leaves nothing counted: the key, refused while that request was in
+    progress, is served at the first try once the worker is gone, by the same gateway (no restart)."""
+    key = "serial-quota-key-8Tz1"
+    proc, url = start_gateway(
+        ["--backend", "fake", "--workers", "2", "--body-timeout", "300"],
+        Path(tempfile.gettempdir()) / "gateway-bench-models",
+        env={
+            "PROMETHEUS_MULTIPROC_DIR": str(tmp_path / "prometheus-multiproc"),
+            "GATEWAY_API_KEYS": f"{key} concurrency=1",
+        },
+    )
+    body = png_bytes(solid_image(1, 16))
+    _, writer = await asyncio.open_connection("127.0.0.1", int(url.rsplit(":", 1)[1]))
+    try:
+        head = f"POST /classify HTTP/1.1\r\nhost: gateway\r\nx-api-key: {key}\r\ncontent-type: image/png\r\n"
+        writer.write(f"{head}content-length: {len(body)}\r\n\r\n".encode() + body[:8])  # and never the rest
+        await writer.drain()
+        async with aiohttp.ClientSession(url, connector=aiohttp.TCPConnector(force_close=True)) as session:
+
+            async def classify() -> int:
+                headers = {"content-type": "image/png", "x-api-key": key}
+                async with session.post("/classify", data=body, headers=headers) as r:
+                    return r.status
+
+            deadline = asyncio.get_running_loop().time() + 30
+            while (status := await classify()) != 429:  # until the stalled request is in progress
+                assert status == 200
+                assert asyncio.get_running_loop().time() < deadline
+            stalled_port = writer.get_extra_info("sockname")[1]
+            holder = next(
+                worker
+                for worker in psutil.Process(proc.pid).children()
+                if any(c.raddr and c.raddr.port == stalled_port for c in worker.net_connections("tcp"))
+            )
+            holder.kill()
+            holder.wait(timeout=30)  # gone: uvicorn has reaped it (and starts another)
+            assert await classify() == 200
+        assert proc.poll() is None
+    finally:
+        writer.close()
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)
