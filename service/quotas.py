@@ -143,6 +143,8 @@ class Slots:
 
     def __init__(self, directory: Path | None) -> None:
         """``directory``: the folder the worker processes share; None for slots private to this instance."""
+        if not hasattr(fcntl, "F_OFD_SETLK"):
+            raise RuntimeError("per-key concurrency limits need open file description locks (Linux 3.15 or later)")
         self._directory = directory
         self._lock = threading.Lock()
         self._held: dict[int, set[int]] = {}
@@ -256,7 +258,7 @@ class Quotas:
         os.ftruncate(handle, max(os.fstat(handle).st_size, size))
         self._fd = handle
         self._map = mmap.mmap(handle, size)
-        self.slots = Slots(shared_dir)
+        self.slots = Slots(shared_dir) if self.places else None
 
     @staticmethod
     def _effective(quota: Quota, max_images: int) -> Quota:
@@ -280,7 +282,7 @@ class Quotas:
         """Hold one of the key's slots for a request in progress, or refuse it when the key has
         none free (every one held by a request of a live process)."""
         place = self.places.get(key_id)
-        if place is None or self.slots.take(place):
+        if place is None or self.slots is None or self.slots.take(place):
             return
         raise QuotaExceeded(
             f"this API key already has {place.count} request(s) in progress, its limit; retry when one finishes",
@@ -290,7 +292,7 @@ class Quotas:
     def leave(self, key_id: str) -> None:
         """Free a slot :meth:`enter` took for the key in this process."""
         place = self.places.get(key_id)
-        if place is not None:
+        if place is not None and self.slots is not None:
             self.slots.give(place)
 
     def take(self, key_id: str, images: int) -> None:
@@ -318,6 +320,7 @@ class Quotas:
             bucket[0] = tokens - images
 
     def close(self) -> None:
-        self.slots.close()
+        if self.slots is not None:
+            self.slots.close()
         self._map.close()
         os.close(self._fd)
