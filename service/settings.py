@@ -102,7 +102,7 @@ class Settings(BaseSettings):
     of its rate, at least ``max_images_per_request``)."""
     key_concurrency: int = Field(0, ge=0)
     """Requests each API key may have in progress at once, unless its entry says
-    ``concurrency=`` (0: unlimited)."""
+    ``concurrency=`` (0: unlimited; at most 256, checked with the keys at start)."""
     metrics_public: bool = False
     """Serve /metrics without an API key even when keys are configured (e.g. when only Prometheus
     can reach the port)."""
