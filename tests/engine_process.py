@@ -4,6 +4,7 @@ and a worker's client to it."""
 from __future__ import annotations
 
 import os
+import resource
 import subprocess
 import sys
 from collections.abc import AsyncIterator, Iterator
@@ -31,13 +32,20 @@ def images(*classes: int) -> list[np.ndarray]:
 
 
 @contextmanager
-def engine_process(socket: Path, backend: str = "fake", **env: str) -> Iterator[subprocess.Popen[bytes]]:
+def engine_process(
+    socket: Path, backend: str = "fake", *, open_files: int | None = None, **env: str
+) -> Iterator[subprocess.Popen[bytes]]:
     """``gateway engine --socket SOCKET``, returned once it listens (it says so on a pipe);
-    SIGKILLed at the end if still running."""
+    SIGKILLed at the end if still running. ``open_files``: its limit of open file descriptors."""
+
+    def limit() -> None:
+        if open_files is not None:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (open_files, open_files))
+
     read_end, write_end = os.pipe()
     environment = {**os.environ, "GATEWAY_BACKEND": backend, "GATEWAY_MODEL": MODEL, **env}
     command = [sys.executable, "-m", "service", "engine", "--socket", str(socket), "--ready-fd", str(write_end)]
-    process = subprocess.Popen(command, env=environment, pass_fds=(write_end,))
+    process = subprocess.Popen(command, env=environment, pass_fds=(write_end,), preexec_fn=limit)
     os.close(write_end)
     try:
         with os.fdopen(read_end, "rb") as ready:

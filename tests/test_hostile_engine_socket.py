@@ -213,3 +213,32 @@ def test_a_workers_block_cannot_be_shrunk_under_the_engine() -> None:
     finally:
         block.close()
         os.close(fd)
+
+
+async def test_running_out_of_file_descriptors_does_not_stop_the_engine_listening(tmp_path: Path) -> None:
+    """Clients holding as many connections as the engine may open files (its RLIMIT_NOFILE): the
+    connections over the limit wait in the backlog, and once those clients go, the engine accepts
+    and serves a worker again; running out of descriptors once must not leave a live engine that
+    no longer listens (which its supervisor would never restart)."""
+    socket_path, limit = tmp_path / "engine.sock", 64
+    with engine_process(socket_path, open_files=limit) as process:
+        loop = asyncio.get_running_loop()
+        engine_fds = f"/proc/{process.pid}/fd"
+        held = []
+        async with asyncio.timeout(30):
+            while len(os.listdir(engine_fds)) < limit:  # until the engine holds all it may
+                sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                sock.setblocking(False)
+                try:
+                    await loop.sock_connect(sock, str(socket_path))
+                except BlockingIOError:  # the backlog is full: the engine accepts meanwhile
+                    sock.close()
+                    await asyncio.sleep(0.05)
+                    continue
+                except ConnectionRefusedError:  # no longer listening
+                    sock.close()
+                    break
+                held.append(sock)
+        for sock in held:
+            sock.close()
+        await still_serving((socket_path, process))

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import fcntl
 import json
 import logging
@@ -71,6 +72,9 @@ _READY = struct.Struct("<I")  # length of the engine's JSON description
 MAX_SLOTS, MAX_IMAGES_PER_SLOT = 64, 1024  # the settings' bounds (max_inflight_batches, max_batch_size)
 HELLO_TIMEOUT = 5.0
 """Seconds a new connection has to say HELLO before the engine closes it."""
+ACCEPT_RETRY = 1.0
+"""Seconds the engine waits to accept again when it is out of file descriptors or memory."""
+_ACCEPT_RETRY_ERRORS = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
 
 
 @dataclass(frozen=True)
@@ -233,7 +237,16 @@ class EngineServer:
         loop = asyncio.get_running_loop()
         try:
             while True:
-                conn, _ = await loop.sock_accept(listener)
+                try:
+                    conn, _ = await loop.sock_accept(listener)
+                except OSError as exc:
+                    if exc.errno not in _ACCEPT_RETRY_ERRORS:
+                        raise
+                    # out of file descriptors or memory: the connection waits in the backlog until
+                    # others close (what asyncio's own servers do); the listener must stay open
+                    logger.warning("engine: cannot accept a connection (%s); again in %.0f s", exc, ACCEPT_RETRY)
+                    await asyncio.sleep(ACCEPT_RETRY)
+                    continue
                 task = asyncio.create_task(self.handle(conn))
                 self._connections.add(task)
                 task.add_done_callback(self._connections.discard)
@@ -343,9 +356,13 @@ async def run_engine(socket_path: str, stop: asyncio.Event, on_ready: Callable[[
     logger.info("engine: %s, serving %s", detail, socket_path)
     if on_ready is not None:
         on_ready()
+    stopping = asyncio.create_task(stop.wait())
     try:
-        await stop.wait()
+        await asyncio.wait((serving, stopping), return_when=asyncio.FIRST_COMPLETED)
+        if serving.done():  # no longer listening: exit, so that the supervisor starts another engine
+            raise SystemExit(f"engine: stopped accepting workers: {serving.exception()!r}")
     finally:
+        stopping.cancel()
         serving.cancel()
         await asyncio.gather(serving, return_exceptions=True)
         await batcher.aclose()
