@@ -123,10 +123,17 @@ def _engine(args: argparse.Namespace) -> int:
     async def main() -> None:
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
-        for signum in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(signum, stop.set)
-        if args.parent_fd is not None:  # readable at end-of-file: the serving process that started it is gone
-            loop.add_reader(args.parent_fd, stop.set)
+        if args.parent_fd is None:
+            for signum in (signal.SIGTERM, signal.SIGINT):
+                loop.add_signal_handler(signum, stop.set)
+        else:
+            # Started by gateway serve: it stops when serve closes the pipe (or dies), after serve's
+            # workers have drained. A SIGTERM or SIGINT sent to every process of the gateway at once
+            # (systemd's stop, a Ctrl-C) is serve's to act on, not the engine's: stopping then
+            # would fail the requests the workers are still draining.
+            for signum in (signal.SIGTERM, signal.SIGINT):
+                signal.signal(signum, signal.SIG_IGN)
+            loop.add_reader(args.parent_fd, stop.set)  # readable at end-of-file
         await run_engine(args.socket, stop, ready)
 
     eventloop.run(main())
@@ -360,7 +367,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--parent-fd",
         type=int,
         default=None,
-        help="a pipe's fd whose end-of-file means the process that started the engine is gone: the engine stops",
+        help=(
+            "a pipe's fd whose end-of-file means the process that started the engine is gone or stopping:"
+            " the engine stops (with it, the engine ignores SIGTERM and SIGINT)"
+        ),
     )
     engine.set_defaults(func=_engine)
     queues = commands.add_parser("queues", help="RabbitMQ set-up for offline mode")

@@ -300,6 +300,38 @@ def test_no_engine_outlives_a_killed_gateway(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
+def test_a_request_in_the_engine_is_answered_when_every_process_of_the_gateway_is_terminated(
+    tmp_path: Path, cat_jpeg: bytes
+) -> None:
+    """SIGTERM to every process of ``gateway serve`` at once (systemd's default stop, a Ctrl-C's
+    SIGINT to the process group): the engine outlives the workers' drain, so a request already in
+    it is answered 200; the engine stops after the workers, when serve lets go of its pipe."""
+    proc, url = start_gateway([], tmp_path / "models", env=SHARED_ENGINE)
+    try:
+        (engine,) = children(proc, "engine")
+        workers = children(proc, "spawn_main")
+        engine.send_signal(signal.SIGSTOP)  # the next request's batch reaches the engine and stays there
+        with ThreadPoolExecutor(1) as pool:
+            request = pool.submit(
+                httpx.post, f"{url}/classify", content=cat_jpeg, headers={"content-type": "image/jpeg"}, timeout=90
+            )
+            poll(
+                lambda: "gateway_batcher_inflight_batches 1.0" in httpx.get(f"{url}/metrics").text,
+                30,
+                "the request's batch in the engine",
+            )
+            for process in [psutil.Process(proc.pid), *workers, engine]:
+                process.send_signal(signal.SIGTERM)
+            engine.send_signal(signal.SIGCONT)
+            answer = request.result(timeout=90)
+        assert answer.status_code == 200, answer.text
+        assert proc.wait(60) == 0
+        engine.wait(30)
+    finally:
+        stop_process(proc)
+
+
+@pytest.mark.slow
 def test_serve_exits_non_zero_when_its_engine_cannot_start(tmp_path: Path) -> None:
     """An engine that exits at every start (here: a model the torch backend does not serve):
     after GATEWAY_ENGINE_START_ATTEMPTS failed starts ``gateway serve`` stops its workers and exits

@@ -11,6 +11,8 @@ reconnect by themselves to each new engine.
 The engine also holds the read end of a second pipe whose write end only the serving process has
 (``--parent-fd``): when that process dies, however (SIGKILL, an OOM kill), the kernel closes the
 write end and the engine, reading end-of-file, stops; no engine outlives the gateway that started it.
+That pipe is also how ``stop`` stops it: the engine ignores SIGTERM and SIGINT, which systemd or a
+Ctrl-C sends to every process of the gateway at once, so that it serves the workers' drain.
 """
 
 from __future__ import annotations
@@ -50,18 +52,21 @@ class EngineSupervisor:
         self._stopping = threading.Event()
         self._lock = threading.Lock()
         self._process: subprocess.Popen[bytes] | None = None
+        self._parent_pipe: int | None = None
         self._thread = threading.Thread(target=self._run, name="engine-supervisor", daemon=True)
 
     def start(self) -> None:
         self._thread.start()
 
     def stop(self, timeout: float = 30.0) -> None:
-        """Stop supervising; SIGTERM the engine, SIGKILL it after ``timeout`` seconds."""
+        """Stop supervising; stop the engine (end-of-file on its ``--parent-fd``: it ignores
+        SIGTERM and SIGINT, which may come to every process of the gateway at once while the
+        workers drain), SIGKILL it after ``timeout`` seconds."""
         with self._lock:
             self._stopping.set()
             process = self._process
+        self._close_parent_pipe()
         if process is not None:
-            process.terminate()
             try:
                 process.wait(timeout)
             except subprocess.TimeoutExpired:
@@ -97,6 +102,8 @@ class EngineSupervisor:
         """One engine process's life: whether it listened, and its exit status."""
         read_end, write_end = os.pipe()  # not inheritable: only the engine gets the write end
         parent_read, parent_write = os.pipe()  # the engine gets the read end; this process keeps the other
+        with self._lock:
+            self._parent_pipe = parent_write
         try:
             try:
                 with self._lock:
@@ -119,4 +126,12 @@ class EngineSupervisor:
                 served = ready.read(1) == b"1"  # b"" once the engine exits without listening
             return served, process.wait()
         finally:
-            os.close(parent_write)  # held for the engine's life: the kernel closes it if this process dies
+            self._close_parent_pipe()  # held for the engine's life: the kernel closes it if this process dies
+
+    def _close_parent_pipe(self) -> None:
+        """Close this process's end of the engine's ``--parent-fd`` pipe (once: ``stop`` and the
+        thread may both try): the engine reads end-of-file and stops."""
+        with self._lock:
+            fd, self._parent_pipe = self._parent_pipe, None
+        if fd is not None:
+            os.close(fd)
