@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from service.backends.engine import _HELLO, _MAGIC, _READY, _REQUEST, HELLO_TIMEOUT, create_block
+from service.errors import DeadlineExceeded
 from tests.engine_process import GEOMETRY, engine_client, engine_process, images
 
 SLOTS, PER_SLOT = 2, 4
@@ -242,3 +243,23 @@ async def test_running_out_of_file_descriptors_does_not_stop_the_engine_listenin
         for sock in held:
             sock.close()
         await still_serving((socket_path, process))
+
+
+async def test_a_worker_gone_while_its_images_are_in_a_running_batch_does_not_crash_the_engine(
+    tmp_path: Path,
+) -> None:
+    """A worker whose connection ends (its call timed out and it closed; a SIGKILLed worker) while
+    a batch with its images is still running in the engine: the engine keeps its view of that
+    worker's block until the batch is done with it (unmapping it under the batch was a SIGSEGV
+    that took every worker's calls down, or a read of whatever was mapped there next), and another
+    worker's call queued behind that batch is answered."""
+    socket_path = tmp_path / "engine.sock"
+    with engine_process(socket_path, GATEWAY_FAKE_DELAY="2") as process:  # a batch reads its images after 2 s
+        async with engine_client(socket_path, slots=SLOTS, max_batch_size=PER_SLOT) as other:
+            async with engine_client(socket_path, slots=SLOTS, max_batch_size=PER_SLOT) as gone:
+                with pytest.raises(DeadlineExceeded):
+                    await gone.infer(images(3), timeout=0.5)
+                behind = asyncio.create_task(other.infer(images(4), timeout=30))
+            # gone's connection is closed, the batch with its image still running
+            assert list((await behind).argmax(axis=1)) == [4]
+        assert process.poll() is None, f"the engine died with {process.returncode}"

@@ -293,14 +293,14 @@ class EngineServer:
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
-            del images  # the views must go before the block closes
             if writer is not None:
                 writer.close()
             else:
                 conn.close()
-            if hello is not None:
-                with contextlib.suppress(BufferError):  # a batch running still has views: freed with them
-                    hello.block.close()
+            # The block is not closed here: a batch still running may hold views of its images (numpy
+            # keeps a reference to the mmap, not a buffer export, so close() would unmap it under
+            # them: a SIGSEGV). The views keep the mmap alive; the last one to go unmaps it.
+            del images, hello
 
     async def _answer(self, writer: asyncio.StreamWriter, request_id: int, images: np.ndarray, seconds: float) -> None:
         try:
@@ -604,9 +604,9 @@ class EngineClient:
         if self._connector is not None:
             self._connector.cancel()
             await asyncio.gather(self._connector, return_exceptions=True)
-        del self._slots_view
-        with contextlib.suppress(BufferError):
-            self._block.close()
+        # The block is left to the last reference (a copy thread of a call that gave up may still
+        # write into it: closing it here would unmap it under that thread).
+        del self._slots_view, self._block
         os.close(self._fd)
 
 
