@@ -169,6 +169,15 @@ class _ChannelLost(Exception):
     """The input's channel closed before its outcome was published: the broker redelivers it."""
 
 
+def _channel_closed(message: AbstractIncomingMessage) -> bool:
+    """Whether ``message``'s channel is gone (aio-pika's ``message.channel`` raises then, rather
+    than return a closed channel)."""
+    try:
+        return message.channel.is_closed
+    except aiormq.exceptions.ChannelInvalidStateError:
+        return True
+
+
 class Worker:
     def __init__(
         self,
@@ -227,7 +236,7 @@ class Worker:
             try:
                 await self.broker.publish(target, message, key)
             except BackendUnavailable as exc:
-                if source.channel.is_closed:
+                if _channel_closed(source):
                     raise _ChannelLost(exc.detail) from exc
                 pause = min(PUBLISH_PAUSE * 2**tries, PUBLISH_PAUSE_MAX) * random.uniform(0.5, 1.0)
                 tries += 1

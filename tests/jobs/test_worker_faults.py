@@ -4,6 +4,7 @@ the classic queue of earlier versions, failed declarations, and a stuck event lo
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import re
 import signal
@@ -12,6 +13,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from contextlib import suppress
 from pathlib import Path
 from typing import Any
 
@@ -22,12 +24,13 @@ from aio_pika.abc import AbstractMessage
 
 from service.backends.base import Images
 from service.backends.fake import FakeBackend
+from service.classifier import Classifier
 from service.errors import DeadlineExceeded, QueueFull
 from service.jobs.broker import Broker
 from service.jobs.messages import ERROR_HEADER, REQUEUES_HEADER, RETRIES_HEADER, JobResult, request_message
 from service.jobs.policies import Policy, gateway_policies, rabbitmqctl_commands
 from service.jobs.topology import REQUEST_KEY, Names
-from service.jobs.worker import _sample_depth, run_worker
+from service.jobs.worker import Worker, _ChannelLost, _sample_depth, run_worker
 from service.metrics import Metrics
 from service.settings import Settings
 from tests.jobs.conftest import (
@@ -485,3 +488,125 @@ async def test_non_finite_scores_fail_the_job_instead_of_hanging_it(gateway_fact
     assert done["nan"].status == "failed"
     assert done["nan"].error is not None
     assert "non-finite" in done["nan"].error.detail
+
+
+class CuttableLink:
+    """A TCP relay to RabbitMQ on a free local port whose connections the test can cut (a flaky
+    network): only the connections made through it are affected."""
+
+    def __init__(self) -> None:
+        self.transports: list[asyncio.Transport] = []
+        self.server: asyncio.Server | None = None
+
+    async def start(self) -> str:
+        self.server = await asyncio.start_server(self._relay, "127.0.0.1", 0)
+        port = self.server.sockets[0].getsockname()[1]
+        return f"amqp://guest:guest@127.0.0.1:{port}/"
+
+    async def _relay(self, client_reader: asyncio.StreamReader, client_writer: asyncio.StreamWriter) -> None:
+        broker_reader, broker_writer = await asyncio.open_connection("127.0.0.1", 5672)
+        for writer in (client_writer, broker_writer):
+            self.transports.append(writer.transport)  # type: ignore[arg-type]
+
+        async def pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            with suppress(OSError):
+                while data := await reader.read(65536):
+                    writer.write(data)
+                    await writer.drain()
+            writer.transport.abort()
+
+        await asyncio.gather(pipe(client_reader, broker_writer), pipe(broker_reader, client_writer))
+
+    def cut(self) -> None:
+        """Drop every connection made so far, both ways at once (no closing handshake)."""
+        for transport in self.transports:
+            transport.abort()
+        self.transports.clear()
+
+    async def aclose(self) -> None:
+        self.cut()
+        if self.server is not None:
+            self.server.close()
+            await self.server.wait_closed()
+
+
+async def test_an_outcome_retried_when_its_channel_is_lost_is_not_published(
+    gateway_factory: MakeSettings, prefix: str, publishes: Publishes, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The results queue refuses publishes, so two jobs' results are retried in place; then the
+    worker's connection is cut (a relay drops it), aio-pika reconnects, and the broker redelivers
+    both jobs on the new channel. The tries of the old deliveries end with their channel (aiormq
+    cancels a closed channel's consumer tasks) and publish nothing on the new one: once the refusal
+    is lifted each job has exactly one result, nothing is acked on the wrong channel (the queue is
+    empty, the worker logged no error). A guard for the retry loop under a flaky network; it also
+    passed before."""
+    names = Names(prefix)
+    refuse = Policy(
+        f"{prefix}-refuse",
+        f"^{re.escape(prefix)}\\.results$",
+        "queues",
+        {"max-length": 0, "overflow": "reject-publish"},
+        20,
+    )
+    link = CuttableLink()
+    url = await link.start()
+    settings = gateway_factory(
+        broker_url=url, queue_prefix=prefix, worker_metrics_port=0, backend="fake", worker_prefetch=2
+    )
+    jobs = ["a", "b"]
+    await publish(names, *(job(v, j) for v, j in enumerate(jobs)))
+    try:
+        await asyncio.to_thread(subprocess.run, rabbitmqctl_commands([refuse])[0], check=True, capture_output=True)
+        stop = asyncio.Event()
+        worker = asyncio.create_task(run_worker(settings, stop, backend=FakeBackend()))
+        try:
+            async with asyncio.timeout(30):  # both results refused: their deliveries are held, retrying
+                while min(publishes.results(j, refused=True) for j in jobs) < 1:  # noqa: ASYNC110
+                    await asyncio.sleep(0.02)
+            before = publishes.results(refused=True)
+            link.cut()
+            async with asyncio.timeout(30):  # reconnected: the redelivered jobs are refused again
+                while publishes.results(refused=True) < before + 4:  # noqa: ASYNC110
+                    await asyncio.sleep(0.02)
+            await asyncio.to_thread(subprocess.run, ["rabbitmqctl", "clear_policy", refuse.name], check=True)
+            await results_arrive(names, len(jobs))
+        finally:
+            stop.set()
+            await worker  # its drain lets every held delivery make its next try
+    finally:
+        await asyncio.to_thread(subprocess.run, ["rabbitmqctl", "clear_policy", refuse.name], capture_output=True)
+        await link.aclose()
+    done = await drain(names.results)
+    assert sorted(m.message_id for m in done) == jobs  # one result each
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR and r.name.startswith("service")] == []
+    assert await queue_depth(names.work) == 0
+
+
+async def results_arrive(names: Names, count: int, timeout: float = 30) -> None:
+    async with asyncio.timeout(timeout):
+        while await queue_depth(names.results) < count:  # noqa: ASYNC110
+            await asyncio.sleep(0.05)
+
+
+async def test_a_refused_publish_of_a_message_whose_channel_closed_ends_as_channel_lost(
+    gateway_factory: MakeSettings, prefix: str
+) -> None:
+    """A message taken from the real broker, its channel then closed, and a broker that refuses
+    the publish (not connected): the try ends as a lost channel (the broker redelivers it), not as
+    an error. aio-pika's ``message.channel`` raises ChannelInvalidStateError for a closed channel,
+    which the worker read as ``.is_closed``: the error escaped as a crash of the job (logged with a
+    traceback, counted as rejected)."""
+    names = Names(prefix)
+    await publish(names, job(1, "held"))
+    connection = await aio_pika.connect(BROKER_URL)
+    async with connection:
+        channel = await connection.channel()
+        queue = await channel.declare_queue(names.work, passive=True)
+        message = await queue.get(timeout=5)
+        assert message is not None
+        await channel.close()
+    broker = Broker(BROKER_URL, names)  # never connected: every publish is refused at once
+    worker = Worker(settings_for(gateway_factory, prefix), Classifier.__new__(Classifier), broker, Metrics())
+    with pytest.raises(_ChannelLost):
+        await worker._publish("results", aio_pika.Message(b"{}"), "jobs", message)
+    assert await queue_depth(names.work) == 1  # back in the queue, for another worker
