@@ -18,6 +18,7 @@ from typing import Any, Literal
 
 import aio_pika
 from aio_pika.abc import AbstractIncomingMessage
+from pamqp.encode import encode_table_value
 from pydantic import BaseModel, Field
 
 from service.schemas import Label, ModelInfo
@@ -133,13 +134,26 @@ def copy_message(message: AbstractIncomingMessage, headers: Mapping[str, Any], *
     )
 
 
+def _encodes(value: Any) -> bool:
+    """Whether pamqp can encode ``value`` as a header again. It decodes values it cannot encode:
+    a double beyond float32's range (it encodes every float as one), a long string that is not
+    UTF-8 (decoded as bytes, which it refuses)."""
+    try:
+        encode_table_value(value)
+    except Exception:
+        return False
+    return True
+
+
 def _within_budget(headers: dict[str, Any]) -> dict[str, Any]:
-    """``headers`` with the largest left out until the rest takes about ``HEADERS_BUDGET`` bytes
-    (their names then in ``x-gateway-dropped-headers``). A message's properties must fit in one
-    frame (128 KiB by default): a received message near that size, copied with two more headers,
-    was a frame RabbitMQ refused by closing the whole connection."""
-    sizes = {name: len(name) + len(repr(value)) for name, value in headers.items()}
-    dropped = []
+    """``headers`` without those pamqp cannot encode again, and with the largest left out until the
+    rest takes about ``HEADERS_BUDGET`` bytes (their names then in ``x-gateway-dropped-headers``).
+    A message's properties must fit in one frame (128 KiB by default): a received message near that
+    size, copied with two more headers, was a frame RabbitMQ refused by closing the whole
+    connection; a copy with a header that cannot be encoded could not be published at all (the
+    message was redelivered at once, for ever, with a failed result each time)."""
+    dropped = [name for name, value in headers.items() if not _encodes(value)]
+    sizes = {name: len(name) + len(repr(value)) for name, value in headers.items() if name not in dropped}
     for name in sorted(sizes, key=sizes.__getitem__, reverse=True):
         if sum(sizes.values()) <= HEADERS_BUDGET:
             break

@@ -123,6 +123,22 @@ CASES = [
     Case(
         "huge-header-and-bad-body", b"nope", {}, {"top_k": 1, "x-junk": "j" * (FRAME_MAX - 100)}, "failed", "bad_image"
     ),
+    Case(
+        "double-header-and-bad-body",
+        b"nope",
+        {},
+        raw_table(TOP_K_1, ("x-big", b"d" + struct.pack(">d", 1e300))),
+        "failed",
+        "bad_image",
+    ),
+    Case(
+        "non-utf8-header-and-bad-body",
+        b"nope",
+        {},
+        raw_table(TOP_K_1, ("x-text", b"S" + struct.pack(">I", 2) + b"\xff\xfe")),
+        "failed",
+        "bad_image",
+    ),
     Case("timestamp-past-datetime", pixel(), {"timestamp": Raw(struct.pack(">Q", 2**64 - 1))}, {"top_k": 1}),
     Case(
         "timestamp-header-past-datetime",
@@ -219,6 +235,8 @@ async def test_hostile_messages_get_their_answer_and_the_good_ones_flow(
             assert dead[result.job_id][ERROR_HEADER] == case.error
     assert "x-retries" in named["retries-word"].error.detail  # type: ignore[union-attr]
     assert dead["huge-header-and-bad-body"][DROPPED_HEADER] == "x-junk"
+    assert dead["double-header-and-bad-body"][DROPPED_HEADER] == "x-big"  # pamqp cannot encode it again
+    assert dead["non-utf8-header-and-bad-body"][DROPPED_HEADER] == "x-text"
     assert "RecursionError" in str(dead[named["headers-3000-deep"].job_id][UNDECODABLE_HEADER])
     assert len(dead) == sum(1 for c in CASES if c.error)
     assert await queue_depth(names.work) == 0
