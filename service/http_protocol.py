@@ -15,6 +15,13 @@ request waiting behind an earlier response is not timed while it waits: its byte
 And a client that leaves the answers unread (pipelining requests without reading) has
 ``body_timeout`` seconds once the gateway's writes back up; then the connection is dropped.
 
+A request's head is bounded in bytes too: llhttp and httptools set no limit (httptools grows one
+header by concatenation, in time quadratic in its length), so within ``header_timeout`` a client
+could send hundreds of MiB of header on one connection. A head over ``MAX_HEAD_BYTES`` or with
+more than ``MAX_HEADERS`` headers gets 431 and the connection is closed; a head still arriving is
+counted per read, so it is cut off at most one read past the bound. Bytes that are not HTTP get
+400 in the gateway's error shape (uvicorn's own answer is plain text), then close.
+
 The bounds live here, on the connection's own timer, rather than around every ``receive()`` in
 middleware: one timer per request phase costs less on the serving path than an asyncio timeout per
 body chunk. The app learns of a body timeout as a disconnect whose scope carries ``TIMED_OUT``
@@ -27,11 +34,18 @@ import asyncio
 import json
 from collections.abc import Callable
 from functools import partial
+from http import HTTPStatus
 from typing import Any
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from service.middleware import REQUEST_ID_SCOPE, new_request_id
+
+MAX_HEAD_BYTES = 64 * 1024
+"""The most bytes of a request's URL, header names and values (with their separators): 431 over
+it. Four times uvicorn's h11 bound, room for big cookies and a proxy's headers."""
+MAX_HEADERS = 256
+"""The most header fields in a request: 431 over it."""
 
 TIMED_OUT = "gateway.timed_out"
 """Scope key set (to the 408's detail) when the request's body did not arrive in time."""
@@ -66,6 +80,11 @@ class CoalescingTransport:
         return getattr(self._transport, name)
 
 
+class _Refused(Exception):
+    """Raised in a parser callback to stop parsing; uvicorn's parser-error path answers with
+    ``TimeoutProtocol._refusal``."""
+
+
 class TimeoutProtocol(HttpToolsProtocol):
     def __init__(self, *args: Any, header_timeout: float, body_timeout: float, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -82,6 +101,18 @@ class TimeoutProtocol(HttpToolsProtocol):
         """The connection belongs to a WebSocket protocol now: its clocks are that protocol's."""
         self._unread: asyncio.TimerHandle | None = None
         """Armed while writes are backed up (the client is not reading its answers)."""
+        self._head_open = False
+        """A request's head has begun and is not complete yet."""
+        self._head_began = False
+        """... and began in the read being parsed (part of that read may come before it)."""
+        self._head_first = 0
+        """The length of the read the open head began in (an upper bound of its bytes there)."""
+        self._head_rest = 0
+        """The bytes of the reads after that one that ended with the head still open."""
+        self._read_len = 0
+        """The length of the read being parsed."""
+        self._refusal: tuple[int, str, str] | None = None
+        """(status, error, detail) of the answer to give in place of uvicorn's 400."""
 
     def _wait(self, seconds: float, expired: Callable[[], None]) -> None:
         self._waiting = (self.loop.time() + seconds, expired)
@@ -110,12 +141,32 @@ class TimeoutProtocol(HttpToolsProtocol):
         self._sync_timer()
 
     def data_received(self, data: bytes) -> None:
+        self._read_len = len(data)
         super().data_received(data)
+        if self._head_open:  # a head still arriving: count it, with no wait for its end
+            self._count_head()
         if self._waiting is None and (self.cycle is None or self.cycle.response_complete) and not self._handed_over:
             # Between requests, bytes that began no message (CR, LF): uvicorn has just cancelled its
             # keep-alive timer, so these bytes start the header clock.
             self._wait(self.header_timeout, self._headers_too_slow)
         self._sync_timer()
+
+    def _count_head(self) -> None:
+        if self._head_began:
+            self._head_began = False
+            self._head_first = self._read_len
+            return
+        self._head_rest += self._read_len
+        if self._head_rest > MAX_HEAD_BYTES:
+            self._head_open = False
+            self._waiting = None
+            self._answer(431, "headers_too_large", f"the request's URL and headers are over {MAX_HEAD_BYTES} bytes")
+
+    def send_400_response(self, msg: str) -> None:
+        """uvicorn's answer to bytes the parser refuses (and to a refusal raised in a callback)."""
+        self._waiting = None
+        status, error, detail = self._refusal or (400, "bad_request", "the request is not valid HTTP/1.1")
+        self._answer(status, error, detail)
 
     def handle_websocket_upgrade(self) -> None:
         self._handed_over = True
@@ -127,8 +178,16 @@ class TimeoutProtocol(HttpToolsProtocol):
         super().on_message_begin()
         if self._waiting is None:  # not the connection's first request, whose clock started at connect
             self._wait(self.header_timeout, self._headers_too_slow)
+        self._head_open = self._head_began = True
+        self._head_first = self._head_rest = 0
 
     def on_headers_complete(self) -> None:
+        self._head_open = False
+        if len(self.headers) > MAX_HEADERS:
+            self._refuse_head(f"the request has {len(self.headers)} headers; at most {MAX_HEADERS}")
+        # The reads the head spans bound its size; only a head that may be over is measured.
+        if self._head_first + self._head_rest + self._read_len > MAX_HEAD_BYTES and self._head_size() > MAX_HEAD_BYTES:
+            self._refuse_head(f"the request's URL and headers are over {MAX_HEAD_BYTES} bytes")
         self._waiting = None
         before = self.cycle
         super().on_headers_complete()
@@ -139,6 +198,13 @@ class TimeoutProtocol(HttpToolsProtocol):
             self.cycle.transport = CoalescingTransport(self.transport, self.loop)  # type: ignore[assignment]
         self._body_bytes = 0
         self._wait(self.body_timeout, self._body_too_slow)  # ended at once by a bodiless message
+
+    def _head_size(self) -> int:
+        return len(self.url) + sum(len(name) + len(value) + 4 for name, value in self.headers)
+
+    def _refuse_head(self, detail: str) -> None:
+        self._refusal = (431, "headers_too_large", detail)
+        raise _Refused(detail)
 
     def on_body(self, body: bytes) -> None:
         self._body_bytes += len(body)
@@ -196,15 +262,19 @@ class TimeoutProtocol(HttpToolsProtocol):
         self._refuse(detail, cycle.scope.get(REQUEST_ID_SCOPE))  # type: ignore[arg-type]
 
     def _refuse(self, detail: str, request_id: str | None = None) -> None:
-        """Answer 408 in the gateway's error shape (with the request's id, or a new one when the
-        request never got as far as the app) and close."""
+        """Answer 408 (with the request's id, or a new one when the request never got as far as
+        the app) and close."""
+        self._answer(408, "request_timeout", detail, request_id)
+
+    def _answer(self, status: int, error: str, detail: str, request_id: str | None = None) -> None:
+        """Answer in the gateway's error shape and close."""
         if self.transport.is_closing():
             return
         request_id = request_id or new_request_id()
-        body = json.dumps({"error": "request_timeout", "detail": detail, "request_id": request_id}).encode()
+        body = json.dumps({"error": error, "detail": detail, "request_id": request_id}).encode()
         self.transport.write(
-            b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\nconnection: close\r\n"
-            + f"x-request-id: {request_id}\r\ncontent-length: {len(body)}\r\n\r\n".encode()
+            f"HTTP/1.1 {status} {HTTPStatus(status).phrase}\r\ncontent-type: application/json\r\n".encode()
+            + f"connection: close\r\nx-request-id: {request_id}\r\ncontent-length: {len(body)}\r\n\r\n".encode()
             + body
         )
         self.transport.close()

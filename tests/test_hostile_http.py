@@ -12,6 +12,7 @@ from contextlib import asynccontextmanager
 import pytest
 
 from service.backends.fake import FakeBackend
+from service.http_protocol import MAX_HEAD_BYTES, MAX_HEADERS
 from service.settings import Settings
 from tests.conftest import png_bytes, running_gateway, solid_image
 
@@ -247,3 +248,85 @@ async def test_a_client_that_never_reads_its_answers_is_dropped(gateway_factory:
                     break
                 await asyncio.sleep(0.1)
         hoarder.close()
+
+
+def _head_with(header: bytes = b"", url: bytes = b"/healthz") -> bytes:
+    return b"GET " + url + b" HTTP/1.1\r\nhost: x\r\n" + header + b"\r\n"
+
+
+@pytest.mark.parametrize(
+    "head",
+    [
+        _head_with(b"x-big: " + b"a" * (MAX_HEAD_BYTES + 1) + b"\r\n"),
+        _head_with(url=b"/healthz?" + b"a" * (MAX_HEAD_BYTES + 1)),
+        _head_with(b"".join(b"x-h%d: v\r\n" % i for i in range(MAX_HEADERS + 1))),
+    ],
+    ids=["one-big-header", "big-url", "many-headers"],
+)
+async def test_a_head_over_the_bound_gets_431(gateway_factory: MakeSettings, head: bytes) -> None:
+    """A request whose URL and headers are over MAX_HEAD_BYTES, or with more than MAX_HEADERS
+    headers, sent whole: 431 in the gateway's JSON error shape, and the connection is closed (no
+    bound at all before: such heads were served, and hundreds of MiB of header were taken in)."""
+    async with _gateway(gateway_factory(backend="fake")) as connect:
+        reader, writer = await connect()
+        writer.write(head)
+        answer = await _until_closed(reader)
+        assert answer.startswith(b"HTTP/1.1 431")
+        assert b'"headers_too_large"' in answer
+
+
+async def test_a_head_that_never_ends_is_cut_off_at_the_bound(gateway_factory: MakeSettings) -> None:
+    """One header value trickled 4 KiB at a time with no end, well within the header clock (30 s):
+    the connection gets 431 and is closed before 2 x MAX_HEAD_BYTES are sent, instead of the
+    gateway taking in all it is given (the head's bytes are counted as they arrive)."""
+    async with _gateway(gateway_factory(backend="fake", header_timeout=30.0)) as connect:
+        reader, writer = await connect()
+        answer = asyncio.ensure_future(_until_closed(reader))
+        writer.write(b"GET /healthz HTTP/1.1\r\nhost: x\r\nx-big: ")
+        sent = 0
+        while not answer.done() and sent < 2 * MAX_HEAD_BYTES:
+            writer.write(b"a" * 4096)
+            sent += 4096
+            await asyncio.sleep(0.005)  # a trickle: the gateway reads each piece as it comes
+        assert (await answer).startswith(b"HTTP/1.1 431")
+        assert sent < 2 * MAX_HEAD_BYTES
+
+
+@pytest.mark.parametrize("split", [False, True], ids=["whole", "byte-reads"])
+async def test_a_head_just_under_the_bound_is_served(gateway_factory: MakeSettings, split: bool) -> None:
+    """A request whose URL and headers are just under MAX_HEAD_BYTES, in one write or trickled in
+    1 KiB reads after a pipelined request with a body: it is served (the bound counts the head's own
+    bytes, not what came before it in the same read)."""
+    head = _head_with(b"x-big: " + b"a" * (MAX_HEAD_BYTES - 200) + b"\r\n")
+    async with _gateway(gateway_factory(backend="fake", header_timeout=30.0)) as connect:
+        reader, writer = await connect()
+        data = CLASSIFY + head
+        if split:
+            for start in range(0, len(data), 1024):
+                writer.write(data[start : start + 1024])
+                await writer.drain()
+        else:
+            writer.write(data)
+        assert b'"results"' in await _answer(reader)
+        assert (await _answer(reader)).startswith(b"HTTP/1.1 200")
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        bytes.fromhex("160301020001") + b"\x00" * 64,
+        b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n",
+        b"GET / HTTP/1.1\r\n\x00\r\n\r\n",
+    ],
+    ids=["tls-client-hello", "http2-preface", "nul-in-head"],
+)
+async def test_bytes_that_are_not_http_get_a_json_400(gateway_factory: MakeSettings, data: bytes) -> None:
+    """TLS on the plaintext port, an HTTP/2 preface, a NUL byte in a head: 400 in the gateway's
+    JSON error shape (uvicorn's own answer was text/plain), then the connection is closed."""
+    async with _gateway(gateway_factory(backend="fake")) as connect:
+        reader, writer = await connect()
+        writer.write(data)
+        answer = await _until_closed(reader)
+        assert answer.startswith(b"HTTP/1.1 400")
+        assert b"content-type: application/json" in answer
+        assert b'"bad_request"' in answer
