@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ipaddress
 import os
+import stat
 import tempfile
 from pathlib import Path
 from typing import Literal
@@ -323,7 +324,7 @@ class Settings(BaseSettings):
         if self.api_keys is not None:
             entries += self.api_keys.get_secret_value().split(",")
         if self.api_keys_file is not None:
-            entries += self.api_keys_file.read_text().splitlines()
+            entries += read_keys_file(self.api_keys_file).splitlines()
         return parse_keys(entries, Quota(self.key_rate, self.key_burst, self.key_concurrency))
 
     @property
@@ -376,6 +377,15 @@ class Settings(BaseSettings):
             raise ValueError(f"{value} is too large (at most 2**63 - 1)")
         return value
 
+    @field_validator("host", mode="after")
+    @classmethod
+    def _a_host(cls, value: str) -> str:
+        """An empty host binds every interface (asyncio reads '' as all of them): a template's unset
+        variable must not publish the gateway; say 0.0.0.0 or :: to mean it."""
+        if not value.strip() or value != value.strip():
+            raise ValueError(f"{value!r} is not an address or a host name (0.0.0.0 or :: for every interface)")
+        return value
+
     @field_validator("webhook_secret", mode="before")
     @classmethod
     def _unset_when_empty(cls, value: object) -> object:
@@ -398,6 +408,8 @@ class Settings(BaseSettings):
                     ipaddress.ip_network(network, strict=False)
                 except ValueError as exc:
                     raise ValueError(f"{name}: {exc}") from None
+        if self.api_keys is not None or self.api_keys_file is not None:
+            self.load_api_keys()  # an unreadable file or a bad entry fails at start, by name
         if self.webhook_secret is not None:
             parse_secret(self.webhook_secret.get_secret_value())  # a bad secret fails at start, not at first use
         parse_delays(self.webhook_retry_delays)
@@ -412,3 +424,36 @@ class Settings(BaseSettings):
         if self.max_queue_size < self.max_images_per_request:
             raise ValueError("max_queue_size must be at least max_images_per_request")
         return self
+
+
+MAX_KEYS_FILE_BYTES = 64 * 1024 * 1024
+"""The largest ``api_keys_file`` read (about 800,000 keys with quotas)."""
+
+
+def read_keys_file(path: Path) -> str:
+    """The text of ``api_keys_file``: a regular file (not a FIFO, a device or a directory, which
+    would block the start or fill the memory) of at most MAX_KEYS_FILE_BYTES of UTF-8."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)  # a FIFO's open does not wait
+    except OSError as exc:
+        raise ValueError(f"api_keys_file: {exc.strerror}: {path}") from None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise ValueError(f"api_keys_file: {path} is not a regular file")
+        data = _read_at_most(fd, MAX_KEYS_FILE_BYTES + 1)
+    finally:
+        os.close(fd)
+    if len(data) > MAX_KEYS_FILE_BYTES:
+        raise ValueError(f"api_keys_file: {path} is over {MAX_KEYS_FILE_BYTES} bytes")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"api_keys_file: {path} is not UTF-8 (byte {exc.start})") from None
+
+
+def _read_at_most(fd: int, limit: int) -> bytes:
+    chunks = []
+    while limit > 0 and (chunk := os.read(fd, min(limit, 1 << 20))):
+        chunks.append(chunk)
+        limit -= len(chunk)
+    return b"".join(chunks)

@@ -9,10 +9,12 @@ import os
 import subprocess
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
 from service.cli import build_parser
+from service.settings import MAX_KEYS_FILE_BYTES
 
 RUN_FOR = 60.0
 """Seconds a command may take before it counts as hanging (a gateway serving when it should refuse)."""
@@ -108,3 +110,40 @@ def test_a_bad_flag_value_is_refused_by_name(command: list[str]) -> None:
     assert "max_body_bytes" in done.stderr
     assert "header_timeout" in done.stderr
     assert "Traceback" not in done.stderr
+
+
+def _keys_file(kind: str, tmp_path: Path) -> Path:
+    if kind == "fifo":
+        os.mkfifo(tmp_path / "keys")
+        return tmp_path / "keys"
+    if kind == "oversized":
+        path = tmp_path / "keys"
+        with path.open("wb") as file:
+            file.truncate(MAX_KEYS_FILE_BYTES + 1)  # sparse: no disk used
+        return path
+    return {"device": Path("/dev/zero"), "directory": tmp_path, "missing": tmp_path / "none"}[kind]
+
+
+@pytest.mark.parametrize("kind", ["device", "fifo", "oversized", "directory", "missing"])
+def test_an_api_keys_file_that_is_not_a_small_regular_file_is_refused(kind: str, tmp_path: Path) -> None:
+    """GATEWAY_API_KEYS_FILE naming /dev/zero (read for ever, filling memory), a FIFO no one writes
+    (blocked for ever), a file over MAX_KEYS_FILE_BYTES, a directory or nothing: ``gateway serve``
+    exits non-zero at once, naming the setting, with no traceback."""
+    done = _gateway("serve", "--backend", "fake", env={"GATEWAY_API_KEYS_FILE": str(_keys_file(kind, tmp_path))})
+    assert done.returncode != 0
+    assert "gateway: invalid settings" in done.stderr
+    assert "api_keys_file" in done.stderr
+    assert "Traceback" not in done.stderr
+
+
+@pytest.mark.parametrize("host", ["", " ", " 127.0.0.1"], ids=["empty", "blank", "padded"])
+def test_an_empty_host_is_refused(host: str) -> None:
+    """``--host ''`` (and GATEWAY_HOST=) would bind every interface (asyncio reads '' as all of
+    them): refused by name instead of publishing the gateway."""
+    for done in (
+        _gateway("serve", "--backend", "fake", "--host", host),
+        _gateway("serve", "--backend", "fake", env={"GATEWAY_HOST": host}),
+    ):
+        assert done.returncode != 0
+        assert "gateway: invalid settings" in done.stderr
+        assert "host" in done.stderr
