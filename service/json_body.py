@@ -63,12 +63,12 @@ def parse_urls(body: bytes, max_images: int) -> list[str]:
         text = body.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise BadRequest(f"JSON body: not UTF-8 (byte {exc.start} is {body[exc.start : exc.start + 1]!r})") from None
-    try:
-        data = json.loads(text, object_pairs_hook=_unique_keys, parse_constant=_no_constant)
-    except RecursionError:
-        raise BadRequest("JSON body: nested too deeply") from None
-    except ValueError as exc:  # JSONDecodeError, and the two hooks' refusals
-        raise BadRequest(f"JSON body: {exc}") from None
+    # Duplicate keys need a Python call per object (5x the C parse: 9 ms for 135 KB of empty
+    # objects, against 1.9 ms). A body with no more objects than a valid one can have (braces
+    # counted in C) is parsed once, with the check; any other is parsed by the C decoder alone and
+    # counted and validated first, which refuses all but one whose extra braces are inside strings.
+    few_objects = _at_most(body, b"{", max_images + 1)
+    data = _loads(text, object_pairs_hook=_unique_keys) if few_objects else _loads(text)
     images = data.get("images") if isinstance(data, dict) else None
     if isinstance(images, list) and len(images) > max_images:
         raise BadRequest(f"{len(images)} images; at most {max_images} per request (GATEWAY_MAX_IMAGES_PER_REQUEST)")
@@ -76,7 +76,28 @@ def parse_urls(body: bytes, max_images: int) -> list[str]:
         urls = [image.url for image in UrlImages.model_validate(data, strict=True).images]
     except ValidationError as exc:
         raise BadRequest(f"JSON body: {_errors(exc)}") from None
+    if not few_objects:
+        _loads(text, object_pairs_hook=_unique_keys)
     return urls
+
+
+def _at_most(data: bytes, byte: bytes, count: int) -> bool:
+    """Whether ``data`` holds ``byte`` at most ``count`` times (memchr; stops at count + 1)."""
+    at = -1
+    for _ in range(count + 1):
+        at = data.find(byte, at + 1)
+        if at < 0:
+            return True
+    return False
+
+
+def _loads(text: str, **hooks: Any) -> Any:
+    try:
+        return json.loads(text, parse_constant=_no_constant, **hooks)
+    except RecursionError:
+        raise BadRequest("JSON body: nested too deeply") from None
+    except ValueError as exc:  # JSONDecodeError, and the hooks' refusals
+        raise BadRequest(f"JSON body: {exc}") from None
 
 
 def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
