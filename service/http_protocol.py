@@ -17,9 +17,10 @@ And a client that leaves the answers unread (pipelining requests without reading
 
 A request's head is bounded in bytes too: llhttp and httptools set no limit (httptools grows one
 header by concatenation, in time quadratic in its length), so within ``header_timeout`` a client
-could send hundreds of MiB of header on one connection. A head over ``MAX_HEAD_BYTES`` or with
-more than ``MAX_HEADERS`` headers gets 431 and the connection is closed; a head still arriving is
-counted per read, so it is cut off at most one read past the bound. Bytes that are not HTTP get
+could send hundreds of MiB of header on one connection, or of trailers after a chunked body. A
+head over ``MAX_HEAD_BYTES`` or with more than ``MAX_HEADERS`` headers, or trailers over
+``MAX_HEAD_BYTES``, get 431 and the connection is closed; a head or trailers still arriving are
+counted per read, so they are cut off at most one read past the bound. Bytes that are not HTTP get
 400 in the gateway's error shape (uvicorn's own answer is plain text), then close.
 
 The bounds live here, on the connection's own timer, rather than around every ``receive()`` in
@@ -101,14 +102,16 @@ class TimeoutProtocol(HttpToolsProtocol):
         """The connection belongs to a WebSocket protocol now: its clocks are that protocol's."""
         self._unread: asyncio.TimerHandle | None = None
         """Armed while writes are backed up (the client is not reading its answers)."""
-        self._head_open = False
-        """A request's head has begun and is not complete yet."""
-        self._head_began = False
+        self._counting = False
+        """A request's head, or a chunked body's trailers, has begun and is not complete yet."""
+        self._counting_trailers = False
+        """... and it is the trailers."""
+        self._count_began = False
         """... and began in the read being parsed (part of that read may come before it)."""
         self._head_first = 0
-        """The length of the read the open head began in (an upper bound of its bytes there)."""
+        """The length of the read the counted part began in (an upper bound of its bytes there)."""
         self._head_rest = 0
-        """The bytes of the reads after that one that ended with the head still open."""
+        """The bytes of the reads after that one that ended with the counted part still open."""
         self._read_len = 0
         """The length of the read being parsed."""
         self._refusal: tuple[int, str, str] | None = None
@@ -143,24 +146,33 @@ class TimeoutProtocol(HttpToolsProtocol):
     def data_received(self, data: bytes) -> None:
         self._read_len = len(data)
         super().data_received(data)
-        if self._head_open:  # a head still arriving: count it, with no wait for its end
-            self._count_head()
+        if self._counting:  # a head or trailers still arriving: count them, with no wait for their end
+            self._count()
         if self._waiting is None and (self.cycle is None or self.cycle.response_complete) and not self._handed_over:
             # Between requests, bytes that began no message (CR, LF): uvicorn has just cancelled its
             # keep-alive timer, so these bytes start the header clock.
             self._wait(self.header_timeout, self._headers_too_slow)
         self._sync_timer()
 
-    def _count_head(self) -> None:
-        if self._head_began:
-            self._head_began = False
+    def _count(self) -> None:
+        if self._count_began:
+            self._count_began = False
             self._head_first = self._read_len
             return
         self._head_rest += self._read_len
-        if self._head_rest > MAX_HEAD_BYTES:
-            self._head_open = False
+        if self._head_rest <= MAX_HEAD_BYTES:
+            return
+        self._counting = False
+        if not self._counting_trailers:
             self._waiting = None
             self._answer(431, "headers_too_large", f"the request's URL and headers are over {MAX_HEAD_BYTES} bytes")
+            return
+        cycle = self.cycle
+        if cycle.response_started:  # answered already (e.g. 401 without reading the body): just stop
+            self.transport.close()
+            return
+        detail = f"the request's trailers are over {MAX_HEAD_BYTES} bytes"
+        self._answer(431, "headers_too_large", detail, cycle.scope.get(REQUEST_ID_SCOPE))  # type: ignore[arg-type]
 
     def send_400_response(self, msg: str) -> None:
         """uvicorn's answer to bytes the parser refuses (and to a refusal raised in a callback)."""
@@ -178,11 +190,12 @@ class TimeoutProtocol(HttpToolsProtocol):
         super().on_message_begin()
         if self._waiting is None:  # not the connection's first request, whose clock started at connect
             self._wait(self.header_timeout, self._headers_too_slow)
-        self._head_open = self._head_began = True
+        self._counting = self._count_began = True
+        self._counting_trailers = False
         self._head_first = self._head_rest = 0
 
     def on_headers_complete(self) -> None:
-        self._head_open = False
+        self._counting = False
         if len(self.headers) > MAX_HEADERS:
             self._refuse_head(f"the request has {len(self.headers)} headers; at most {MAX_HEADERS}")
         # The reads the head spans bound its size; only a head that may be over is measured.
@@ -206,12 +219,20 @@ class TimeoutProtocol(HttpToolsProtocol):
         self._refusal = (431, "headers_too_large", detail)
         raise _Refused(detail)
 
+    def on_chunk_header(self) -> None:
+        """A chunk's size line was parsed: until a byte of its data comes, what comes (if anything)
+        is the trailers after the last chunk, which llhttp and httptools take in without bound."""
+        self._counting = self._count_began = self._counting_trailers = True
+        self._head_first = self._head_rest = 0
+
     def on_body(self, body: bytes) -> None:
+        self._counting = False
         self._body_bytes += len(body)
         super().on_body(body)
 
     def on_message_complete(self) -> None:
         self._waiting = None
+        self._counting = False
         super().on_message_complete()
 
     def pause_writing(self) -> None:

@@ -292,6 +292,44 @@ async def test_a_head_that_never_ends_is_cut_off_at_the_bound(gateway_factory: M
         assert sent < 2 * MAX_HEAD_BYTES
 
 
+CHUNKED = b"POST /classify HTTP/1.1\r\nhost: x\r\ncontent-type: image/png\r\ntransfer-encoding: chunked\r\n\r\n"
+
+
+async def test_trailers_that_never_end_are_cut_off_at_the_bound(gateway_factory: MakeSettings) -> None:
+    """A chunked body, its last chunk, then one trailer field trickled 4 KiB at a time with no end,
+    well within the body clock (30 s): 431 and close before 2 x MAX_HEAD_BYTES are sent (llhttp and
+    httptools took trailers in without bound: 20 MB of them cost +206 MiB of a gateway's memory)."""
+    settings = gateway_factory(backend="fake", header_timeout=30.0, body_timeout=30.0)
+    async with _gateway(settings) as connect:
+        reader, writer = await connect()
+        answer = asyncio.ensure_future(_until_closed(reader))
+        writer.write(CHUNKED + f"{len(PNG):x}\r\n".encode() + PNG + b"\r\n0\r\nx-trailer: ")
+        sent = 0
+        while not answer.done() and sent < 2 * MAX_HEAD_BYTES:
+            writer.write(b"a" * 4096)
+            sent += 4096
+            await asyncio.sleep(0.005)  # a trickle: the gateway reads each piece as it comes
+        assert (await answer).startswith(b"HTTP/1.1 431")
+        assert sent < 2 * MAX_HEAD_BYTES
+
+
+async def test_a_chunked_body_trickled_with_trailers_is_served(gateway_factory: MakeSettings) -> None:
+    """A chunked body of one-byte chunks, each sent on its own with its size line apart from its
+    data, then a small trailer: served, and the connection stays usable (the chunks' framing is not
+    counted as trailers)."""
+    async with _gateway(gateway_factory(backend="fake", body_timeout=30.0)) as connect:
+        reader, writer = await connect()
+        writer.write(CHUNKED)
+        for byte in PNG:
+            for piece in (b"1\r\n", bytes([byte]) + b"\r\n"):
+                writer.write(piece)
+                await writer.drain()
+        writer.write(b"0\r\nx-trailer: " + b"a" * 1000 + b"\r\n\r\n")
+        assert b'"results"' in await _answer(reader)
+        writer.write(HEALTHZ)
+        assert (await _answer(reader)).startswith(b"HTTP/1.1 200")
+
+
 @pytest.mark.parametrize("split", [False, True], ids=["whole", "byte-reads"])
 async def test_a_head_just_under_the_bound_is_served(gateway_factory: MakeSettings, split: bool) -> None:
     """A request whose URL and headers are just under MAX_HEAD_BYTES, in one write or trickled in
