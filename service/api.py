@@ -465,9 +465,11 @@ async def readyz(request: Request) -> JSONResponse:
     )
     gpus = gateway.metrics.gpus_visible
     checks["gpu"] = f"ok: {gpus} visible" if gpus else "none visible: no GPU metrics from this process"
+    behind = False
     if gateway.jobs is not None:  # informational: online requests do not need the broker
         checks["broker"] = gateway.jobs.status()
-    ready = problem is None and not gateway.closing
+        checks["idempotency"], behind = gateway.jobs.claims_status()  # not ready while it reads the claims
+    ready = problem is None and not gateway.closing and not behind
     if not request.scope.get(AUTHENTICATED, True):  # details name internal endpoints: keys holders only
         checks = {
             name: "ok" if value.endswith("ok") else "not ready"

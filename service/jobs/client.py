@@ -169,7 +169,7 @@ class JobsClient:
         await queue.bind(broker.topology.results_exchange, DEFAULT_REPLY_TO)
         await queue.consume(self._on_result, no_ack=True)
         assert broker.connection is not None
-        await self.idempotency.follow(await broker.connection.channel())
+        await self.idempotency.follow(broker.connection)
 
     async def _on_result(self, message: AbstractIncomingMessage) -> None:
         try:
@@ -186,6 +186,16 @@ class JobsClient:
 
     def status(self) -> str:
         return self.broker.status()
+
+    def claims_status(self) -> tuple[str, bool]:
+        """The idempotency check of /readyz, and whether it makes the replica unready: while
+        connected and still reading the claims stream up to its end (at start, and again after a
+        reconnect), an idempotent submit here would wait behind that backlog and time out (503).
+        Without the broker it is the broker's check that says so, and online requests go on."""
+        if not self.broker.is_open:
+            return "waiting for the broker", False
+        behind = self.idempotency.behind()
+        return (behind, True) if behind is not None else ("ok", False)
 
     def _secret(self, owner: str) -> bytes:
         return self.owners[owner] if owner else b""
@@ -327,4 +337,5 @@ class JobsClient:
 
     async def aclose(self) -> None:
         await asyncio.gather(*self._settling)  # each within the publish timeout
+        await self.idempotency.aclose()
         await self.broker.aclose()

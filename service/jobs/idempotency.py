@@ -35,13 +35,14 @@ import secrets
 import sys
 import time
 from collections.abc import Awaitable, Callable, Sequence
+from contextlib import suppress
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from typing import Literal
 from weakref import WeakValueDictionary
 
 import aio_pika
-from aio_pika.abc import AbstractIncomingMessage, AbstractRobustChannel
+from aio_pika.abc import AbstractIncomingMessage, AbstractRobustChannel, AbstractRobustConnection
 from cachetools import TLRUCache
 from pydantic import BaseModel, Field, ValidationError, model_validator
 
@@ -64,6 +65,63 @@ MAX_ENTRY_BYTES = 4096
 """Longest entry a replica reads (one of ``MAX_IMAGES`` images is about 2.8 KB): anything longer in
 the stream was not written by a replica, and is skipped unparsed."""
 HEX_DIGEST = rf"^[0-9a-f]{{{2 * DIGEST_BYTES}}}$"
+PREFETCH = 1000
+"""Stream entries delivered ahead of their acks."""
+ACK_EVERY = 200
+"""Entries read between two acks (``multiple``: one frame for all of them), well within the
+prefetch window, so the broker never stops delivering for want of an ack."""
+ACK_DELAY = 0.05
+"""Seconds the last entries read wait for an ack when fewer than ``ACK_EVERY`` follow."""
+
+
+class BatchAcks:
+    """Acks a stream consumer's entries with ``multiple=True``: one frame per ``ACK_EVERY`` entries
+    or ``ACK_DELAY`` seconds, whichever comes first. Entries are applied in delivery order, each
+    finished when its callback returns, so acking the last one read settles every one before it.
+    (``service.jobs.acks.Acks`` is for messages finished out of order: its bookkeeping per delivery
+    buys nothing here.) One task sends the acks, one at a time: a later ``multiple`` ack never
+    leaves before an earlier one. After a reconnect the old channel's entries cannot be acked (the
+    ack fails, and is dropped): the broker delivers the stream again anyway."""
+
+    def __init__(self) -> None:
+        self._last: AbstractIncomingMessage | None = None
+        self._count = 0
+        self._unacked = asyncio.Event()
+        self._full = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self.frames = 0
+        """Ack frames sent, for tests and the curious."""
+
+    def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.create_task(self._run(), name="idempotency-acks")
+
+    def tasks(self) -> tuple[asyncio.Task[None], ...]:
+        return () if self._task is None else (self._task,)
+
+    def read(self, message: AbstractIncomingMessage) -> None:
+        self._last = message
+        self._count += 1
+        self._unacked.set()
+        if self._count >= ACK_EVERY:
+            self._full.set()
+
+    async def _run(self) -> None:
+        while True:
+            await self._unacked.wait()
+            with suppress(TimeoutError):
+                async with asyncio.timeout(ACK_DELAY):
+                    await self._full.wait()
+            self._unacked.clear()
+            self._full.clear()
+            message, self._last, self._count = self._last, None, 0
+            if message is None:
+                continue
+            try:
+                await message.ack(multiple=True)
+                self.frames += 1
+            except (aio_pika.exceptions.AMQPError, ConnectionError, RuntimeError) as exc:
+                logger.debug("jobs: cannot ack on a lost channel (%s); the stream is read again", exc)
 
 
 class Entry(BaseModel):
@@ -151,6 +209,16 @@ class IdempotencyLog:
         self._locks: WeakValueDictionary[bytes, asyncio.Lock] = WeakValueDictionary()
         self._offset = -1
         """The last stream offset read: a lower one means the stream is read from its start again."""
+        self._channel: AbstractRobustChannel | None = None
+        self._acks = BatchAcks()
+        self._marker: str | None = None
+        """Hex id of the marker to read before this replica has caught up (None: none awaited)."""
+        self._marking: set[asyncio.Task[None]] = set()
+        self._caught_up: float | None = None
+        """Monotonic time this replica read its last marker; None while it is behind."""
+        self._behind_since = time.monotonic()
+        self._read_behind = 0
+        """Entries read since it is behind."""
 
     def lock(self, key: bytes) -> asyncio.Lock:
         """Held while a submit with this key runs on this replica: a concurrent retry here waits
@@ -160,17 +228,64 @@ class IdempotencyLog:
             lock = self._locks[key] = asyncio.Lock()
         return lock
 
-    async def follow(self, channel: AbstractRobustChannel) -> None:
+    async def follow(self, connection: AbstractRobustConnection) -> None:
         """Declare the stream and read it from its entries of the last TTL, then as it grows (on a
         channel of its own: a stream consumer needs a prefetch and acks). RabbitMQ starts the
         consumer at the first chunk written at or after that time (``x-stream-offset`` as a
         timestamp): the entries before it are expired, and the stream's ``max-age`` policy only
         removes whole segments (500 MB by default), so reading from ``first`` read every expired
-        entry still there at each start and reconnect."""
-        await channel.set_qos(prefetch_count=1000)
+        entry still there at each start and reconnect. The replica is behind (``behind``: not
+        ready) until it has read the marker it appends once it consumes, and again after each
+        reconnect until it has read the one it appends then."""
+        channel = await connection.channel()
+        await channel.set_qos(prefetch_count=PREFETCH)
         queue = await channel.declare_queue(self.stream, durable=True, arguments={"x-queue-type": "stream"})
+        self._channel = channel
+        self._acks.start()
         since = datetime.fromtimestamp(time.time() - self.ttl, tz=UTC)
+        self._catch_up()
         await queue.consume(self._on_entry, arguments={"x-stream-offset": since})
+        connection.reconnect_callbacks.add(self._on_reconnect)
+
+    def _on_reconnect(self, _connection: object) -> None:
+        """The robust channel consumes the stream again from its start: behind until the marker
+        appended now is read (one appended before the connection was lost proves nothing)."""
+        self._catch_up()
+
+    def _catch_up(self) -> None:
+        """Behind from now until a new marker, appended now, is read back."""
+        if self._caught_up is not None:
+            self._caught_up = None
+            self._read_behind, self._behind_since = 0, time.monotonic()
+        self._marker = secrets.token_bytes(DIGEST_BYTES).hex()
+        task = asyncio.create_task(self._append_marker(self._marker), name="idempotency-marker")
+        self._marking.add(task)
+        task.add_done_callback(self._marking.discard)
+
+    async def _append_marker(self, marker: str) -> None:
+        """A marker is an outcome of nothing for no key: a no-op for every replica, earlier
+        versions included. Appended until confirmed, while it is the one awaited."""
+        assert self._channel is not None
+        zero = bytes(DIGEST_BYTES)
+        message = self.message("outcome", zero, bytes.fromhex(marker), zero, 1)
+        while self._marker == marker:
+            try:
+                await self._channel.default_exchange.publish(message, self.stream, timeout=10)
+                return
+            except (TimeoutError, aio_pika.exceptions.AMQPError, ConnectionError, RuntimeError) as exc:
+                logger.info("jobs: marker not appended to %s yet (%s); retrying", self.stream, exc)
+                await asyncio.sleep(1.0)
+
+    def behind(self) -> str | None:
+        """Why this replica has not read the stream up to its (re)subscription yet; None once it has."""
+        if self._caught_up is not None:
+            return None
+        seconds = time.monotonic() - self._behind_since
+        read = f"{self._read_behind:,} entries in {seconds:.1f} s"
+        return f"reading the claims stream {self.stream}: {read}, not at its end yet"
+
+    def caught_up(self) -> bool:
+        return self._caught_up is not None
 
     async def _on_entry(self, message: AbstractIncomingMessage) -> None:
         offset = (message.headers or {}).get("x-stream-offset")
@@ -178,18 +293,27 @@ class IdempotencyLog:
             if offset <= self._offset:
                 self._restart()
             self._offset = offset
+        self._read_behind += 1
         self._read(message.body)
-        await message.ack()
+        self._acks.read(message)
 
     def _restart(self) -> None:
         """The stream is read from its start again: the consumer was restored after a reconnect
         (the same entries follow), or the stream was deleted and declared again (its offsets begin
         at 0, and what the old one held is gone for every replica). Either way the states are
-        rebuilt from what follows, so that they stay what the stream says on every replica.
+        rebuilt from what follows, so that they stay what the stream says on every replica, and
+        the replica is behind until it reads a marker appended now.
         Skipping offsets already seen instead skipped a new stream's entries until it outgrew the
         old one: every idempotent submit was 503 meanwhile."""
         logger.info("jobs: reading the idempotency stream %s from its start again", self.stream)
         self.states.clear()
+        self._catch_up()
+
+    async def aclose(self) -> None:
+        self._marker = None
+        for task in (*self._marking, *self._acks.tasks()):
+            task.cancel()
+        await asyncio.gather(*self._marking, *self._acks.tasks(), return_exceptions=True)
 
     def _read(self, body: bytes) -> None:
         if len(body) > MAX_ENTRY_BYTES:
@@ -200,6 +324,15 @@ class IdempotencyLog:
         except ValidationError as exc:
             if b'"job_ids"' not in body:  # not an earlier version's claim: worth a line
                 logger.warning("jobs: ignoring a malformed idempotency entry: %s", exc)
+            return
+        if entry.claim == self._marker:
+            self._marker, self._caught_up = None, time.monotonic()
+            logger.info(
+                "jobs: read the idempotency stream %s up to its end: %d entries in %.1f s",
+                self.stream,
+                self._read_behind,
+                self._caught_up - self._behind_since,
+            )
             return
         if time.time() - entry.at >= self.ttl:
             return
