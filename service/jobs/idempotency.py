@@ -4,7 +4,8 @@
   idempotency key, the request's fingerprint and the image's index. A retry of the same request
   gets the same ids on any replica; the same key with another body after its TTL gets new ones.
 * **The stream is the order.** Replicas share claims through a stream queue,
-  ``<prefix>.idempotency``, which each reads from its start when it connects and then follows.
+  ``<prefix>.idempotency``, which each reads from its last TTL when it connects and then follows
+  (not ready until it has read it up to its end: a marker it appends when it subscribes).
   Before publishing anything, a submit appends an *intent* (which key, which request, a random
   claim id) and waits until its own replica has read the stream up to that intent. Every replica
   applies the same entries in the same order with the same rule (``IdempotencyLog.apply``), so all
