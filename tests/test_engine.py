@@ -262,6 +262,8 @@ def test_a_killed_workers_shared_memory_is_freed(tmp_path: Path, cat_jpeg: bytes
     proc, url = start_gateway([], tmp_path / "models", env=SHARED_ENGINE)
     try:
         (engine,) = children(proc, "engine")
+        # the gateway answers once one worker is ready: wait until the engine maps both workers' blocks
+        poll(lambda: len(shared_memory_inodes(engine.pid)) == 2, 120, "both workers connected to the engine")
         worker = children(proc, "spawn_main")[0]
         blocks = shared_memory_inodes(worker.pid)
         assert blocks & shared_memory_inodes(engine.pid)  # the worker's block, as the engine maps it
