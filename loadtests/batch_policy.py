@@ -27,7 +27,7 @@ import numpy as np
 from skimage import data as skdata
 
 from loadtests.deployment import gateway
-from service.loadgen import closed_loop
+from service.tune.loadgen import closed_loop
 
 
 @dataclass

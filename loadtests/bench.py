@@ -52,9 +52,9 @@ from loadtests.perf_analyzer import PA_DIR, perf_analyzer
 from loadtests.report import CsvLog, Run, markdown, plot, summarise
 from loadtests.resources import ResourceSampler, gpu_name
 from service.backends.embedded import EmbeddedBackend
+from service.images.preprocess import PreprocessConfig, prepare
 from service.models.profiles import get_profile
 from service.models.store import ensure_model
-from service.preprocess import PreprocessConfig, prepare
 from service.settings import Settings
 from service.triton.server import TritonInstall, TritonNotInstalled, default_venv
 

@@ -23,7 +23,7 @@ import cv2
 import numpy as np
 
 from loadtests.photos import SAMPLE_PHOTOS
-from service.preprocess import centre_crop_resize
+from service.images.preprocess import centre_crop_resize
 
 SIDE = 224
 SMALLEST = 2052  # PAPER.md dropped files under 2,052 bytes

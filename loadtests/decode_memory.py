@@ -2,7 +2,7 @@
 
 Each image is prepared in a fresh Python process; the figure is that process's peak RSS
 (``VmHWM``) less its RSS just before ``prepare``, so the bytes already read and the imports do
-not count. ``estimate`` is ``service.preprocess.decoded_bytes``, what ``GATEWAY_MAX_IMAGE_BYTES``
+not count. ``estimate`` is ``service.images.preprocess.decoded_bytes``, what ``GATEWAY_MAX_IMAGE_BYTES``
 is compared with. Usage::
 
     python -m loadtests.decode_memory            # the default set, large images (~1 min)
@@ -23,8 +23,8 @@ from pathlib import Path
 import cv2
 import numpy as np
 
-from service.imageinfo import probe
-from service.preprocess import PreprocessConfig, decoded_bytes, prepare
+from service.images.imageinfo import probe
+from service.images.preprocess import PreprocessConfig, decoded_bytes, prepare
 
 MB = 1e6
 

@@ -26,9 +26,9 @@ from loadtests.deployment import gateway
 from loadtests.http_load import Row, http_load, median_row
 from loadtests.photos import sample_photos
 from service.backends.embedded import EmbeddedBackend
+from service.images.preprocess import PreprocessConfig, prepare
 from service.models.profiles import get_profile
 from service.models.store import ensure_model
-from service.preprocess import PreprocessConfig, prepare
 
 
 async def direct_rows(model_path: Path, photos: list[bytes], batch: int, images: int, threads: int) -> list[Row]:

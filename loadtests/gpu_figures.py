@@ -50,7 +50,7 @@ from loadtests.http_load import start_gateway, stop_process
 from loadtests.resources import ResourceSampler, nvml
 from loadtests.wrk import POST_BODIES, parse
 from service.backends.torch_backend import TorchBackend
-from service.preprocess import PreprocessConfig, prepare
+from service.images.preprocess import PreprocessConfig, prepare
 
 BOUNDARY = "gpufiguresboundary7d1f"
 
@@ -235,7 +235,7 @@ def gpu_decode(photos: list[bytes], label: str, seconds: float, batch: int) -> R
         import torch
         from torchvision.io import decode_jpeg
 
-        from service.gpu_decode import square_resize
+        from service.images.gpu_decode import square_resize
     except ImportError as exc:
         print(f"GPU decode skipped: {exc}", file=sys.stderr)
         return None
@@ -252,7 +252,7 @@ def gpu_decode(photos: list[bytes], label: str, seconds: float, batch: int) -> R
 
     one_batch()
     run = Run("decode", f"nvJPEG GPU, {label}", batch=batch)
-    from service.gpu_decode import NvJpegDecoder
+    from service.images.gpu_decode import NvJpegDecoder
     from service.metrics import Metrics
 
     ours = NvJpegDecoder("cuda", Metrics()).prepare_many(photos[:16], config)

@@ -52,7 +52,7 @@ from pathlib import Path
 from loadtests.clients import offline
 from service.settings import Settings
 try:
-    from service.eventloop import run
+    from service.host.eventloop import run
 except ImportError:  # a checkout from before the gateway's own event loop
     run = asyncio.run
 settings = Settings.model_validate({"broker_url": sys.argv[1], "queue_prefix": sys.argv[2]})

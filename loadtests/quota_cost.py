@@ -18,7 +18,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 from service.errors import QuotaExceeded
-from service.quotas import ApiKey, Quota, Quotas
+from service.http.quotas import Quotas
+from service.settings import ApiKey, Quota
 
 
 def _best(run: Callable[[], None], calls: int, repeat: int) -> float:

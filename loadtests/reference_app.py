@@ -2,7 +2,7 @@
 resizes it with OpenCV in a thread pool, and answers a small JSON. No batching, no model, no
 metrics, no admission control: what any Python image service on this stack costs per request.
 
-With ``--preprocess gateway`` it does the gateway's image work instead (``service.preprocess.prepare``:
+With ``--preprocess gateway`` it does the gateway's image work instead (``service.images.preprocess.prepare``:
 the header checks, the model's centre crop and the resize), so that work's cost can be told apart
 from the rest of the gateway's: on a 224 px JPEG the minimal resize is a copy, while the model's
 crop (0.875 of the side) has to be scaled back up to 224.
@@ -23,7 +23,7 @@ import numpy as np
 import uvicorn
 from fastapi import FastAPI, Request
 
-from service.preprocess import PreprocessConfig, prepare
+from service.images.preprocess import PreprocessConfig, prepare
 
 
 def _prepare(data: bytes) -> int:

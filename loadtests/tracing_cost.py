@@ -21,8 +21,8 @@ from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 from starlette.types import Message, Receive, Scope, Send
 
+from service.http.middleware import RequestMiddleware
 from service.metrics import Metrics
-from service.middleware import RequestMiddleware
 from service.tracing import Tracing, sampled_context
 
 

@@ -31,7 +31,7 @@ from loadtests.deployment import gateway, local_triton
 from loadtests.http_load import Row, http_load
 from loadtests.perf_analyzer import PA_DIR, Point, perf_analyzer
 from loadtests.photos import sample_photos
-from service.preprocess import centre_crop_resize
+from service.images.preprocess import centre_crop_resize
 from service.triton.repository import TritonOptions
 
 

@@ -16,13 +16,13 @@ from functools import partial
 import numpy as np
 from opentelemetry.trace import SpanContext, StatusCode
 
-from service.batcher import DynamicBatcher
-from service.budget import ByteBudget
+from service.batching.batcher import DynamicBatcher
 from service.errors import DeadlineExceeded, GatewayError
-from service.imageinfo import probe
+from service.images.budget import ByteBudget
+from service.images.imageinfo import probe
+from service.images.preprocess import PreprocessConfig, check_limits, prepare
 from service.metrics import Metrics
 from service.models.profiles import ModelProfile, top_k
-from service.preprocess import PreprocessConfig, check_limits, prepare
 from service.schemas import ModelInfo
 from service.tracing import Tracing, sampled_context, trace_id_hex
 
@@ -85,7 +85,7 @@ class Classifier:
         """Decoder memory shared by the pool's threads (None: each thread bounded by the config alone)."""
         self.tracing = tracing
         self._decode = decode
-        """``preprocess.prepare`` (OpenCV), or the GPU decoder's (``service.gpu_decode``)."""
+        """``preprocess.prepare`` (OpenCV), or the GPU decoder's (``service.images.gpu_decode``)."""
         self._decode_many = decode_many
         """Where set, a request's several images are decoded by one call instead of one pool task each."""
         self.model_info = ModelInfo(name=profile.name, version=profile.version, random_weights=random_weights)

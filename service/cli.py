@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import ValidationError
 
-from service import eventloop
+from service.host import eventloop
 from service.settings import Settings
 
 if TYPE_CHECKING:
@@ -40,9 +40,14 @@ def _add_setting_flags(parser: argparse.ArgumentParser) -> None:
 def _settings(args: argparse.Namespace) -> Settings:
     overrides = {name: getattr(args, name) for name in Settings.model_fields if getattr(args, name, None) is not None}
     try:
-        return Settings(**overrides)
+        settings = Settings(**overrides)
     except ValidationError as exc:
         sys.exit(f"gateway: invalid settings:\n{exc}")
+    from service.models.profiles import PROFILES
+
+    if settings.model not in PROFILES:  # settings know no model table: a leaf
+        sys.exit(f"gateway: invalid settings:\nmodel: unknown model {settings.model!r}; known: {', '.join(PROFILES)}")
+    return settings
 
 
 _METRIC_FILE = re.compile(r"(counter|gauge_[a-z]+|histogram|summary)_\d+\.db")
@@ -54,7 +59,7 @@ def _prepare_multiprocess(args: argparse.Namespace) -> None:
     give prometheus_client an empty directory for its per-process files (read at import time)."""
     import tempfile
 
-    from service.quotas import STATE_FILE as QUOTA_STATE
+    from service.http.quotas import STATE_FILE as QUOTA_STATE
 
     for name in Settings.model_fields:
         value = getattr(args, name, None)
@@ -111,7 +116,7 @@ def _engine(args: argparse.Namespace) -> int:
     import asyncio
     import signal
 
-    from service.backends.engine import run_engine
+    from service.backends.engine_server import run_engine
 
     _logging(_settings(args))
 
@@ -143,7 +148,7 @@ def _engine(args: argparse.Namespace) -> int:
 def _serve(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from service.http_protocol import http_protocol
+    from service.http.protocol import http_protocol
 
     settings = _settings(args)
     common: dict[str, Any] = {
@@ -162,17 +167,18 @@ def _serve(args: argparse.Namespace) -> int:
     if settings.workers > 1:
         _prepare_multiprocess(args)
         with _shared_engine(settings) as engine:
-            uvicorn.run("service.app:app_from_environment", factory=True, workers=settings.workers, **common)
+            uvicorn.run("service.http.app:app_from_environment", factory=True, workers=settings.workers, **common)
         if engine is not None and engine.gave_up:
             sys.exit(f"gateway: the shared engine failed {settings.engine_start_attempts} starts in a row")
     else:
-        from service.app import create_app
+        from service.http.app import create_app
 
         uvicorn.run(create_app(settings), **common)
     return 0
 
 
 def _models_build(args: argparse.Namespace) -> int:
+    from service.models.checkpoints import weights_for
     from service.models.profiles import PROFILES, get_profile
     from service.models.store import ensure_model
 
@@ -180,12 +186,13 @@ def _models_build(args: argparse.Namespace) -> int:
     settings = _settings(args)
     names = list(PROFILES) if args.all else [settings.model]
     for name in names:
-        path = ensure_model(settings.models_dir, get_profile(name), settings.weights_for(name), force=args.force)
+        path = ensure_model(settings.models_dir, get_profile(name), weights_for(settings, name), force=args.force)
         print(path)
     return 0
 
 
 def _models_triton_repo(args: argparse.Namespace) -> int:
+    from service.models.checkpoints import weights_for
     from service.models.profiles import PROFILES, get_profile
     from service.models.store import ensure_model
     from service.triton.repository import TritonOptions, write_model
@@ -209,12 +216,13 @@ def _models_triton_repo(args: argparse.Namespace) -> int:
         profile = get_profile(name)
         onnx = None
         if not args.config_only:
-            onnx = ensure_model(settings.models_dir, profile, settings.weights_for(name))
+            onnx = ensure_model(settings.models_dir, profile, weights_for(settings, name))
         print(write_model(args.out, profile, options, onnx))
     return 0
 
 
 def _models_quantize(args: argparse.Namespace) -> int:
+    from service.models.checkpoints import weights_for
     from service.models.profiles import get_profile
     from service.models.quantize import QuantizationRefused, ensure_int8
     from service.models.store import ensure_model
@@ -222,7 +230,7 @@ def _models_quantize(args: argparse.Namespace) -> int:
     logging.basicConfig(level="INFO", format="%(levelname)s %(name)s: %(message)s")
     settings = _settings(args)
     profile = get_profile(settings.model)
-    onnx = ensure_model(settings.models_dir, profile, settings.weights_for(profile.name))
+    onnx = ensure_model(settings.models_dir, profile, weights_for(settings, profile.name))
     try:
         path = ensure_int8(settings.models_dir, profile, onnx, args.photos, force=args.force)
     except QuantizationRefused as exc:
@@ -234,6 +242,7 @@ def _models_quantize(args: argparse.Namespace) -> int:
 
 
 def _models_list(args: argparse.Namespace) -> int:
+    from service.models.checkpoints import weights_for
     from service.models.profiles import PROFILES
     from service.models.store import model_path, recorded_sha256
 
@@ -241,7 +250,7 @@ def _models_list(args: argparse.Namespace) -> int:
     for profile in PROFILES.values():
         path = model_path(settings.models_dir, profile)
         state = (recorded_sha256(path) or "not built")[:12]
-        weights = settings.weights_for(profile.name)
+        weights = weights_for(settings, profile.name)
         source = weights.name if weights else "RANDOM weights" if profile.random_without_weights else "packaged weights"
         print(f"{profile.name:20} v{profile.version}  {profile.image_size}px  {state:12}  {source:20}  {path}")
     return 0

@@ -108,7 +108,7 @@ class DeadlineUnmeetable(QueueFull):
 
 
 class QuotaExceeded(QueueFull):
-    """The request's API key is over its rate or its concurrency limit (``service.quotas``): 429
+    """The request's API key is over its rate or its concurrency limit (``service.http.quotas``): 429
     for that key only, while other keys are served."""
 
     error = "quota_exceeded"

@@ -2,7 +2,7 @@
 warnings rate-limited.
 
 * ``REQUEST_ID`` and ``JOB_ID`` are context variables, set by the HTTP edge
-  (``service.middleware.RequestMiddleware``) and by the queue worker for the task that handles one
+  (``service.http.middleware.RequestMiddleware``) and by the queue worker for the task that handles one
   request or job; ``ContextFilter`` copies them, and the current trace and span ids, onto each record.
 * ``RateLimitFilter`` lets one line of a given warning (same logger, same message template) through
   per interval and counts the rest, so a failing backend or a flood of bad input cannot drown the

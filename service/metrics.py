@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING
 
 from prometheus_client import (
     CollectorRegistry,
@@ -14,8 +15,10 @@ from prometheus_client import (
 )
 from prometheus_client.exposition import choose_encoder
 
-from service.batcher import BatchReport, DynamicBatcher
-from service.budget import ByteBudget
+if TYPE_CHECKING:  # metrics is below the parts it observes: it only reads them
+    from service.batching.batcher import BatchReport, DynamicBatcher
+    from service.images.budget import ByteBudget
+
 
 # 1 ms to 10 s, roughly x2.5 per step
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)

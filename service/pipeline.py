@@ -17,88 +17,23 @@ from functools import partial
 import cv2
 import numpy as np
 
-from service.allocator import keep_image_buffers
 from service.backends.base import Backend
 from service.backends.circuit import CircuitBreaker
-from service.batcher import DynamicBatcher
-from service.budget import ByteBudget
+from service.backends.factory import build_backend
+from service.backends.health import BackendHealth
+from service.batching.batcher import DynamicBatcher
 from service.classifier import RANKED, Classifier, Prepare, PrepareMany
-from service.gpu import start_gpu_sampler
-from service.health import BackendHealth
+from service.host.allocator import keep_image_buffers
+from service.host.gpu import start_gpu_sampler
+from service.images.budget import ByteBudget
+from service.images.preprocess import PreprocessConfig, prepare
 from service.metrics import Metrics
-from service.models.checkpoints import real_weights_hint
-from service.models.profiles import ModelProfile, get_profile, rank_rows
-from service.models.store import ensure_model
-from service.preprocess import PreprocessConfig, prepare
+from service.models.checkpoints import real_weights_hint, weights_for
+from service.models.profiles import get_profile, rank_rows
 from service.settings import Settings
 from service.tracing import Tracing
 
 logger = logging.getLogger(__name__)
-
-
-async def build_backend(settings: Settings, profile: ModelProfile) -> Backend:
-    if settings.backend == "fake":
-        from service.backends.fake import FakeBackend
-
-        return FakeBackend(classes=len(profile.labels), delay=settings.fake_delay)
-    if settings.backend == "triton":
-        from service.backends.triton import TritonBackend
-
-        return TritonBackend(
-            url=settings.triton_url,
-            model=settings.triton_model or profile.name,
-            version=settings.triton_model_version,
-            protocol=settings.triton_protocol,
-            image_size=profile.image_size,
-            classes=len(profile.labels),
-            max_batch_size=settings.max_batch_size,
-            shared_memory=settings.triton_shared_memory,
-            shared_memory_regions=settings.max_inflight_batches,
-        )
-    if settings.backend == "torch" and settings.torch_engine == "shared" and settings.engine_socket:
-        from service.backends.engine import EngineClient, Geometry
-
-        return EngineClient(
-            settings.engine_socket,
-            Geometry(profile.image_size, len(profile.labels)),
-            max_batch_size=settings.max_batch_size,
-            slots=settings.max_inflight_batches,
-            down_limit=settings.engine_down_limit,
-        )
-    if settings.backend == "torch":
-        from service.backends.torch_backend import TorchBackend
-
-        if profile.name != "resnet50":
-            raise ValueError(f"the torch backend serves resnet50, not {profile.name}")
-        return TorchBackend(
-            settings.weights_for(profile.name),
-            device=settings.torch_device,
-            precision=settings.torch_precision,
-            cuda_graphs=settings.torch_cuda_graphs,
-            sync=settings.torch_sync,
-            image_size=profile.image_size,
-            max_batch_size=settings.max_batch_size,
-            max_concurrency=settings.max_inflight_batches,
-        )
-    path = await asyncio.to_thread(ensure_model, settings.models_dir, profile, settings.weights_for(profile.name))
-    if settings.backend == "openvino":
-        from service.backends.openvino import OpenVINOBackend
-
-        if settings.openvino_precision == "int8":
-            from service.models.quantize import ensure_int8
-
-            path = await asyncio.to_thread(ensure_int8, settings.models_dir, profile, path, settings.calibration_dir)
-        return OpenVINOBackend(
-            path,
-            precision=settings.openvino_precision,
-            threads=settings.embedded_threads_per_batch,
-            max_concurrency=settings.max_inflight_batches,
-        )
-    from service.backends.embedded import EmbeddedBackend
-
-    return EmbeddedBackend(
-        path, intra_op_threads=settings.embedded_threads_per_batch, max_concurrency=settings.max_inflight_batches
-    )
 
 
 @dataclass(frozen=True)
@@ -118,7 +53,7 @@ async def open_pipeline(
     decode: Prepare = prepare  # before anything starts: a missing GPU decoder fails here, with nothing to undo
     decode_many: PrepareMany | None = None
     if settings.decoder == "nvjpeg":
-        from service.gpu_decode import NvJpegDecoder
+        from service.images.gpu_decode import NvJpegDecoder
 
         gpu_decoder = NvJpegDecoder(settings.torch_device, metrics)
         decode, decode_many = gpu_decoder.prepare, gpu_decoder.prepare_many
@@ -158,7 +93,7 @@ async def open_pipeline(
         asyncio.create_task(_sample(metrics), name="sampler"),
     ]
     logger.info("pipeline ready: model %s v%s on the %s backend", profile.name, profile.version, chosen.name)
-    random_weights = profile.random_without_weights and settings.weights_for(profile.name) is None
+    random_weights = profile.random_without_weights and weights_for(settings, profile.name) is None
     if random_weights:
         logger.warning(
             "model %s has RANDOM weights: its answers are meaningless (every answer says random_weights: true); %s",

@@ -2,20 +2,22 @@
 
 from __future__ import annotations
 
+import base64
+import binascii
+import hashlib
 import ipaddress
 import os
 import stat
 import tempfile
+from collections.abc import Iterable
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Literal
 
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from service.cpus import available_cpus
-from service.jobs.signing import parse_secret
-from service.models.checkpoints import fetched
-from service.quotas import ApiKey, Quota, parse_keys
+from service.host.cpus import available_cpus
 from service.schemas import MAX_URL_LENGTH
 
 
@@ -50,6 +52,85 @@ def parse_delays(text: str) -> tuple[int, ...]:
     if not delays:
         raise ValueError("webhook_retry_delays: at least one delay")
     return delays
+
+
+WEBHOOK_SECRET_PREFIX = "whsec_"
+
+
+def parse_secret(text: str) -> bytes:
+    """The key of ``whsec_<base64>`` (the prefix optional, padding too, as the spec's libraries read it)."""
+    raw = text.strip().removeprefix(WEBHOOK_SECRET_PREFIX)
+    try:
+        secret = base64.b64decode(raw + "=" * (-len(raw) % 4), validate=True)
+    except (binascii.Error, ValueError):
+        raise ValueError("webhook_secret must be base64, optionally after 'whsec_'") from None
+    if len(secret) < 24:
+        raise ValueError(f"webhook_secret holds {len(secret)} bytes; at least 24 (32 recommended)")
+    return secret
+
+
+OPTIONS = ("rate", "burst", "concurrency")
+MAX_CONCURRENCY = 256
+"""The most requests a key may be allowed in progress (its slots; 0 means unlimited): refusing a
+request at the limit asks about every slot, a few microseconds each (``python -m loadtests.quota_cost``)."""
+
+
+@dataclass(frozen=True)
+class Quota:
+    rate: float = 0.0
+    """Images per second (0: unlimited)."""
+    burst: float = 0.0
+    """Images a key may send at once after being idle (0: one second's worth, and at least one
+    request's most images)."""
+    concurrency: int = 0
+    """Requests in progress at once (0: unlimited)."""
+
+    @property
+    def limited(self) -> bool:
+        return self.rate > 0 or self.concurrency > 0
+
+
+@dataclass(frozen=True)
+class ApiKey:
+    secret: bytes
+    quota: Quota = Quota()
+
+    @property
+    def id(self) -> str:
+        return hashlib.sha256(self.secret).hexdigest()[:12]
+
+
+def parse_keys(entries: Iterable[str], default: Quota) -> list[ApiKey]:
+    """``KEY [rate=R] [burst=B] [concurrency=C]`` entries; blank ones and ``#`` comments skipped."""
+    keys = []
+    for entry in entries:
+        words = entry.split()
+        if not words or words[0].startswith("#"):
+            continue
+        secret, options = words[0], words[1:]
+        values: dict[str, float | int] = {}
+        for option in options:
+            name, sep, value = option.partition("=")
+            if not sep or name not in OPTIONS:
+                raise ValueError(
+                    f"API key entry option {option!r}: expected rate=, burst= or concurrency= "
+                    f"(key {ApiKey(secret.encode()).id})"
+                )
+            try:
+                number = int(value) if name == "concurrency" else float(value)
+            except ValueError:
+                raise ValueError(f"API key entry option {option!r} is not a number") from None
+            if number < 0:
+                raise ValueError(f"API key entry option {option!r} is negative")
+            values[name] = number
+        key = ApiKey(secret.encode(), replace(default, **values))  # type: ignore[arg-type]
+        if key.quota.concurrency > MAX_CONCURRENCY:
+            raise ValueError(
+                f"API key {key.id}: concurrency {key.quota.concurrency} is over {MAX_CONCURRENCY}, the most; "
+                "0 means unlimited"
+            )
+        keys.append(key)
+    return keys
 
 
 class Settings(BaseSettings):
@@ -297,7 +378,7 @@ class Settings(BaseSettings):
     A request takes its slot once its body has arrived, so slow uploads never hold one. Memory:
     baseline + max_buffered_body_bytes + max_decode_bytes + preprocess_workers x 24 MB
     + max_queue_size x 150 KB + open connections x ~0.3 MiB, plus up to 8 MB of freed memory that
-    the C allocator keeps per busy thread (``service.allocator``)."""
+    the C allocator keeps per busy thread (``service.host.allocator``)."""
     max_image_bytes: int = Field(300_000_000, ge=1_000_000)
     """Decoder memory one image may take, reckoned from its header before decoding (width x height
     x channels x bytes per sample, twice, plus a progressive JPEG's coefficients); larger get 413.
@@ -338,13 +419,6 @@ class Settings(BaseSettings):
     @property
     def max_decode_bytes_effective(self) -> int:
         return self.max_decode_bytes or 2 * self.max_image_bytes
-
-    def weights_for(self, model: str) -> Path | None:
-        """The weights file ``model`` is built from: ``model_weights`` for the configured model, else
-        the checkpoint ``gateway models fetch`` kept, else None (the profile's default weights)."""
-        if self.model_weights is not None and model == self.model:
-            return self.model_weights
-        return fetched(self.models_dir, model)
 
     @property
     def webhook_key(self) -> bytes | None:
@@ -394,14 +468,10 @@ class Settings(BaseSettings):
 
     @model_validator(mode="after")
     def _check(self) -> Settings:
-        from service.models.profiles import PROFILES
-
         stale = [f"{old} is replaced by {new}" for old, new in RENAMED.items() if old in os.environ]
         if stale:
             raise ValueError("; ".join(stale))
 
-        if self.model not in PROFILES:
-            raise ValueError(f"unknown model {self.model!r}; known: {', '.join(PROFILES)}")
         for name in ("url_allowlist", "webhook_allowlist"):
             for network in filter(None, (part.strip() for part in getattr(self, name).split(","))):
                 try:

@@ -2,7 +2,7 @@
 
 The shape of a trace (see docs/observability.md):
 
-* ``POST /classify`` (the server span, made by ``service.middleware.RequestMiddleware``; a client's
+* ``POST /classify`` (the server span, made by ``service.http.middleware.RequestMiddleware``; a client's
   W3C ``traceparent`` is its parent) with, per image, ``decode`` (in the decode thread) and
   ``batch wait`` (admission to dispatch, linked to the batch it joined);
 * ``batch`` (one per backend call, a child of the first sampled request it serves, linked to every

@@ -17,9 +17,9 @@ import uvicorn
 from fastapi import FastAPI
 from skimage import data as skdata
 
-from service.app import create_app
 from service.backends.base import Backend
-from service.http_protocol import http_protocol
+from service.http.app import create_app
+from service.http.protocol import http_protocol
 from service.models.profiles import get_profile
 from service.models.store import ensure_model
 from service.settings import Settings

@@ -17,9 +17,9 @@ import pytest
 
 from service.backends.base import Images
 from service.backends.embedded import EmbeddedBackend
-from service.batcher import HEADROOM, BatchReport, DynamicBatcher
+from service.batching.adaptive import BatchLatencyModel
+from service.batching.batcher import HEADROOM, BatchReport, DynamicBatcher
 from service.errors import DeadlineExceeded, DeadlineUnmeetable
-from service.latency_model import BatchLatencyModel
 from service.models.profiles import get_profile
 from service.models.store import model_path
 from tests.conftest import solid_image

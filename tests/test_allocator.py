@@ -1,4 +1,4 @@
-"""The C allocator's thresholds for image buffers (``service.allocator``), in fresh interpreters:
+"""The C allocator's thresholds for image buffers (``service.host.allocator``), in fresh interpreters:
 they are process-wide, and glibc reads its environment once, at start."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import pytest
 
 PROBE = """
 import resource, numpy as np
-from service.allocator import keep_image_buffers
+from service.host.allocator import keep_image_buffers
 print(keep_image_buffers())
 # a 1 MB block mapped, touched and unmapped per use is ~256 page faults each time; kept on the heap, none
 blocks = [np.ones(1 << 20, np.uint8) for _ in range(3)]

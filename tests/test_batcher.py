@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from service.backends.fake import FakeBackend
-from service.batcher import BatchReport, DynamicBatcher
+from service.batching.batcher import BatchReport, DynamicBatcher
 from service.errors import BackendError, BackendUnavailable, BadImage, DeadlineExceeded, QueueFull
 from service.models.profiles import rank_rows, top_k
 from tests.conftest import solid_image

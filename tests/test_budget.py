@@ -12,14 +12,14 @@ import numpy as np
 import pytest
 
 from loadtests.overload import noise_png
-from service.batcher import DynamicBatcher
-from service.budget import ByteBudget
+from service.batching.batcher import DynamicBatcher
 from service.classifier import Classifier, ImageInput
 from service.errors import BadImage, DeadlineExceeded
-from service.imageinfo import probe
+from service.images.budget import ByteBudget
+from service.images.imageinfo import probe
+from service.images.preprocess import PreprocessConfig, decoded_bytes, prepare
 from service.metrics import Metrics
 from service.models.profiles import get_profile
-from service.preprocess import PreprocessConfig, decoded_bytes, prepare
 
 
 def _holder(budget: ByteBudget, size: int, release: threading.Event, log: list[str], name: str) -> threading.Thread:

@@ -11,13 +11,13 @@ import numpy as np
 import pytest
 
 import service.classifier as classifier_module
-from service.batcher import DynamicBatcher
+from service.batching.batcher import DynamicBatcher
 from service.classifier import Classification, Classifier, ImageInput
 from service.errors import BadImage
-from service.imageinfo import ImageInfo, probe
+from service.images.imageinfo import ImageInfo, probe
+from service.images.preprocess import PreprocessConfig
 from service.metrics import Metrics
 from service.models.profiles import get_profile, top_k
-from service.preprocess import PreprocessConfig
 from service.schemas import ClassifyResponse
 
 

@@ -38,8 +38,10 @@ def test_flags_override_environment(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_invalid_settings_are_refused_with_a_message(monkeypatch: pytest.MonkeyPatch) -> None:
-    with pytest.raises(ValueError, match="unknown model"):
-        Settings(model="vgg16")
+    from service.cli import _settings
+
+    with pytest.raises(SystemExit, match="unknown model 'vgg16'"):
+        _settings(build_parser().parse_args(["serve", "--model", "vgg16"]))
     with pytest.raises(ValueError, match="max_queue_size"):
         Settings(max_queue_size=4, max_images_per_request=8)
     with pytest.raises(ValueError, match="one image must fit"):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from service.cpus import available_cpus, cgroup_quota
+from service.host.cpus import available_cpus, cgroup_quota
 from service.settings import DECODE_THREADS_PER_CPU, Settings
 
 

@@ -26,12 +26,13 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from loadtests.http_load import start_gateway, stop_process
-from service.backends.engine import EngineClient, EngineServer, Geometry
+from service.backends.engine import EngineClient, Geometry
+from service.backends.engine_server import EngineServer
 from service.backends.fake import FakeBackend
 from service.backends.torch_backend import TorchBackend
-from service.batcher import DynamicBatcher
+from service.batching.batcher import DynamicBatcher
 from service.errors import BackendError, BackendUnavailable, DeadlineExceeded, QueueFull
-from service.preprocess import PreprocessConfig, prepare
+from service.images.preprocess import PreprocessConfig, prepare
 from service.tune.runner import free_port
 from tests.engine_process import MODEL, engine_client, engine_process
 from tests.engine_process import images as process_images

@@ -13,11 +13,11 @@ import pytest
 import torch
 
 from service.errors import BadImage
-from service.gpu_decode import NvJpegDecoder, orient_chw, square_resize
+from service.images.gpu_decode import NvJpegDecoder, orient_chw, square_resize
+from service.images.preprocess import PreprocessConfig, centre_crop_resize, orient, prepare
 from service.metrics import Metrics
 from service.models.profiles import get_profile
 from service.models.store import model_path
-from service.preprocess import PreprocessConfig, centre_crop_resize, orient, prepare
 from tests.conftest import encode, png_bytes
 
 CONFIG = PreprocessConfig()

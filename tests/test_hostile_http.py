@@ -1,5 +1,5 @@
 """Hostile bytes on the HTTP connection, sent on raw sockets to a real uvicorn running the gateway's
-protocol (``service.http_protocol``): stray CR and LF between requests, partial request lines,
+protocol (``service.http.protocol``): stray CR and LF between requests, partial request lines,
 pipelined requests, requests split at every byte. Every connection must always have a clock."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from contextlib import asynccontextmanager
 import pytest
 
 from service.backends.fake import FakeBackend
-from service.http_protocol import MAX_HEAD_BYTES, MAX_HEADERS
+from service.http.protocol import MAX_HEAD_BYTES, MAX_HEADERS
 from service.settings import Settings
 from tests.conftest import png_bytes, running_gateway, solid_image
 

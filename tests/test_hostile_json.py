@@ -12,9 +12,9 @@ from typing import Any
 import httpx
 import pytest
 
-from service import json_body
 from service.backends.fake import FakeBackend
 from service.errors import BadRequest
+from service.http import json_body
 from service.schemas import MAX_URL_LENGTH
 from service.settings import Settings
 from tests.conftest import running_gateway

@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 from yarl import URL
 
 from service.errors import GatewayError
-from service.fetch import _redirect_target
+from service.http.fetch import _redirect_target
 from service.jobs.broker import Broker
 from service.jobs.messages import DETAIL_HEADER, JobResult
 from service.jobs.topology import Names

@@ -1,4 +1,4 @@
-"""The gateway's HTTP protocol (``service.http_protocol``): responses written once per loop turn, and
+"""The gateway's HTTP protocol (``service.http.protocol``): responses written once per loop turn, and
 request timers armed only while a request is still arriving, checked on a real uvicorn server."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import time
 from collections.abc import Callable
 
 from service.backends.fake import FakeBackend
-from service.http_protocol import CoalescingTransport
+from service.http.protocol import CoalescingTransport
 from service.settings import Settings
 from tests.conftest import png_bytes, running_gateway, solid_image
 

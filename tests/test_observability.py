@@ -10,7 +10,7 @@ from types import SimpleNamespace
 from prometheus_client import CollectorRegistry, generate_latest
 
 from service.backends.fake import FakeBackend
-from service.gpu import GpuSampler
+from service.host.gpu import GpuSampler
 from service.settings import Settings
 from tests.conftest import png_bytes, running_gateway, solid_image
 

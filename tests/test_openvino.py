@@ -47,7 +47,7 @@ def photo_sets(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
 
 @pytest.fixture(scope="module")
 def int8_model(models_dir: Path, photo_sets: tuple[Path, Path]) -> Path:
-    if not quantize_module._has_vnni():
+    if not quantize_module.has_vnni():
         pytest.skip("this CPU has no VNNI: INT8 is refused on it (test_int8_is_refused_on_a_cpu_without_vnni)")
     return ensure_int8(models_dir, PROFILE, model_path(models_dir, PROFILE), photo_sets[0])
 
@@ -55,13 +55,13 @@ def int8_model(models_dir: Path, photo_sets: tuple[Path, Path]) -> Path:
 @pytest.fixture
 def vnni(monkeypatch: pytest.MonkeyPatch) -> None:
     """Past the VNNI check, to test what comes after it on any CPU."""
-    monkeypatch.setattr(quantize_module, "_has_vnni", lambda: True)
+    monkeypatch.setattr(quantize_module, "has_vnni", lambda: True)
 
 
 def test_int8_is_refused_on_a_cpu_without_vnni(
     tmp_path: Path, models_dir: Path, photo_sets: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(quantize_module, "_has_vnni", lambda: False)
+    monkeypatch.setattr(quantize_module, "has_vnni", lambda: False)
     with pytest.raises(QuantizationRefused, match=r"no VNNI instructions.*serve fp32 or bf16"):
         ensure_int8(tmp_path, PROFILE, model_path(models_dir, PROFILE), photo_sets[0])
     assert not int8_path(tmp_path, PROFILE).exists()

@@ -13,8 +13,8 @@ from skimage import data as skdata
 
 from loadtests import decode_memory
 from service.errors import BadImage, GatewayError, PayloadTooLarge
-from service.imageinfo import probe
-from service.preprocess import PreprocessConfig, centre_crop_resize, prepare, reduction_for
+from service.images.imageinfo import probe
+from service.images.preprocess import PreprocessConfig, centre_crop_resize, prepare, reduction_for
 from tests.conftest import crafted_png
 
 CONFIG = PreprocessConfig()

@@ -19,8 +19,8 @@ import pytest
 
 from service.backends.fake import FakeBackend
 from service.errors import PayloadTooLarge, QuotaExceeded
-from service.quotas import MAX_CONCURRENCY, ApiKey, Quota, Quotas, parse_keys
-from service.settings import Settings
+from service.http.quotas import Quotas
+from service.settings import MAX_CONCURRENCY, ApiKey, Quota, Settings, parse_keys
 from tests.conftest import png_bytes, running_gateway, solid_image
 
 PNG = png_bytes(solid_image(3, 16))
@@ -42,7 +42,7 @@ class Clock:
 @pytest.fixture
 def clock(monkeypatch: pytest.MonkeyPatch) -> Clock:
     clock = Clock()
-    monkeypatch.setattr("service.quotas.time.monotonic", clock)
+    monkeypatch.setattr("service.http.quotas.time.monotonic", clock)
     return clock
 
 
@@ -149,7 +149,8 @@ def test_instances_on_one_folder_share_the_slots(tmp_path: Path) -> None:
 HOLDER = r"""
 import os, signal, sys
 from pathlib import Path
-from service.quotas import ApiKey, Quota, Quotas
+from service.http.quotas import Quotas
+from service.settings import ApiKey, Quota
 
 key = ApiKey(b"serial", Quota(concurrency=1))
 quotas = Quotas([key], 1, Path(sys.argv[1]))

@@ -15,10 +15,10 @@ import pytest
 from loadtests.photos import sample_photos
 from service.backends.embedded import EmbeddedBackend
 from service.backends.torch_backend import TorchBackend, buckets
+from service.images.preprocess import PreprocessConfig, prepare
 from service.models import resnet
 from service.models.profiles import get_profile
 from service.models.store import ensure_model
-from service.preprocess import PreprocessConfig, prepare
 from tests.conftest import running_gateway
 
 

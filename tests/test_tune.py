@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from service.cli import main
-from service.loadgen import closed_loop
+from service.tune.loadgen import closed_loop
 from service.tune.report import read_env
 from service.tune.runner import gateway_process
 

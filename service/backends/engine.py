@@ -45,20 +45,16 @@ import logging
 import mmap
 import os
 import socket
-import stat
 import struct
 import time
 from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
 import numpy as np
-from prometheus_client import REGISTRY, CollectorRegistry, Histogram
 
 from service.backends.base import Images, stack_into
-from service.batcher import DynamicBatcher
 from service.errors import BackendError, BackendUnavailable, DeadlineExceeded, QueueFull
 
 logger = logging.getLogger(__name__)
@@ -184,189 +180,6 @@ def _check_hello(data: bytes, fds: list[int], geometry: Geometry) -> _Hello:
     finally:
         for fd in fds:
             os.close(fd)
-
-
-# --- the engine process ---------------------------------------------------------------------------
-
-
-class EngineServer:
-    """Serves the workers through one batcher over the engine's backend (in the engine process)."""
-
-    def __init__(
-        self,
-        batcher: DynamicBatcher,
-        geometry: Geometry,
-        detail: str,
-        registry: CollectorRegistry = REGISTRY,
-    ) -> None:
-        """``registry``: where the batch-size histogram registers (in multiprocess mode its values
-        go to the shared files whatever the registry)."""
-        self.batcher = batcher
-        self.geometry = geometry
-        self.detail = detail
-        self.batch_size = Histogram(
-            "gateway_engine_batch_size",
-            "Images per batch the shared GPU engine ran (GATEWAY_TORCH_ENGINE=shared), merged across workers.",
-            buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512),
-            registry=registry,
-        )
-        self._connections: set[asyncio.Task[None]] = set()
-
-    def observe(self, size: int) -> None:
-        self.batch_size.observe(size)
-
-    @staticmethod
-    def listen(path: str) -> socket.socket:
-        """The engine's Unix socket at ``path`` (a dead engine's socket there is replaced)."""
-        with contextlib.suppress(FileNotFoundError):
-            if stat.S_ISSOCK(os.stat(path).st_mode):
-                os.unlink(path)
-        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            listener.bind(path)
-            listener.listen(64)
-            listener.setblocking(False)
-        except BaseException:
-            listener.close()
-            raise
-        return listener
-
-    async def serve(self, listener: socket.socket) -> None:
-        """Accept workers on ``listener`` until cancelled; then close every worker's connection
-        (they see the engine gone, and are not ready)."""
-        loop = asyncio.get_running_loop()
-        try:
-            while True:
-                try:
-                    conn, _ = await loop.sock_accept(listener)
-                except OSError as exc:
-                    if exc.errno not in _ACCEPT_RETRY_ERRORS:
-                        raise
-                    # out of file descriptors or memory: the connection waits in the backlog until
-                    # others close (what asyncio's own servers do); the listener must stay open
-                    logger.warning("engine: cannot accept a connection (%s); again in %.0f s", exc, ACCEPT_RETRY)
-                    await asyncio.sleep(ACCEPT_RETRY)
-                    continue
-                task = asyncio.create_task(self.handle(conn))
-                self._connections.add(task)
-                task.add_done_callback(self._connections.discard)
-        finally:
-            listener.close()
-            for task in list(self._connections):
-                task.cancel()
-            await asyncio.gather(*self._connections, return_exceptions=True)
-
-    async def handle(self, conn: socket.socket) -> None:
-        """One worker's connection, from its HELLO until it closes or breaks the wire."""
-        conn.setblocking(False)
-        hello: _Hello | None = None
-        images: np.ndarray | None = None
-        writer: asyncio.StreamWriter | None = None
-        tasks: set[asyncio.Task[None]] = set()
-        try:
-            async with asyncio.timeout(HELLO_TIMEOUT):
-                data, fds = await receive_hello(conn)
-            hello = _check_hello(data, fds, self.geometry)
-            size = self.geometry.image_size
-            images = np.ndarray((hello.slots, hello.per_slot, size, size, 3), np.uint8, buffer=hello.block)
-            reader, writer = await asyncio.open_unix_connection(sock=conn)
-            ready = json.dumps({"detail": self.detail, "classes": self.geometry.classes}).encode()
-            writer.write(_READY.pack(len(ready)) + ready)
-            while True:
-                request_id, slot, count, seconds = _REQUEST.unpack(await reader.readexactly(_REQUEST.size))
-                if slot >= hello.slots or not 1 <= count <= hello.per_slot:
-                    raise Refused(f"slot {slot} with {count} images is outside the block")
-                if len(tasks) >= hello.slots:
-                    raise Refused("more batches at once than slots")
-                task = asyncio.create_task(self._answer(writer, request_id, images[slot, :count], seconds))
-                tasks.add(task)
-                task.add_done_callback(tasks.discard)
-        except Refused as exc:
-            logger.warning("engine: refused a connection: %s", exc)
-        except TimeoutError:
-            logger.warning("engine: refused a connection: no HELLO within %.0f s", HELLO_TIMEOUT)
-        except (asyncio.IncompleteReadError, ConnectionError):
-            pass  # the worker went away
-        except Exception:
-            logger.exception("engine: a worker's connection failed")
-        finally:
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-            if writer is not None:
-                writer.close()
-            else:
-                conn.close()
-            # The block is not closed here: a batch still running may hold views of its images (numpy
-            # keeps a reference to the mmap, not a buffer export, so close() would unmap it under
-            # them: a SIGSEGV). The views keep the mmap alive; the last one to go unmaps it.
-            del images, hello
-
-    async def _answer(self, writer: asyncio.StreamWriter, request_id: int, images: np.ndarray, seconds: float) -> None:
-        try:
-            deadline = asyncio.get_running_loop().time() + seconds if seconds > 0 else None
-            rows = await self.batcher.submit(list(images), deadline=deadline)
-            scores = np.ascontiguousarray(np.stack(rows), dtype=np.float32)
-            payload = scores.tobytes()
-            writer.write(_REPLY.pack(request_id, _OK, len(rows), len(payload)) + payload)
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:  # the worker raises the same kind: full is 429, shutting down 503
-            status = (
-                _FULL
-                if isinstance(exc, QueueFull)
-                else _UNAVAILABLE
-                if isinstance(exc, BackendUnavailable)
-                else _LATE
-                if isinstance(exc, DeadlineExceeded)
-                else _FAILED
-            )
-            message = (str(exc) if status != _FAILED else f"{type(exc).__name__}: {exc}").encode()
-            writer.write(_REPLY.pack(request_id, status, 0, len(message)) + message)
-        await writer.drain()  # a worker that does not read holds this batch, and then refuses itself more
-
-
-async def run_engine(socket_path: str, stop: asyncio.Event, on_ready: Callable[[], None] | None = None) -> None:
-    """The engine process's life: load the backend, then serve the workers until ``stop``;
-    ``on_ready`` is called once it listens."""
-    from service.models.profiles import get_profile
-    from service.pipeline import build_backend
-    from service.settings import Settings
-
-    settings = Settings(torch_engine="per-worker", engine_socket=None)  # type: ignore[call-arg]
-    profile = get_profile(settings.model)
-    backend = await build_backend(settings, profile)
-    await backend.start()
-    problem = await backend.ready()
-    if problem:
-        raise SystemExit(f"engine: the backend is not ready: {problem}")
-    batcher = DynamicBatcher(
-        backend.infer,
-        max_batch_size=settings.max_batch_size,
-        max_delay=settings.max_delay,
-        max_queue_size=settings.max_queue_size * max(1, settings.workers),
-        max_inflight_batches=settings.max_inflight_batches,
-        on_batch=lambda report: engine.observe(report.size),  # bound below, before the first batch
-        backend_name=backend.name,
-    )
-    detail = f"engine shared by the workers: {getattr(backend, 'detail', None) or backend.name}"
-    engine = EngineServer(batcher, Geometry(profile.image_size, len(profile.labels)), detail)
-    batcher.start()
-    serving = asyncio.create_task(engine.serve(engine.listen(socket_path)), name="engine-accept")
-    logger.info("engine: %s, serving %s", detail, socket_path)
-    if on_ready is not None:
-        on_ready()
-    stopping = asyncio.create_task(stop.wait())
-    try:
-        await asyncio.wait((serving, stopping), return_when=asyncio.FIRST_COMPLETED)
-        if serving.done():  # no longer listening: exit, so that the supervisor starts another engine
-            raise SystemExit(f"engine: stopped accepting workers: {serving.exception()!r}")
-    finally:
-        stopping.cancel()
-        serving.cancel()
-        await asyncio.gather(serving, return_exceptions=True)
-        await batcher.aclose()
-        await backend.aclose()
 
 
 # --- in each worker -------------------------------------------------------------------------------

@@ -20,15 +20,11 @@ import numpy as np
 import openvino as ov
 
 from service.backends.inprocess import InProcessBackend
+from service.host.cpus import has_bf16
 
 logger = logging.getLogger(__name__)
 
 Precision = Literal["fp32", "bf16", "int8"]
-
-
-def has_bf16(core: ov.Core) -> bool:
-    """Whether the CPU plugin has bfloat16 kernels on this CPU."""
-    return "BF16" in core.get_property("CPU", "OPTIMIZATION_CAPABILITIES")
 
 
 class OpenVINOBackend(InProcessBackend):

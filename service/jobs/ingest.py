@@ -25,7 +25,7 @@ from typing import Any
 from aio_pika.abc import AbstractIncomingMessage
 
 from service.errors import BackendUnavailable, GatewayError
-from service.imageinfo import probe
+from service.images.imageinfo import probe
 from service.jobs.acks import Acks
 from service.jobs.broker import Broker
 from service.jobs.messages import new_job_id, request_message

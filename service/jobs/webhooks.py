@@ -37,6 +37,9 @@ spec's libraries take). The body is ``{"type": "job.done" | "job.failed", "times
 from __future__ import annotations
 
 import asyncio
+import base64
+import hashlib
+import hmac
 import json
 import logging
 import random
@@ -53,12 +56,17 @@ from aio_pika.abc import AbstractChannel, AbstractIncomingMessage, AbstractQueue
 from service.errors import GatewayError
 from service.jobs.broker import Broker
 from service.jobs.messages import WEBHOOK_HEADER, JobResult, copy_message, dead_letter_message, trace_headers
-from service.jobs.signing import signature
 from service.metrics import Metrics
 from service.settings import Settings
 from service.ssrf import guarded_session, parse_allowlist, parse_url, refused_reason
 
 logger = logging.getLogger(__name__)
+
+
+def signature(secret: bytes, webhook_id: str, timestamp: int, body: bytes) -> str:
+    digest = hmac.new(secret, f"{webhook_id}.{timestamp}.".encode() + body, hashlib.sha256).digest()
+    return "v1," + base64.b64encode(digest).decode()
+
 
 ATTEMPT_HEADER = "x-webhook-attempts"
 """Attempts made before this one."""

@@ -5,7 +5,7 @@ A checkpoint is pinned by URL, SHA-256 and size. ``fetch`` streams it into
 the digest is the pinned one (or the one given with ``--sha256``, for a checkpoint of one's own):
 a truncated, corrupted or substituted file never reaches the model builder. The file is stored as
 ``<model>.pth`` with ``<model>.json`` beside it (URL, SHA-256, size, when), and from then on it is
-the model's default weights (``Settings.weights_for``): the gateway, its workers and ``gateway
+the model's default weights (``weights_for``): the gateway, its workers and ``gateway
 models triton-repo`` build the model from it without further settings. ``GATEWAY_MODEL_WEIGHTS``
 still wins when set.
 
@@ -27,6 +27,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
+
+from service.settings import Settings
 
 logger = logging.getLogger(__name__)
 
@@ -72,6 +74,14 @@ class FetchFailed(Exception):
 
 def checkpoint_path(models_dir: Path, model: str) -> Path:
     return models_dir / "checkpoints" / f"{model}.pth"
+
+
+def weights_for(settings: Settings, model: str) -> Path | None:
+    """The weights file ``model`` is built from: ``model_weights`` for the configured model, else
+    the checkpoint ``gateway models fetch`` kept, else None (the profile's default weights)."""
+    if settings.model_weights is not None and model == settings.model:
+        return settings.model_weights
+    return fetched(settings.models_dir, model)
 
 
 def fetched(models_dir: Path, model: str) -> Path | None:

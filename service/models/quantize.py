@@ -24,9 +24,10 @@ from pathlib import Path
 import numpy as np
 
 from service.errors import GatewayError
+from service.host.cpus import has_bf16, has_vnni
+from service.images.preprocess import PreprocessConfig, prepare
 from service.models.profiles import ModelProfile
 from service.models.store import recorded_sha256
-from service.preprocess import PreprocessConfig, prepare
 
 logger = logging.getLogger(__name__)
 
@@ -116,19 +117,6 @@ def _run(model: object, images: np.ndarray, hint: str = "f32", batch: int = 16) 
     )
 
 
-def _has_vnni(cpuinfo: Path = Path("/proc/cpuinfo")) -> bool:
-    """Whether the CPU has VNNI (int8 dot products without the saturation that NNCF's overflow fix
-    works around on older AVX2/AVX-512 CPUs). Without it, the fix must cover every layer: on an
-    AVX2-only AMD EPYC, fixing only the first layer gave 90 % top-1 agreement on 20 held-out photos
-    with a clear answer, every layer 100 %, none 85 % (and 93 % on 215 other photos, so
-    :func:`ensure_int8` refuses such CPUs; this path serves tests that pretend otherwise)."""
-    try:
-        flags = cpuinfo.read_text()
-    except OSError:
-        return False
-    return any(flag in flags for flag in ("avx512_vnni", "avx_vnni", "amx_int8"))
-
-
 def quantize(onnx_path: Path, inputs: list[np.ndarray], out: Path, metadata: dict[str, object]) -> Agreement:
     """Quantise ``onnx_path`` on the calibration part of ``inputs``, check it on the held-out part,
     and write the INT8 model to ``out`` (``model.xml``, with ``build.json``: ``metadata`` and the
@@ -137,14 +125,12 @@ def quantize(onnx_path: Path, inputs: list[np.ndarray], out: Path, metadata: dic
     import openvino as ov
     from nncf.quantization.advanced_parameters import AdvancedQuantizationParameters, OverflowFix
 
-    from service.backends.openvino import has_bf16
-
     if len(inputs) < MIN_PHOTOS:
         raise QuantizationRefused(f"{len(inputs)} usable photos; calibration needs at least {MIN_PHOTOS}")
     held_out = np.stack(inputs[HOLDOUT_EVERY - 1 :: HOLDOUT_EVERY])
     calibration = [x for i, x in enumerate(inputs) if i % HOLDOUT_EVERY != HOLDOUT_EVERY - 1]
     model = ov.Core().read_model(onnx_path)
-    overflow = OverflowFix.DISABLE if _has_vnni() else OverflowFix.ENABLE
+    overflow = OverflowFix.DISABLE if has_vnni() else OverflowFix.ENABLE
     quantized = nncf.quantize(
         model,
         nncf.Dataset(calibration, lambda image: image[None]),
@@ -190,7 +176,7 @@ def ensure_int8(
     dot products there saturate, and even with NNCF's overflow fix on every layer the model fell
     short of the agreement bar (measured on an AVX2-only AMD EPYC: 93 % top-1 agreement with FP32 on
     215 photos with a clear answer, against 99 % required), whether built there or elsewhere."""
-    if not _has_vnni():
+    if not has_vnni():
         raise QuantizationRefused(
             "this CPU has no VNNI instructions: INT8 models lose too much accuracy on it (93 % top-1 agreement "
             f"with FP32 measured on an AVX2-only CPU, {MIN_AGREEMENT:.0%} required); serve fp32 or bf16"

@@ -10,7 +10,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from service.cpus import available_cpus
+from service.host.cpus import available_cpus
 from service.settings import Settings
 from service.tune.report import write_env, write_report
 from service.tune.search import POLICIES, Candidate, Plan, Space, Target, Trial, chosen, search

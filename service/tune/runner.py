@@ -1,5 +1,5 @@
 """Measuring a candidate for real: a gateway process started with its settings on a free loopback
-port, swept over concurrent clients with the closed-loop load of :mod:`service.loadgen`, stopped."""
+port, swept over concurrent clients with the closed-loop load of :mod:`service.tune.loadgen`, stopped."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ from pathlib import Path
 
 import aiohttp
 
-from service.loadgen import closed_loop
 from service.triton.model_config import ReloadRefused, TritonModel
+from service.tune.loadgen import closed_loop
 from service.tune.search import Candidate, Level, Target, Trial
 
 GROWTH = 1.03

@@ -22,12 +22,11 @@ from standardwebhooks.webhooks import Webhook, WebhookVerificationError
 
 from service.jobs.broker import Broker
 from service.jobs.messages import DETAIL_HEADER, ERROR_HEADER, JobResult
-from service.jobs.signing import parse_secret, signature
 from service.jobs.topology import Names
-from service.jobs.webhooks import WebhookSender, delivery_message
+from service.jobs.webhooks import WebhookSender, delivery_message, signature
 from service.jobs.worker import run_worker
 from service.metrics import Metrics
-from service.settings import Settings
+from service.settings import Settings, parse_secret
 from tests.conftest import png_bytes, running_gateway, solid_image
 from tests.jobs.conftest import (
     BROKER_URL,

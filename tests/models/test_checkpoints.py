@@ -17,11 +17,11 @@ import onnxruntime as ort
 import pytest
 
 from service.cli import main
+from service.images.preprocess import PreprocessConfig, prepare
 from service.models import resnet
-from service.models.checkpoints import CHECKPOINTS, checkpoint_path
+from service.models.checkpoints import CHECKPOINTS, checkpoint_path, weights_for
 from service.models.profiles import get_profile
 from service.models.store import model_path
-from service.preprocess import PreprocessConfig, prepare
 from service.settings import Settings
 from tests.conftest import running_gateway
 from tests.torch_files import write_zip
@@ -84,7 +84,7 @@ def test_a_verified_checkpoint_is_kept_and_builds_the_model(tmp_path: Path, chec
     assert kept.read_bytes() == checkpoint
     assert json.loads(kept.with_suffix(".json").read_text())["sha256"] == sha
     settings = Settings(models_dir=tmp_path, model="resnet50")
-    assert settings.weights_for("resnet50") == kept
+    assert weights_for(settings, "resnet50") == kept
 
     onnx = model_path(tmp_path, get_profile("resnet50"))
     assert (tmp_path / "repo" / "resnet50" / "1" / "model.onnx").read_bytes() == onnx.read_bytes()
@@ -110,7 +110,7 @@ def test_a_corrupted_or_substituted_checkpoint_is_refused(tmp_path: Path, checkp
         with pytest.raises(SystemExit, match="404"):
             fetch(tmp_path, "--url", f"{base}/missing.pth", "--sha256", sha)
     assert leftovers(tmp_path) == []  # no partial file, no record
-    assert Settings(models_dir=tmp_path, model="resnet50").weights_for("resnet50") is None
+    assert weights_for(Settings(models_dir=tmp_path, model="resnet50"), "resnet50") is None
 
 
 async def test_random_weights_are_flagged_in_every_answer(models_dir: Path, cat_jpeg: bytes) -> None:

@@ -17,7 +17,7 @@ import httpx
 from prometheus_client import CollectorRegistry, generate_latest
 
 from service.backends.fake import FakeBackend
-from service.gpu import GpuSampler
+from service.host.gpu import GpuSampler
 from service.settings import Settings
 from service.triton.server import LocalTriton
 from tests.conftest import png_bytes, running_gateway, running_prometheus, solid_image

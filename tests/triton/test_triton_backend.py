@@ -13,9 +13,9 @@ import pytest
 from service.backends.embedded import EmbeddedBackend
 from service.backends.triton import TritonBackend
 from service.errors import BackendUnavailable
+from service.images.preprocess import PreprocessConfig, prepare
 from service.models.profiles import get_profile
 from service.models.store import model_path
-from service.preprocess import PreprocessConfig, prepare
 from service.settings import Settings
 from service.triton.model_config import ReloadRefused, TritonModel
 from service.triton.server import LocalTriton, TritonInstall

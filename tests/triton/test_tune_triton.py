@@ -16,12 +16,12 @@ from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2 as mc
 
 from service.cli import main
-from service.loadgen import closed_loop
 from service.models.profiles import get_profile
 from service.models.store import ensure_model
 from service.triton.model_config import ReloadRefused, TritonModel
 from service.triton.repository import TritonOptions, write_model
 from service.triton.server import LocalTriton, TritonInstall
+from service.tune.loadgen import closed_loop
 from service.tune.report import read_env
 from service.tune.runner import gateway_process
 from tests.triton.conftest import start_triton

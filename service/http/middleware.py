@@ -13,15 +13,16 @@ from prometheus_client import Counter, Histogram
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from service.errors import GatewayError, PayloadTooLarge, QueueFull, QuotaExceeded, Unauthorized, error_response
+from service.http.quotas import Quotas
 from service.logs import REQUEST_ID
 from service.metrics import Metrics
-from service.quotas import ApiKey, Quotas
+from service.settings import ApiKey
 from service.tracing import Tracing, trace_id_hex
 
 
 class BodyLimitMiddleware:
     """Bound what receiving request bodies may cost in bytes (their time is bounded by the HTTP
-    protocol, ``service.http_protocol``).
+    protocol, ``service.http.protocol``).
 
     * A body over ``max_bytes`` is refused (413): at once from Content-Length, or as soon as a
       streamed (chunked) body passes the limit, so no more than the limit is ever buffered.

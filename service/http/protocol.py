@@ -40,7 +40,7 @@ from typing import Any
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from service.middleware import REQUEST_ID_SCOPE, new_request_id
+from service.http.middleware import REQUEST_ID_SCOPE, new_request_id
 
 MAX_HEAD_BYTES = 64 * 1024
 """The most bytes of a request's URL, header names and values (with their separators): 431 over

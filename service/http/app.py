@@ -19,18 +19,18 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp
 
 from service import __version__
-from service.api import ClassifyFastPath, refusal, router
 from service.backends.base import Backend
+from service.backends.health import BackendHealth
 from service.classifier import Classifier
 from service.errors import GatewayError, error_body, validation_detail
-from service.fetch import Fetcher
-from service.health import BackendHealth
+from service.http.api import ClassifyFastPath, refusal, router
+from service.http.fetch import Fetcher
+from service.http.middleware import OPEN_PATHS, ApiKeyMiddleware, BodyLimitMiddleware, RequestMiddleware
+from service.http.quotas import Quotas
 from service.jobs.client import JobsClient
 from service.metrics import Metrics, multiprocess_dir
-from service.middleware import OPEN_PATHS, ApiKeyMiddleware, BodyLimitMiddleware, RequestMiddleware
 from service.models.profiles import get_profile
 from service.pipeline import open_pipeline
-from service.quotas import Quotas
 from service.settings import Settings
 from service.ssrf import parse_allowlist
 from service.tracing import Tracing

@@ -30,11 +30,11 @@ from service.errors import (
     UnsupportedMediaType,
     error_response,
 )
-from service.http_protocol import TIMED_OUT
+from service.http.json_body import read_urls
+from service.http.middleware import API_KEY, AUTHENTICATED
+from service.http.protocol import TIMED_OUT
 from service.jobs.client import OfflineImage, PendingJob
-from service.json_body import read_urls
 from service.metrics import Metrics
-from service.middleware import API_KEY, AUTHENTICATED
 from service.models.checkpoints import real_weights_hint
 from service.schemas import (
     AcceptedJob,

@@ -1,6 +1,6 @@
 """JPEG decoding on the GPU (nvJPEG through torchvision's ``decode_jpeg``): ``GATEWAY_DECODER=nvjpeg``.
 
-The same contract as ``service.preprocess.prepare`` (encoded bytes in, the model's uint8 RGB
+The same contract as ``service.images.preprocess.prepare`` (encoded bytes in, the model's uint8 RGB
 ``(size, size, 3)`` out, errors as ``GatewayError``), with the same semantics: the header is probed
 and checked against the same limits first; then the centre square of ``crop_fraction`` of the shorter
 side is resized to ``size`` (antialiased when shrinking, as OpenCV's INTER_AREA; bilinear with
@@ -30,10 +30,10 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from service.budget import ByteBudget
-from service.imageinfo import ImageInfo, probe
+from service.images.budget import ByteBudget
+from service.images.imageinfo import ImageInfo, probe
+from service.images.preprocess import PreprocessConfig, check_limits, prepare
 from service.metrics import Metrics
-from service.preprocess import PreprocessConfig, check_limits, prepare
 
 if TYPE_CHECKING:
     import torch
@@ -45,7 +45,7 @@ DecodeJpeg = Callable[..., Any]
 
 
 def orient_chw(img: torch.Tensor, orientation: int) -> torch.Tensor:
-    """An EXIF orientation (1-8) applied to a CHW image, as ``service.preprocess.orient`` does to HWC."""
+    """An EXIF orientation (1-8) applied to a CHW image, as ``service.images.preprocess.orient`` does to HWC."""
     import torch
 
     if orientation == 2:

@@ -20,9 +20,9 @@ from dataclasses import dataclass
 import cv2
 import numpy as np
 
-from service.budget import ByteBudget
 from service.errors import BadImage, PayloadTooLarge
-from service.imageinfo import ImageInfo, probe
+from service.images.budget import ByteBudget
+from service.images.imageinfo import ImageInfo, probe
 
 _REDUCED = ((8, cv2.IMREAD_REDUCED_COLOR_8), (4, cv2.IMREAD_REDUCED_COLOR_4), (2, cv2.IMREAD_REDUCED_COLOR_2))
 _REDUCED_GREY = {

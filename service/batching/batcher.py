@@ -42,6 +42,7 @@ import numpy as np
 from opentelemetry import trace
 from opentelemetry.trace import Link, SpanContext, SpanKind, StatusCode
 
+from service.batching.adaptive import BatchLatencyModel
 from service.errors import (
     BackendError,
     BackendUnavailable,
@@ -50,7 +51,6 @@ from service.errors import (
     GatewayError,
     QueueFull,
 )
-from service.latency_model import BatchLatencyModel
 from service.tracing import Tracing, epoch_ns, trace_id_hex
 
 logger = logging.getLogger(__name__)

@@ -22,7 +22,6 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
-import hashlib
 import math
 import mmap
 import os
@@ -32,79 +31,16 @@ import tempfile
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 from service.errors import PayloadTooLarge, QuotaExceeded
+from service.settings import MAX_CONCURRENCY, ApiKey, Quota
 
 BUCKET = struct.Struct("<dd")
 """Per key: tokens, and when they were last refilled (CLOCK_MONOTONIC, the same in every process of
 the host; 0: never used, the bucket is full)."""
-OPTIONS = ("rate", "burst", "concurrency")
-MAX_CONCURRENCY = 256
-"""The most requests a key may be allowed in progress (its slots; 0 means unlimited): refusing a
-request at the limit asks about every slot, a few microseconds each (``python -m loadtests.quota_cost``)."""
-
-
-@dataclass(frozen=True)
-class Quota:
-    rate: float = 0.0
-    """Images per second (0: unlimited)."""
-    burst: float = 0.0
-    """Images a key may send at once after being idle (0: one second's worth, and at least one
-    request's most images)."""
-    concurrency: int = 0
-    """Requests in progress at once (0: unlimited)."""
-
-    @property
-    def limited(self) -> bool:
-        return self.rate > 0 or self.concurrency > 0
-
-
-@dataclass(frozen=True)
-class ApiKey:
-    secret: bytes
-    quota: Quota = Quota()
-
-    @property
-    def id(self) -> str:
-        return hashlib.sha256(self.secret).hexdigest()[:12]
-
-
-def parse_keys(entries: Iterable[str], default: Quota) -> list[ApiKey]:
-    """``KEY [rate=R] [burst=B] [concurrency=C]`` entries; blank ones and ``#`` comments skipped."""
-    keys = []
-    for entry in entries:
-        words = entry.split()
-        if not words or words[0].startswith("#"):
-            continue
-        secret, options = words[0], words[1:]
-        values: dict[str, float | int] = {}
-        for option in options:
-            name, sep, value = option.partition("=")
-            if not sep or name not in OPTIONS:
-                raise ValueError(
-                    f"API key entry option {option!r}: expected rate=, burst= or concurrency= "
-                    f"(key {ApiKey(secret.encode()).id})"
-                )
-            try:
-                number = int(value) if name == "concurrency" else float(value)
-            except ValueError:
-                raise ValueError(f"API key entry option {option!r} is not a number") from None
-            if number < 0:
-                raise ValueError(f"API key entry option {option!r} is negative")
-            values[name] = number
-        key = ApiKey(secret.encode(), replace(default, **values))  # type: ignore[arg-type]
-        if key.quota.concurrency > MAX_CONCURRENCY:
-            raise ValueError(
-                f"API key {key.id}: concurrency {key.quota.concurrency} is over {MAX_CONCURRENCY}, the most; "
-                "0 means unlimited"
-            )
-        keys.append(key)
-    return keys
-
-
 STATE_FILE = "quotas.bin"
 """The buckets' table in the folder the worker processes share (``gateway serve`` removes a
 previous run's before starting them)."""

@@ -1,0 +1,1 @@
+"""The dynamic batcher and its adaptive policy."""
