@@ -133,10 +133,17 @@ class DeadlineExceeded(GatewayError):
     error = "deadline_exceeded"
 
 
+def printable(text: str) -> str:
+    """``text`` as valid Unicode: a detail may quote bytes a client sent (a Location header, a
+    filename) that were decoded with ``surrogateescape``; a lone surrogate cannot be encoded as
+    UTF-8, so rendering it would turn a 400 into a 500. Such bytes are shown as ``\\udcff``."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
 def error_body(error: str, detail: str) -> dict[str, Any]:
     """The one JSON shape of every error the gateway answers: the code, what was wrong, and the
     request's id (also in the ``X-Request-ID`` header and on its log lines)."""
-    body: dict[str, Any] = {"error": error, "detail": detail}
+    body: dict[str, Any] = {"error": error, "detail": printable(detail)}
     request_id = REQUEST_ID.get()
     if request_id is not None:
         body["request_id"] = request_id

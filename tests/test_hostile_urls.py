@@ -229,6 +229,34 @@ async def test_malformed_image_urls_are_400s_saying_what_is_wrong(gateway_factor
         assert caught.accepted == 0
 
 
+@asynccontextmanager
+async def raw_redirect_host(location: bytes) -> AsyncIterator[str]:
+    """An image host on the allow-listed address that answers every request with a 302 whose
+    Location is ``location``, byte for byte (an HTTP library would refuse to send such bytes)."""
+
+    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(b"HTTP/1.1 302 Found\r\nLocation: " + location + b"\r\nContent-Length: 0\r\n\r\n")
+        await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(answer, ALLOWED_HOST, 0)
+    async with server:
+        yield f"http://{ALLOWED_HOST}:{server.sockets[0].getsockname()[1]}/x.jpg"
+
+
+@pytest.mark.parametrize("location", [b"http://[::1\xff", b"http://[v1.\xff]/", b"http://a\xff\xfe..b/x.jpg"])
+async def test_a_location_of_raw_bytes_is_a_400_in_json(gateway_factory: MakeSettings, location: bytes) -> None:
+    """A redirect to bytes that are not text (decoded with surrogates by the HTTP client) is a 400
+    whose JSON detail shows them escaped: quoting them as they were made the answer a 500."""
+    async with raw_redirect_host(location) as given, running_gateway(fetching(gateway_factory)) as client:
+        answer = await by_url(client, given)
+    assert answer.status_code == 400, answer.text
+    assert answer.json()["error"] == "bad_request"
+    assert "redirected to" in answer.json()["detail"]
+    assert "\\udcff" in answer.json()["detail"]
+
+
 @pytest.fixture
 def prefix() -> Iterator[str]:
     """A fresh queue prefix on the shared RabbitMQ for one test, deleted after it."""
