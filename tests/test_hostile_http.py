@@ -8,6 +8,7 @@ import asyncio
 import socket
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from pathlib import Path
 
 import pytest
 
@@ -247,6 +248,51 @@ async def test_a_client_that_never_reads_its_answers_is_dropped(gateway_factory:
                 if answer.startswith(b"HTTP/1.1 200"):
                     break
                 await asyncio.sleep(0.1)
+        hoarder.close()
+
+
+ESTABLISHED = 1
+
+
+def _server_socket(server_port: int, client_port: int) -> tuple[int, int]:
+    """The state of the server's socket of a connection (/proc/net/tcp: 1 established; after the
+    server lets go of it, FIN_WAIT1 and on, or gone) and the bytes its kernel holds unsent."""
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        fields = line.split()
+        local, remote = fields[1].split(":")[1], fields[2].split(":")[1]
+        if (int(local, 16), int(remote, 16)) == (server_port, client_port):
+            return int(fields[3], 16), int(fields[4].split(":")[0], 16)
+    return 0, 0
+
+
+async def test_a_client_that_stops_reading_with_little_pending_is_dropped(gateway_factory: MakeSettings) -> None:
+    """A client on a small window sends one GET /metrics at a time until the server's kernel buffer
+    is full, so that less than one answer waits in the gateway (far under the 64 KiB at which
+    writes used to pause), then goes silent. Closing such a connection (keep-alive) waits for the
+    pending bytes to leave, which never happens: it held its place for ever. It must be dropped."""
+    settings = gateway_factory(
+        backend="fake", header_timeout=HEADER_TIMEOUT, body_timeout=HEADER_TIMEOUT, max_connections=2
+    )
+    async with _gateway(settings) as connect:
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1024)
+        _, hoarder = await connect(sock)
+        server_port, client_port = sock.getpeername()[1], sock.getsockname()[1]
+        queued = -1
+        for _ in range(400):  # until an answer no longer fits in the kernel's buffer
+            hoarder.write(b"GET /metrics HTTP/1.1\r\nhost: x\r\n\r\n")
+            await asyncio.sleep(0.05)
+            state, now = _server_socket(server_port, client_port)
+            if state != ESTABLISHED or 0 < now == queued:  # (the client's stream reader takes 128 KiB first)
+                break
+            queued = now
+        assert queued > 0, "the server's send queue never filled"
+        async with asyncio.timeout(5 + 2 * ENDS_WITHIN):  # keep-alive (5 s), then the body timeout
+            while _server_socket(server_port, client_port)[0] == ESTABLISHED:
+                await asyncio.sleep(0.1)
+        reader, writer = await connect()
+        writer.write(HEALTHZ)
+        assert (await _answer(reader)).startswith(b"HTTP/1.1 200")
         hoarder.close()
 
 

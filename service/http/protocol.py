@@ -12,8 +12,9 @@ byte arrives (uvicorn cancels that timer on any byte), then the header clock. By
 message start it too: llhttp skips CR and LF between messages without a callback, so a client
 that answered ``\r\n`` to a response would otherwise hold its connection for ever. A pipelined
 request waiting behind an earlier response is not timed while it waits: its bytes wait on us.
-And a client that leaves the answers unread (pipelining requests without reading) has
-``body_timeout`` seconds once the gateway's writes back up; then the connection is dropped.
+And a client that leaves the answers unread (pipelining requests without reading, or reading
+none of one answer) has ``body_timeout`` seconds once the gateway's writes back up (any byte the
+kernel's buffer cannot take); then the connection is dropped.
 
 A request's head is bounded in bytes too: llhttp and httptools set no limit (httptools grows one
 header by concatenation, in time quadratic in its length), so within ``header_timeout`` a client
@@ -139,6 +140,11 @@ class TimeoutProtocol(HttpToolsProtocol):
         expired()
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        # Any write the kernel's buffer cannot take pauses writing (and starts the unread clock): at
+        # the default 64 KiB high-water mark, a client that stopped reading with less than that
+        # pending held its connection for ever, since the close that ends a connection (keep-alive,
+        # a 408) waits for pending writes to leave.
+        transport.set_write_buffer_limits(high=0)
         super().connection_made(transport)
         self._wait(self.header_timeout, self._headers_too_slow)
         self._sync_timer()
