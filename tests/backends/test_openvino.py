@@ -30,7 +30,7 @@ from service.models.quantize import (
 )
 from service.models.store import model_path
 from tests.conftest import CAT_CLASSES, running_gateway
-from tests.test_api import MakeSettings
+from tests.http.test_api import MakeSettings
 
 PROFILE = get_profile("efficientnet-lite0")
 

@@ -34,8 +34,8 @@ from service.batching.batcher import DynamicBatcher
 from service.errors import BackendError, BackendUnavailable, DeadlineExceeded, QueueFull
 from service.images.preprocess import PreprocessConfig, prepare
 from service.tune.runner import free_port
-from tests.engine_process import MODEL, engine_client, engine_process
-from tests.engine_process import images as process_images
+from tests.backends.engine_process import MODEL, engine_client, engine_process
+from tests.backends.engine_process import images as process_images
 
 GEOMETRY = Geometry(image_size=8, classes=1000)
 

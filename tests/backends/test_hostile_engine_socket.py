@@ -18,7 +18,7 @@ import pytest
 
 from service.backends.engine import _HELLO, _MAGIC, _READY, _REQUEST, HELLO_TIMEOUT, create_block
 from service.errors import DeadlineExceeded
-from tests.engine_process import GEOMETRY, engine_client, engine_process, images
+from tests.backends.engine_process import GEOMETRY, engine_client, engine_process, images
 
 SLOTS, PER_SLOT = 2, 4
 BLOCK_BYTES = SLOTS * PER_SLOT * GEOMETRY.image_bytes
