@@ -355,6 +355,13 @@ def _tune(args: argparse.Namespace) -> int:
     return run(args, _settings(args))
 
 
+def _settings_reference(args: argparse.Namespace) -> int:
+    from service.settings import reference
+
+    print(reference(), end="")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="gateway", description="Async inference gateway.")
     commands = parser.add_subparsers(dest="command")
@@ -396,6 +403,8 @@ def build_parser() -> argparse.ArgumentParser:
     alive.add_argument("--file", type=Path, default=None, help="heartbeat file (default: the worker's setting)")
     alive.add_argument("--max-age", type=float, default=30.0, help="seconds without a heartbeat that mean stuck")
     alive.set_defaults(func=_alive)
+    reference = commands.add_parser("settings", help="print the settings reference (docs/settings.md's table)")
+    reference.set_defaults(func=_settings_reference)
     ingest = commands.add_parser("ingest", help="classify a folder of photos through RabbitMQ into JSON lines")
     _add_setting_flags(ingest)
     ingest.add_argument("paths", nargs="+", type=Path, help="image files or folders (searched recursively)")

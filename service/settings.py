@@ -496,6 +496,33 @@ class Settings(BaseSettings):
         return self
 
 
+SHOWN_DEFAULTS = {
+    "models_dir": "`$XDG_CACHE_HOME/inference-gateway/models`",
+    "worker_heartbeat_file": "`$TMPDIR/gateway-worker.heartbeat`",
+    "preprocess_workers": "two per usable CPU",
+    "triton_model": "the `GATEWAY_MODEL` name",
+}
+"""Defaults the reference shows in words: those computed where the gateway runs."""
+
+
+def reference() -> str:
+    """The settings reference (docs/settings.md's table), made from the fields' docstrings:
+    ``gateway settings`` prints it, and a test checks the page against it."""
+    rows = ["| variable | default | what it changes |", "|---|---|---|"]
+    for name, field in Settings.model_fields.items():
+        if name in SHOWN_DEFAULTS:
+            default = SHOWN_DEFAULTS[name]
+        elif field.default is None:
+            default = "unset"
+        else:
+            value = field.default.get_secret_value() if isinstance(field.default, SecretStr) else field.default
+            value = str(value).lower() if isinstance(value, bool) else value
+            default = f"`{value}`" if str(value) != "" else "empty"
+        text = " ".join((field.description or "").split()).replace("``", "`").replace("|", "\\|")
+        rows.append(f"| `GATEWAY_{name.upper()}` | {default} | {text} |")
+    return "\n".join(rows) + "\n"
+
+
 MAX_KEYS_FILE_BYTES = 64 * 1024 * 1024
 """The largest ``api_keys_file`` read (about 800,000 keys with quotas)."""
 
