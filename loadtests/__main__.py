@@ -1,5 +1,5 @@
-"""``python -m loadtests``: the experiment grid (see ``loadtests.bench``)."""
+"""``python -m loadtests``: the experiment grid (see ``loadtests.harness.bench``)."""
 
-from loadtests.bench import main
+from loadtests.harness.bench import main
 
 main()

@@ -26,7 +26,7 @@ import cv2
 import numpy as np
 from skimage import data as skdata
 
-from loadtests.deployment import gateway
+from loadtests.harness.deployment import gateway
 from service.tune.loadgen import closed_loop
 
 

@@ -22,9 +22,9 @@ from pathlib import Path
 
 import numpy as np
 
-from loadtests.deployment import gateway
-from loadtests.http_load import Row, http_load, median_row
-from loadtests.photos import sample_photos
+from loadtests.harness.deployment import gateway
+from loadtests.harness.http_load import Row, http_load, median_row
+from loadtests.harness.photos import sample_photos
 from service.backends.embedded import EmbeddedBackend
 from service.images.preprocess import PreprocessConfig, prepare
 from service.models.profiles import get_profile

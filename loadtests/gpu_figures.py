@@ -45,10 +45,10 @@ from typing import Any
 import httpx
 import numpy as np
 
-from loadtests.clients import _batch_totals, _mean_batch, session
-from loadtests.http_load import start_gateway, stop_process
-from loadtests.resources import ResourceSampler, nvml
-from loadtests.wrk import POST_BODIES, parse
+from loadtests.harness.clients import _batch_totals, _mean_batch, session
+from loadtests.harness.http_load import start_gateway, stop_process
+from loadtests.harness.resources import ResourceSampler, nvml
+from loadtests.harness.wrk import POST_BODIES, parse
 from service.backends.torch_backend import TorchBackend
 from service.images.preprocess import PreprocessConfig, prepare
 
@@ -638,7 +638,7 @@ def _timed(what: str, step: Callable[[], Any]) -> Any:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--photos", type=Path, required=True, help="224 px JPEGs (python -m loadtests.dataset)")
+    parser.add_argument("--photos", type=Path, required=True, help="224 px JPEGs (python -m loadtests.harness.dataset)")
     parser.add_argument("--full-photos", type=Path, required=True, help="full-size JPEG photos")
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--device", default="cuda")

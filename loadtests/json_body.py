@@ -18,7 +18,7 @@ from pathlib import Path
 
 import httpx
 
-from loadtests.deployment import gateway
+from loadtests.harness.deployment import gateway
 
 ENTRIES = 1_398_000
 """{"url":"a"} entries: 16,776,012 bytes, under the 16 MiB default body limit."""

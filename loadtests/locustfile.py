@@ -3,7 +3,7 @@
     locust -f loadtests/locustfile.py --host http://127.0.0.1:8000                  (web UI on :8089)
     locust -f loadtests/locustfile.py --host http://127.0.0.1:8000 --headless -u 64 -r 16 -t 60s
 
-Environment: GATEWAY_BENCH_IMAGES (a folder of images, e.g. from loadtests.dataset; default: the
+Environment: GATEWAY_BENCH_IMAGES (a folder of images, e.g. from loadtests.harness.dataset; default: the
 scikit-image sample photos), GATEWAY_API_KEY, GATEWAY_TOP_K (5). A 429 is reported as its own
 failure ("queue full") so shedding shows apart from errors.
 """
@@ -16,7 +16,7 @@ from pathlib import Path
 
 from locust import FastHttpUser, constant, task
 
-from loadtests.photos import sample_photos
+from loadtests.harness.photos import sample_photos
 
 
 def _images() -> list[bytes]:

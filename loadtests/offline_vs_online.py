@@ -37,10 +37,10 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from loadtests.deployment import broker_pid, gateway, worker
-from loadtests.http_load import Row, http_load, median_row
-from loadtests.photos import sample_photos
-from loadtests.resources import cpu_seconds, pin_process
+from loadtests.harness.deployment import broker_pid, gateway, worker
+from loadtests.harness.http_load import Row, http_load, median_row
+from loadtests.harness.photos import sample_photos
+from loadtests.harness.resources import cpu_seconds, pin_process
 from service.jobs.broker import Broker
 from service.jobs.messages import new_job_id, request_message
 from service.jobs.topology import REQUEST_KEY, Names
@@ -49,7 +49,7 @@ from service.settings import Settings
 INGEST = """
 import asyncio, json, sys, tempfile, time
 from pathlib import Path
-from loadtests.clients import offline
+from loadtests.harness.clients import offline
 from service.settings import Settings
 try:
     from service.host.eventloop import run

@@ -23,8 +23,8 @@ import aiohttp
 import cv2
 import numpy as np
 
-from loadtests.http_load import start_gateway
-from loadtests.resources import rss_bytes
+from loadtests.harness.http_load import start_gateway
+from loadtests.harness.resources import rss_bytes
 
 PER_CONNECTION = 512 * 1024
 """Allowance per open connection: measured ~0.29 MiB (uvicorn keeps up to 64 KB of an unread body,

@@ -8,7 +8,7 @@ embedded backend) against OpenVINO FP32, BF16 and INT8, on the same model and ph
 * through the gateway: photos in, labels out, N HTTP clients, at batch 1 and 16;
 * cost per million images at ``--price-per-hour``.
 
-Photos: distinct crops of scikit-image's sample photos (``loadtests.dataset``), calibration and
+Photos: distinct crops of scikit-image's sample photos (``loadtests.harness.dataset``), calibration and
 evaluation sets from different seeds; or your own folders.
 
     python -m loadtests.precision --repeat 3
@@ -27,9 +27,9 @@ from pathlib import Path
 
 import numpy as np
 
-from loadtests.dataset import build
-from loadtests.deployment import gateway
-from loadtests.http_load import Row, http_load, median_row
+from loadtests.harness.dataset import build
+from loadtests.harness.deployment import gateway
+from loadtests.harness.http_load import Row, http_load, median_row
 from service.backends.embedded import EmbeddedBackend
 from service.backends.inprocess import InProcessBackend
 from service.backends.openvino import OpenVINOBackend

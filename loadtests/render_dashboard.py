@@ -28,8 +28,8 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
-from loadtests.http_load import start_gateway
-from loadtests.photos import sample_photos
+from loadtests.harness.http_load import start_gateway
+from loadtests.harness.photos import sample_photos
 from service.tune.runner import free_port
 
 ROOT = Path(__file__).resolve().parents[1]

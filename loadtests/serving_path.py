@@ -32,11 +32,11 @@ import cv2
 import psutil
 from skimage import data as skdata
 
-from loadtests.deployment import gateway
-from loadtests.http_load import stop_process, wait_ready
-from loadtests.otlp_receiver import OTLPReceiver
-from loadtests.resources import children, cpu_seconds
-from loadtests.wrk import parse
+from loadtests.harness.deployment import gateway
+from loadtests.harness.http_load import stop_process, wait_ready
+from loadtests.harness.otlp_receiver import OTLPReceiver
+from loadtests.harness.resources import children, cpu_seconds
+from loadtests.harness.wrk import parse
 from service.tune.runner import free_port
 
 LUA = """
@@ -73,7 +73,7 @@ def jpeg_224(folder: Path) -> Path:
 def reference_server(preprocess: str = "minimal") -> Iterator[tuple[int, str]]:
     port = free_port()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "loadtests.reference_app", "--port", str(port), "--preprocess", preprocess]
+        [sys.executable, "-m", "loadtests.harness.reference_app", "--port", str(port), "--preprocess", preprocess]
     )
     url = f"http://127.0.0.1:{port}"
     try:

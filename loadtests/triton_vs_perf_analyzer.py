@@ -27,10 +27,10 @@ from pathlib import Path
 import cv2
 import numpy as np
 
-from loadtests.deployment import gateway, local_triton
-from loadtests.http_load import Row, http_load
-from loadtests.perf_analyzer import PA_DIR, Point, perf_analyzer
-from loadtests.photos import sample_photos
+from loadtests.harness.deployment import gateway, local_triton
+from loadtests.harness.http_load import Row, http_load
+from loadtests.harness.perf_analyzer import PA_DIR, Point, perf_analyzer
+from loadtests.harness.photos import sample_photos
 from service.images.preprocess import centre_crop_resize
 from service.triton.repository import TritonOptions
 

@@ -143,7 +143,8 @@ class Settings(BaseSettings):
     )
 
     host: str = "127.0.0.1"
-    """Address the HTTP server binds to."""
+    """Address the HTTP server binds to (``0.0.0.0`` or ``::`` for every interface; an empty or blank value is
+    refused, not read as every interface)."""
     port: int = Field(8000, ge=0, le=65535)
     """TCP port of the HTTP server (0 picks a free one)."""
     workers: int = Field(1, ge=1, le=64)
@@ -155,16 +156,18 @@ class Settings(BaseSettings):
     """uvicorn's access log, a line per request (off: the request metrics count every request,
     and a log line per image costs as much as the rest of a cheap request's path)."""
     log_format: Literal["text", "json"] = "text"
-    """Log lines as text, or as one JSON object per line (for a log pipeline). Either way a line a
-    request or job causes carries its ``request_id`` / ``job_id`` and, when traced, ``trace_id``."""
+    """Log lines as text, or as one JSON object per line (for a log pipeline: ``timestamp``, ``level``,
+    ``logger``, ``message``). Either way a line a request or job causes carries its ``request_id`` /
+    ``job_id`` and, when traced, ``trace_id`` and ``span_id``."""
     log_repeat_interval: float = Field(10.0, ge=0.0)
-    """Seconds during which further copies of one warning (same logger and message) are dropped
+    """Seconds during which further copies of one warning (same logger and message template) are dropped
     and counted, said on the next copy let through (0: every copy is written)."""
     tracing_endpoint: str | None = None
     """OTLP/HTTP collector URL for OpenTelemetry traces, e.g. ``http://otel-collector:4318``
     (spans are posted to ``/v1/traces`` under it). Unset: tracing is off and costs nothing."""
     tracing_service_name: str = "inference-gateway"
-    """``service.name`` of the spans (each process also says its ``gateway.role``)."""
+    """``service.name`` of the spans (each process also says its ``gateway.role``: gateway, worker or
+    ingest)."""
     tracing_sample_ratio: float = Field(0.01, ge=0.0, le=1.0)
     """Share of new traces sampled. A request whose ``traceparent`` says its caller sampled it is
     always traced (and one whose caller did not, never), so a trace is whole or absent."""
@@ -175,7 +178,8 @@ class Settings(BaseSettings):
     followed by its own quota: ``KEY rate=20 burst=40 concurrency=4``."""
     api_keys_file: Path | None = None
     """File with one API key per line, each with its quota as in ``api_keys`` (e.g. a mounted
-    Kubernetes Secret); adds to ``api_keys``."""
+    Kubernetes Secret); adds to ``api_keys``. Read at start: a regular UTF-8 file of at most 64 MiB;
+    a FIFO, a device, a directory or a bad entry stops the start with a message naming the setting."""
     key_rate: float = Field(0.0, ge=0.0)
     """Images per second each API key may send, unless its entry says ``rate=`` (0: unlimited).
     Over it: 429 ``quota_exceeded`` with ``Retry-After``."""
@@ -184,54 +188,62 @@ class Settings(BaseSettings):
     of its rate, at least ``max_images_per_request``)."""
     key_concurrency: int = Field(0, ge=0)
     """Requests each API key may have in progress at once, unless its entry says
-    ``concurrency=`` (0: unlimited; at most 256, checked with the keys at start)."""
+    ``concurrency=`` (0: unlimited; at most 256, here and in ``concurrency=``, checked with the keys at
+    start)."""
     metrics_public: bool = False
     """Serve /metrics without an API key even when keys are configured (e.g. when only Prometheus
     can reach the port)."""
 
     backend: Literal["embedded", "openvino", "torch", "triton", "fake"] = "embedded"
     """Where batches run: ``embedded`` (ONNX Runtime in this process, on CPU), ``openvino`` (the
-    model converted by OpenVINO for this CPU, in this process; see ``openvino_precision``),
-    ``torch`` (ResNet-50 in PyTorch in this process, on a CUDA GPU; see ``torch_device``),
+    model converted by OpenVINO for this CPU, in this process; see ``openvino_precision``;
+    ``pip install '.[openvino]'``, which ``scripts/bootstrap`` and the image do), ``torch`` (ResNet-50
+    in PyTorch in this process, on a CUDA GPU; see ``torch_device``; ``pip install '.[torch]'``),
     ``triton`` (NVIDIA Triton Inference Server, see the ``triton_*`` settings) or ``fake`` (a
     deterministic stand-in with no model, for testing the gateway itself)."""
     openvino_precision: Literal["fp32", "bf16", "int8"] = "bf16"
     """Precision of the ``openvino`` backend: ``bf16`` (where the CPU has bfloat16 kernels, else
-    fp32, said in /readyz), ``fp32``, or ``int8`` (quantised on ``calibration_dir``'s photos, or a
-    model built by ``gateway models quantize``)."""
+    fp32, said in /readyz's ``runtime`` check), ``fp32``, or ``int8`` (quantised on ``calibration_dir``'s
+    photos, or a model built by ``gateway models quantize``). See "Runtimes and precisions on CPU" in
+    docs/performance.md."""
     torch_device: str = "cuda"
-    """Device of the ``torch`` backend: ``cuda``, ``cuda:N``, or ``cpu`` (for trying it without a GPU)."""
+    """Device of the ``torch`` backend: ``cuda``, ``cuda:N``, or ``cpu`` (for trying it without a GPU; always
+    fp32 there)."""
     torch_precision: Literal["fp16", "fp32"] = "fp16"
-    """Precision of the ``torch`` backend on a GPU (on the CPU it always runs fp32)."""
+    """Precision of the ``torch`` backend on a GPU: ``fp16`` (BatchNorms folded, channels-last) or ``fp32``
+    (on the CPU it always runs fp32)."""
     torch_cuda_graphs: bool = True
     """Run the ``torch`` backend's batches as CUDA graphs captured at start (one per batch bucket and
-    backend thread): one launch per batch instead of one per layer. Off: eager PyTorch."""
+    backend thread): one launch per batch instead of one per layer. Off: eager PyTorch. A failed capture
+    falls back to eager, said in /readyz's ``runtime`` check."""
     torch_engine: Literal["per-worker", "shared"] = "per-worker"
     """With several ``workers`` and the ``torch`` backend: ``per-worker`` loads the model in every
-    worker, each batching alone; ``shared`` starts one engine process that owns the GPU, and the
-    workers (decoding, batching) hand it their batches through shared memory, where one batcher
-    merges them (``service.backends.engine``)."""
+    worker, each batching alone; ``shared`` starts one engine process (``gateway engine``) that owns the
+    GPU, and the workers (decoding, batching) hand it their batches through shared memory, where one
+    batcher merges them (``service.backends.engine``; metric ``gateway_engine_batch_size``). See
+    docs/performance.md for when each wins."""
     engine_socket: str | None = None
     """The shared engine's Unix socket (set by ``gateway serve`` for its workers; or an engine run
-    on its own with ``gateway engine --socket``)."""
+    on its own with ``gateway engine --socket PATH``)."""
     engine_start_attempts: int = Field(5, ge=1, le=100)
     """Consecutive failed starts of the shared engine (it exits before serving, or within a minute
-    of starting) after which ``gateway serve`` stops and exits non-zero, so the container restarts;
+    of starting) after which ``gateway serve`` stops its workers and exits non-zero, so the container restarts;
     before that it restarts the engine with growing delays (0.5 s doubling to 30 s)."""
     engine_down_limit: float = Field(120.0, gt=0.0)
-    """Seconds a worker may be without its shared engine before ``/healthz`` fails, so that an
+    """Seconds a worker may be without its shared engine before ``/healthz`` fails (503), so that an
     orchestrator restarts the pod (the engine's restarts and model load must fit in it)."""
     torch_sync: Literal["blocking", "spin"] = "blocking"
     """How a ``torch`` backend thread waits for its batch on the GPU: ``blocking`` sleeps until it is
-    done, leaving the core to decoding; ``spin`` busy-waits (CUDA's default with few processes)."""
+    done, leaving the core to decoding; ``spin`` busy-waits (CUDA's default with fewer processes than
+    cores: a spinning core per waiting thread)."""
     decoder: Literal["opencv", "nvjpeg"] = "opencv"
     """Image decoder: ``opencv`` on the CPU, or ``nvjpeg``: JPEGs decoded, cropped and resized on the
     GPU ``torch_device`` (torchvision's ``decode_jpeg``; ``pip install '.[gpu]'``), other formats and
-    JPEGs it refuses by OpenCV, per image."""
+    JPEGs it refuses by OpenCV, per image (counted in ``gateway_decode_fallbacks_total``)."""
     calibration_dir: Path | None = None
-    """Photos like the traffic (at least 32) that calibrate the INT8 model; it is built once into
-    the models directory, and refused if its top-1 answers agree with FP32 on under 99 % of the
-    held-out quarter."""
+    """Photos like the traffic (at least 32) that calibrate the INT8 model; it is built once, on first
+    start, into the models directory, and refused if its top-1 answers agree with FP32 on under 99 % of
+    the held-out quarter. ``gateway models quantize --photos DIR`` builds it ahead."""
     fake_delay: float = Field(0.0, ge=0.0)
     """Seconds the ``fake`` backend takes per batch (to simulate a slow model in tests and drills)."""
     breaker_threshold: int = Field(5, ge=0)
@@ -246,9 +258,9 @@ class Settings(BaseSettings):
     """Model profile to serve: ``efficientnet-lite0`` (real ImageNet weights), ``resnet50``, or
     ``trivial`` (no real answers; almost no compute, for measuring the gateway itself)."""
     model_weights: Path | None = None
-    """Weights file for the model (a PyTorch state_dict); default: the checkpoint ``gateway models
-    fetch`` kept in ``models_dir``, else the packaged weights for EfficientNet-Lite0 and random
-    He-initialised weights for ResNet-50 (flagged in every answer)."""
+    """Weights file for the model (a PyTorch state_dict, legacy or zip format); default: the checkpoint
+    ``gateway models fetch`` kept in ``models_dir``, else the packaged weights for EfficientNet-Lite0
+    and random He-initialised weights for ResNet-50 (flagged ``random_weights`` in every answer)."""
     models_dir: Path = Field(default_factory=_default_models_dir)
     """Directory where built ONNX models are cached."""
     embedded_threads: int = Field(0, ge=0)
@@ -288,9 +300,10 @@ class Settings(BaseSettings):
     """Redirects followed per URL, each checked like the URL itself."""
     idempotency_ttl: float = Field(86400.0, gt=0.0)
     """Seconds an ``Idempotency-Key`` of an offline submit is remembered: a retry within it returns
-    the same job ids and publishes nothing new."""
+    the same job ids and publishes nothing new (also the claim stream's ``max-age`` policy)."""
     idempotency_max_bytes: int = Field(64 * 1024 * 1024, ge=1024 * 1024)
-    """Memory each API replica gives the idempotency keys it remembers (about 600 bytes a key);
+    """Memory each API replica gives the idempotency keys it remembers (about 600 bytes a key, so
+    ~110,000 keys by default);
     over it, the least recently used keys are forgotten before their TTL."""
     webhook_secret: SecretStr | None = None
     """Key that signs completion webhooks (``whsec_`` + base64 of 24-64 random bytes, e.g.
@@ -307,7 +320,8 @@ class Settings(BaseSettings):
     """Seconds before each retry of a failed delivery, the last one repeated; each is shortened by
     up to a fifth at random."""
     webhook_max_age: float = Field(86400.0, gt=0.0)
-    """Seconds after a job finished during which its webhook is retried; then it is undeliverable."""
+    """Seconds after a job finished during which its webhook is retried; then it is undeliverable
+    (dead-lettered)."""
     webhook_concurrency: int = Field(32, ge=1, le=1024)
     """Webhook deliveries one worker makes at once."""
     publish_timeout: float = Field(5.0, gt=0.0)
@@ -323,7 +337,7 @@ class Settings(BaseSettings):
     max_retries: int = Field(3, ge=0)
     """Times a message is retried after a backend failure before it is dead-lettered."""
     jobs_cache_bytes: int = Field(64 * 1024 * 1024, ge=1024 * 1024)
-    """Memory the API gives job states for ``GET /jobs/{id}`` (results ~4-12 KB each; pending
+    """Memory each API replica gives job states for ``GET /jobs/{id}`` (results ~4-12 KB each; pending
     markers have a quarter of it of their own, so results never evict running jobs)."""
     jobs_ttl: float = Field(24 * 3600.0, gt=0.0)
     """Seconds a job state is kept after it was last written."""
@@ -345,7 +359,7 @@ class Settings(BaseSettings):
     ``max_batch_size`` images or ``max_delay``; ``adaptive`` learns the backend's batch time
     (``a * n + b``) and the arrival rate, waits only for the smallest batch that keeps up, and
     refuses at once (429 ``deadline_unmeetable``) a request the queue ahead would make miss its
-    deadline."""
+    deadline (see docs/tuning.md)."""
     max_inflight_batches: int = Field(2, ge=1, le=64)
     """Batches in the backend at once: more than one lets the next batch form while one runs."""
     max_queue_size: int = Field(256, ge=1)
@@ -353,7 +367,8 @@ class Settings(BaseSettings):
 
     request_timeout: float = Field(10.0, gt=0.0)
     """Seconds a /classify request may take from the end of its body (decoding, queueing,
-    inference) before it gets 504; the upload has its own bound, ``body_timeout``."""
+    inference) before it gets 504; the upload has its own bound, ``body_timeout``. Also each worker
+    batch's deadline."""
     max_body_bytes: int = Field(16 * 1024 * 1024, ge=1024)
     """Largest request body accepted; larger bodies get 413."""
     header_timeout: float = Field(10.0, gt=0.0)
@@ -385,17 +400,17 @@ class Settings(BaseSettings):
     The default admits a 50-megapixel 8-bit RGB PNG, and JPEGs far larger (decoded at 1/8 scale)."""
     max_decode_bytes: int = Field(0, ge=0)
     """Decoder memory all images being decoded at once may take together, reckoned the same way; an
-    image whose share is not free waits for it, first come first served (0: twice
+    image whose share is not free waits for it, first come first served, until its deadline (0: twice
     ``max_image_bytes``). This, not the number of decode threads, bounds decoding's memory."""
     max_images_per_request: int = Field(64, ge=1)
     """Most images in one /classify request."""
     max_json_body_bytes: int = Field(0, ge=0)
-    """Largest JSON body (images by URL) accepted, checked before it is parsed; larger ones get 413
-    (0: room for ``max_images_per_request`` URLs of the longest length, 2,112 bytes each: 135 KB
-    by default)."""
+    """Largest JSON body (images by URL) accepted, checked from Content-Length and as it streams in,
+    before it is parsed; larger ones get 413 (0: room for ``max_images_per_request`` URLs of the
+    longest length, 2,048 characters, 2,112 bytes each with the JSON around it: 135 KB by default)."""
     preprocess_workers: int = Field(default_factory=lambda: DECODE_THREADS_PER_CPU * available_cpus(), ge=1)
     """Threads that decode and resize images (OpenCV releases the GIL); default two per CPU the
-    process may use (its affinity, capped by a cgroup CPU quota): a thread also waits for the GIL
+    process may use (its affinity, capped by a cgroup CPU quota, not the node's cores): a thread also waits for the GIL
     and for its turn on a core, so one per CPU leaves cores idle (see the serving-path
     section of docs/performance.md). Their memory is bounded by ``max_decode_bytes``, not by their number."""
 

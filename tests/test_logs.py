@@ -12,7 +12,7 @@ from contextlib import contextmanager
 
 import pytest
 
-from loadtests.otlp_receiver import OTLPReceiver
+from loadtests.harness.otlp_receiver import OTLPReceiver
 from service.backends.fake import FakeBackend
 from service.errors import BackendError
 from service.logs import REQUEST_ID, gateway_handler

@@ -14,7 +14,7 @@ import httpx
 import pytest
 import yaml
 
-from loadtests.otlp_receiver import OTLPReceiver
+from loadtests.harness.otlp_receiver import OTLPReceiver
 from service.backends.fake import FakeBackend
 from service.settings import Settings
 from tests.conftest import png_bytes, running_gateway, running_prometheus, solid_image

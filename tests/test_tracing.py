@@ -8,7 +8,7 @@ from collections.abc import Callable, Iterator
 import httpx
 import pytest
 
-from loadtests.otlp_receiver import OTLPReceiver, ReceivedSpan
+from loadtests.harness.otlp_receiver import OTLPReceiver, ReceivedSpan
 from service.backends.fake import FakeBackend
 from service.settings import Settings
 from tests.conftest import png_bytes, running_gateway, solid_image

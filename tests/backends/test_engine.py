@@ -25,7 +25,7 @@ import psutil
 import pytest
 from prometheus_client import CollectorRegistry
 
-from loadtests.http_load import start_gateway, stop_process
+from loadtests.harness.http_load import start_gateway, stop_process
 from service.backends.engine import EngineClient, Geometry
 from service.backends.engine_server import EngineServer
 from service.backends.fake import FakeBackend

@@ -13,7 +13,7 @@ import pytest
 
 import service.backends.openvino as openvino_module
 import service.models.quantize as quantize_module
-from loadtests.dataset import build
+from loadtests.harness.dataset import build
 from loadtests.precision import scores_of
 from service.backends.embedded import EmbeddedBackend
 from service.backends.openvino import OpenVINOBackend, Precision, has_bf16

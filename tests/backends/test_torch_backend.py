@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from loadtests.photos import sample_photos
+from loadtests.harness.photos import sample_photos
 from service.backends.embedded import EmbeddedBackend
 from service.backends.torch_backend import TorchBackend, buckets
 from service.images.preprocess import PreprocessConfig, prepare

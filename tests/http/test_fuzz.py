@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from loadtests.http_load import start_gateway
+from loadtests.harness.http_load import start_gateway
 
 SCHEMATHESIS = Path(sys.executable).with_name("schemathesis")
 

@@ -13,7 +13,7 @@ import aiohttp
 import psutil
 import pytest
 
-from loadtests.http_load import start_gateway
+from loadtests.harness.http_load import start_gateway
 from tests.conftest import png_bytes, solid_image
 
 

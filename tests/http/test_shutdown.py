@@ -12,7 +12,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from loadtests.http_load import start_gateway
+from loadtests.harness.http_load import start_gateway
 from tests.conftest import png_bytes, solid_image
 
 

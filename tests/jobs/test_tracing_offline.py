@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from loadtests.otlp_receiver import OTLPReceiver, ReceivedSpan
+from loadtests.harness.otlp_receiver import OTLPReceiver, ReceivedSpan
 from service.backends.fake import FakeBackend
 from service.jobs.ingest import run_ingest
 from service.jobs.messages import DEFAULT_REPLY_TO, request_message

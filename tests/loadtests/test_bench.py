@@ -16,11 +16,11 @@ from pathlib import Path
 
 import pytest
 
-from loadtests import network
-from loadtests.deployment import gateway_batching, local_triton
-from loadtests.grid import PROFILES, build_grid
-from loadtests.http_load import start_gateway
-from loadtests.perf_analyzer import PA_DIR
+from loadtests.harness import network
+from loadtests.harness.deployment import gateway_batching, local_triton
+from loadtests.harness.grid import PROFILES, build_grid
+from loadtests.harness.http_load import start_gateway
+from loadtests.harness.perf_analyzer import PA_DIR
 
 pytestmark = pytest.mark.slow
 

@@ -6,7 +6,7 @@ from pathlib import Path
 import cv2
 import numpy as np
 
-from loadtests.dataset import SMALLEST, build
+from loadtests.harness.dataset import SMALLEST, build
 
 
 def test_dataset_is_reproducible_224px_with_identical_copies(tmp_path: Path) -> None:

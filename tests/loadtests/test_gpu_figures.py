@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 
 from loadtests.gpu_figures import gateway_run
-from loadtests.http_load import start_gateway
-from loadtests.photos import sample_photos
-from loadtests.wrk import parse
+from loadtests.harness.http_load import start_gateway
+from loadtests.harness.photos import sample_photos
+from loadtests.harness.wrk import parse
 
 WRK = shutil.which("wrk")
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(WRK is None, reason="wrk is installed by scripts/test-deps")]

@@ -4,7 +4,7 @@ from dataclasses import replace
 
 import pytest
 
-from loadtests.grid import ASYNC_DEPTH, PROFILES, Config, build_grid
+from loadtests.harness.grid import ASYNC_DEPTH, PROFILES, Config, build_grid
 
 
 def test_quick_grid_covers_the_studys_factors_once_each() -> None:

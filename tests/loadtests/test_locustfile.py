@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from loadtests.http_load import start_gateway
+from loadtests.harness.http_load import start_gateway
 
 LOCUST = Path(sys.executable).with_name("locust")
 LOCUSTFILE = Path(__file__).resolve().parents[2] / "loadtests" / "locustfile.py"

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from loadtests import network
+from loadtests.harness import network
 
 pytestmark = pytest.mark.slow
 

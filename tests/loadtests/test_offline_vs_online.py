@@ -10,7 +10,7 @@ import subprocess
 import psutil
 import pytest
 
-from loadtests.deployment import broker_pid
+from loadtests.harness.deployment import broker_pid
 from loadtests.offline_vs_online import main
 
 

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from loadtests.clients import Measurement
-from loadtests.grid import Config
-from loadtests.report import COLUMNS, CsvLog, Run, markdown, plot, summarise
+from loadtests.harness.clients import Measurement
+from loadtests.harness.grid import Config
+from loadtests.harness.report import COLUMNS, CsvLog, Run, markdown, plot, summarise
 
 SYNC = Config("microservice", "gateway", "grpc", "sync", 1, "files")
 ASYNC = Config("microservice", "gateway", "grpc", "async", 1, "files")

@@ -6,7 +6,7 @@ import subprocess
 import sys
 import time
 
-from loadtests.resources import ResourceSampler, children
+from loadtests.harness.resources import ResourceSampler, children
 
 BUSY = "x = bytearray(64 * 2**20)\nprint('ready', flush=True)\nwhile True: pass"
 PARENT = f"import subprocess, sys, time\nsubprocess.Popen([sys.executable, '-c', {BUSY!r}])\ntime.sleep(60)"

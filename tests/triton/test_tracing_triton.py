@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from loadtests.otlp_receiver import OTLPReceiver
+from loadtests.harness.otlp_receiver import OTLPReceiver
 from service.settings import Settings
 from service.triton.server import LocalTriton, TritonInstall
 from tests.conftest import running_gateway

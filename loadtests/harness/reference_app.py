@@ -7,7 +7,7 @@ the header checks, the model's centre crop and the resize), so that work's cost 
 from the rest of the gateway's: on a 224 px JPEG the minimal resize is a copy, while the model's
 crop (0.875 of the side) has to be scaled back up to 224.
 
-    python -m loadtests.reference_app --port 8100 [--preprocess gateway]
+    python -m loadtests.harness.reference_app --port 8100 [--preprocess gateway]
 """
 
 from __future__ import annotations

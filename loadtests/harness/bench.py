@@ -35,9 +35,9 @@ from urllib.parse import urlsplit
 
 import psutil
 
-from loadtests import clients, network
-from loadtests.dataset import build
-from loadtests.deployment import (
+from loadtests.harness import clients, network
+from loadtests.harness.dataset import build
+from loadtests.harness.deployment import (
     BROKER,
     Triton,
     broker_pid,
@@ -47,10 +47,10 @@ from loadtests.deployment import (
     local_triton,
     worker,
 )
-from loadtests.grid import PROFILES, Config, Profile, build_grid
-from loadtests.perf_analyzer import PA_DIR, perf_analyzer
-from loadtests.report import CsvLog, Run, markdown, plot, summarise
-from loadtests.resources import ResourceSampler, gpu_name
+from loadtests.harness.grid import PROFILES, Config, Profile, build_grid
+from loadtests.harness.perf_analyzer import PA_DIR, perf_analyzer
+from loadtests.harness.report import CsvLog, Run, markdown, plot, summarise
+from loadtests.harness.resources import ResourceSampler, gpu_name
 from service.backends.embedded import EmbeddedBackend
 from service.images.preprocess import PreprocessConfig, prepare
 from service.models.profiles import get_profile

@@ -12,8 +12,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from loadtests.clients import Measurement
-from loadtests.grid import Config
+from loadtests.harness.clients import Measurement
+from loadtests.harness.grid import Config
 
 PROCESSES = ("client", "gateway", "worker", "triton", "broker")
 STATS = ("mean", "max", "min")

@@ -5,7 +5,7 @@ It speaks the real protocol (``POST /v1/traces``, an ``ExportTraceServiceRequest
 JSON, optionally gzipped) and answers as a collector does, so the gateway's exporter and Triton's are
 exercised exactly as in production. Spans are kept flattened as ``ReceivedSpan``.
 
-``python -m loadtests.otlp_receiver --port 4318`` runs it alone and prints a line per span.
+``python -m loadtests.harness.otlp_receiver --port 4318`` runs it alone and prints a line per span.
 """
 
 from __future__ import annotations

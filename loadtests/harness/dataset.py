@@ -2,7 +2,7 @@
 out of the measurement), optionally the same set copied N times (its 13,500-file set was 1,500
 photos x 9), reproducible with a seed.
 
-    python -m loadtests.dataset --out data/bench --count 1500 --copies 9 [--from PHOTO_FOLDER]
+    python -m loadtests.harness.dataset --out data/bench --count 1500 --copies 9 [--from PHOTO_FOLDER]
 
 Without --from, photos are generated from scikit-image's sample photos (random crops, flips,
 brightness and JPEG quality), so the files are distinct real-photo content. A manifest.json lists
@@ -22,7 +22,7 @@ from pathlib import Path
 import cv2
 import numpy as np
 
-from loadtests.photos import SAMPLE_PHOTOS
+from loadtests.harness.photos import SAMPLE_PHOTOS
 from service.images.preprocess import centre_crop_resize
 
 SIDE = 224

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import httpx
 
-from loadtests.clients import gateway_async, warm_up
-from loadtests.resources import cpu_seconds, pinned
+from loadtests.harness.clients import gateway_async, warm_up
+from loadtests.harness.resources import cpu_seconds, pinned
 from service.tune.runner import free_port
 
 

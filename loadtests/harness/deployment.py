@@ -14,9 +14,9 @@ from pathlib import Path
 
 import psutil
 
-from loadtests.http_load import start_gateway, stop_process
-from loadtests.network import LinkedNamespace, Shaping
-from loadtests.resources import pinned
+from loadtests.harness.http_load import start_gateway, stop_process
+from loadtests.harness.network import LinkedNamespace, Shaping
+from loadtests.harness.resources import pinned
 from service.jobs.topology import Names
 from service.models.profiles import get_profile
 from service.models.store import ensure_model

@@ -1,10 +1,10 @@
-"""The clients of the experiment grid (see ``loadtests.grid``), each measuring one run.
+"""The clients of the experiment grid (see ``loadtests.harness.grid``), each measuring one run.
 
 * :func:`gateway_sync` / :func:`gateway_async`: HTTP clients of the gateway (aiohttp: httpx's async
   client costs 10-20x more CPU per request, and client and gateway share the cores here);
 * :func:`direct`: the embedded model called in this process on decoded tensors;
 * :func:`offline`: the ingest client -> RabbitMQ -> a running ``gateway worker``;
-* perf_analyzer lives in ``loadtests.perf_analyzer``.
+* perf_analyzer lives in ``loadtests.harness.perf_analyzer``.
 """
 
 from __future__ import annotations

@@ -1,0 +1,4 @@
+"""How figures are measured: clients, datasets, deployments, load generators, reports.
+
+Tests may import these; each figure is a module one level up (``python -m loadtests.<figure>``).
+"""
