@@ -55,7 +55,7 @@ async def open_pipeline(
     if settings.decoder == "nvjpeg":
         from service.images.gpu_decode import NvJpegDecoder
 
-        gpu_decoder = NvJpegDecoder(settings.torch_device, metrics)
+        gpu_decoder = NvJpegDecoder(settings.torch_device, lambda reason: metrics.decode_fallbacks.labels(reason).inc())
         decode, decode_many = gpu_decoder.prepare, gpu_decoder.prepare_many
         logger.info("decoder: JPEGs on %s (nvJPEG), other images on the CPU (OpenCV)", settings.torch_device)
     cv2.setNumThreads(1)  # parallelism comes from the preprocessing pool, one image per thread

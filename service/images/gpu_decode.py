@@ -33,7 +33,6 @@ import numpy as np
 from service.images.budget import ByteBudget
 from service.images.imageinfo import ImageInfo, probe
 from service.images.preprocess import PreprocessConfig, check_limits, prepare
-from service.metrics import Metrics
 
 if TYPE_CHECKING:
     import torch
@@ -80,7 +79,9 @@ def square_resize(img: torch.Tensor, size: int, crop_fraction: float) -> torch.T
 class NvJpegDecoder:
     """``prepare`` with JPEGs decoded on ``device`` (see the module's docstring)."""
 
-    def __init__(self, device: str, metrics: Metrics, decode_jpeg: DecodeJpeg | None = None) -> None:
+    def __init__(self, device: str, on_fallback: Callable[[str], None], decode_jpeg: DecodeJpeg | None = None) -> None:
+        """``on_fallback(reason)`` is told of each image decoded on the CPU instead: ``format`` (not
+        a JPEG) or ``refused`` (a JPEG the GPU decoder refused)."""
         import torch
 
         if decode_jpeg is None:
@@ -95,7 +96,7 @@ class NvJpegDecoder:
                 raise RuntimeError(f"GATEWAY_DECODER=nvjpeg needs a CUDA device; {device!r} is not one here")
             decode_jpeg = partial(torchvision_decode_jpeg, mode=ImageReadMode.RGB)  # grey and CMYK too
         self.device = torch.device(device)
-        self.metrics = metrics
+        self.on_fallback = on_fallback
         self._decode_jpeg = decode_jpeg
 
     def prepare(
@@ -129,7 +130,7 @@ class NvJpegDecoder:
                 jpegs[i] = info
                 out.append(_PENDING)
             else:
-                self.metrics.decode_fallbacks.labels("format").inc()
+                self.on_fallback("format")
                 out.append(_outcome(prepare, data, config, budget, deadline, info))
         if not jpegs:
             return out
@@ -160,7 +161,7 @@ class NvJpegDecoder:
         if retry:
             with contextlib.suppress(Exception):
                 return self._decode_squares([data], [info.orientation], config)[0]
-        self.metrics.decode_fallbacks.labels("refused").inc()
+        self.on_fallback("refused")
         return _outcome(prepare, data, config, budget, deadline, info)
 
     def _decode_squares(

@@ -37,7 +37,8 @@ def cpu_decode_jpeg(
 
 
 def decoder(metrics: Metrics | None = None, decode_jpeg: object = cpu_decode_jpeg) -> NvJpegDecoder:
-    return NvJpegDecoder("cpu", metrics or Metrics(), decode_jpeg=decode_jpeg)  # type: ignore[arg-type]
+    counted = metrics or Metrics()
+    return NvJpegDecoder("cpu", lambda reason: counted.decode_fallbacks.labels(reason).inc(), decode_jpeg=decode_jpeg)  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("orientation", range(1, 9))
@@ -122,4 +123,4 @@ def test_a_requests_images_decode_together_and_each_keeps_its_own_outcome(cat_jp
 
 def test_without_a_gpu_decoder_the_setting_fails_at_start() -> None:
     with pytest.raises(RuntimeError, match="GATEWAY_DECODER=nvjpeg needs"):
-        NvJpegDecoder("cuda", Metrics())
+        NvJpegDecoder("cuda", lambda reason: None)
