@@ -33,6 +33,7 @@ from service.errors import (
 from service.http.json_body import read_urls
 from service.http.middleware import API_KEY, AUTHENTICATED
 from service.http.protocol import TIMED_OUT
+from service.images.files import MEDIA_TYPES
 from service.jobs.client import OfflineImage, PendingJob
 from service.metrics import Metrics
 from service.models.checkpoints import real_weights_hint
@@ -151,7 +152,6 @@ def _classify_params(request: Request) -> tuple[int, str]:
 
 MAX_FILENAME_BYTES = 255
 """Longest filename accepted in a multipart part (it is echoed in answers, job states and logs)."""
-IMAGE_TYPES = ("image/jpeg", "image/png", "image/gif", "image/webp", "image/bmp", "image/tiff")
 _BINARY = {"type": "string", "format": "binary"}
 
 
@@ -173,7 +173,7 @@ _CLASSIFY_BODY: dict[str, Any] = {
                 "required": ["file"],
             }
         },
-        **{t: {"schema": _BINARY} for t in (*IMAGE_TYPES, "application/octet-stream")},
+        **{t: {"schema": _BINARY} for t in (*MEDIA_TYPES, "application/octet-stream")},
         "application/json": {"schema": _url_images_schema()},
     },
 }
@@ -247,7 +247,7 @@ async def _read_images(request: Request, max_images: int) -> list[ImageInput]:
         return [ImageInput(body, None, media)]
     raise UnsupportedMediaType(
         f"content type {media or 'missing'!r} is not accepted; send multipart/form-data with 'file' parts, "
-        f"or an image body ({', '.join(IMAGE_TYPES)})"
+        f"or an image body ({', '.join(MEDIA_TYPES)})"
     )
 
 

@@ -25,6 +25,7 @@ from typing import Any
 from aio_pika.abc import AbstractIncomingMessage
 
 from service.errors import BackendUnavailable, GatewayError
+from service.images.files import MEDIA_TYPE_OF, is_image_file
 from service.images.imageinfo import probe
 from service.jobs.acks import Acks
 from service.jobs.broker import Broker
@@ -37,15 +38,6 @@ logger = logging.getLogger(__name__)
 
 READ_CHUNK = 32
 """Files read per thread hop while publishing."""
-IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png", ".gif", ".webp", ".bmp", ".tif", ".tiff"}
-CONTENT_TYPES = {
-    "jpeg": "image/jpeg",
-    "png": "image/png",
-    "gif": "image/gif",
-    "webp": "image/webp",
-    "bmp": "image/bmp",
-    "tiff": "image/tiff",
-}
 
 
 def collect(paths: list[Path]) -> list[Path]:
@@ -53,7 +45,7 @@ def collect(paths: list[Path]) -> list[Path]:
     found: set[Path] = set()
     for path in paths:
         if path.is_dir():
-            found.update(p.resolve() for p in path.rglob("*") if p.is_file() and p.suffix.lower() in IMAGE_SUFFIXES)
+            found.update(p.resolve() for p in path.rglob("*") if is_image_file(p))
         elif path.is_file():
             found.add(path.resolve())
         else:
@@ -95,7 +87,7 @@ def _result(body: bytes) -> dict[str, Any] | None:
 
 def content_type(data: bytes) -> str:
     try:
-        return CONTENT_TYPES[probe(data).format]
+        return MEDIA_TYPE_OF[probe(data).format]
     except GatewayError:
         return "application/octet-stream"  # the worker will say what is wrong with it
 

@@ -25,6 +25,7 @@ import numpy as np
 
 from service.errors import GatewayError
 from service.host.cpus import has_bf16, has_vnni
+from service.images.files import is_image_file
 from service.images.preprocess import PreprocessConfig, prepare
 from service.models.profiles import ModelProfile
 from service.models.store import recorded_sha256
@@ -39,7 +40,6 @@ near-ties (a crop that is half keyboard, half mouse) any change of arithmetic fl
 included, so agreement there measures the photo, not the precision; both are reported."""
 MIN_CLEAR = 8
 """Held-out photos with a clear answer needed to judge a quantised model."""
-PHOTO_SUFFIXES = frozenset({".jpg", ".jpeg", ".png", ".webp", ".bmp", ".tif", ".tiff", ".gif"})
 MIN_PHOTOS = 32
 HOLDOUT_EVERY = 4
 
@@ -81,7 +81,7 @@ def agreement(reference: np.ndarray, scores: np.ndarray) -> Agreement:
 
 def photos_in(folder: Path) -> list[Path]:
     """Image files under ``folder`` (searched recursively), in a stable order."""
-    return sorted(p for p in folder.rglob("*") if p.is_file() and p.suffix.lower() in PHOTO_SUFFIXES)
+    return sorted(p for p in folder.rglob("*") if is_image_file(p))
 
 
 def model_inputs(paths: list[Path], profile: ModelProfile) -> list[np.ndarray]:
