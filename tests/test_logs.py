@@ -75,7 +75,7 @@ async def test_a_failed_requests_json_log_line_carries_its_request_and_trace_ids
     assert len(failed) == 1, json_log.getvalue()
     line = failed[0]
     assert line["level"] == "WARNING"
-    assert line["logger"] == "service.http.api"
+    assert line["logger"] == "service.http.fastpath"
     assert line["request_id"] == request_id
     assert line["trace_id"] == TRACE
     assert "timestamp" in line

@@ -9,30 +9,23 @@ from typing import Any
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
-from opentelemetry import trace
 from starlette.datastructures import UploadFile
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.requests import ClientDisconnect
-from starlette.routing import BaseRoute
-from starlette.types import ASGIApp, Receive, Scope, Send
 
 from service.classifier import Classifier, ImageInput
 from service.errors import (
     BackendUnavailable,
     BadImage,
     BadRequest,
-    GatewayError,
     InvalidParameters,
     NotFound,
     QueueFull,
     QuotaExceeded,
-    RequestTimeout,
     UnsupportedMediaType,
-    error_response,
 )
 from service.http.json_body import read_urls
 from service.http.middleware import API_KEY, AUTHENTICATED
-from service.http.protocol import TIMED_OUT
+from service.http.openapi import CLASSIFY_BODY, ERRORS
 from service.images.files import MEDIA_TYPES
 from service.jobs.client import OfflineImage, PendingJob
 from service.metrics import Metrics
@@ -44,8 +37,6 @@ from service.schemas import (
     JobsAccepted,
     JobStatus,
     Readiness,
-    UrlImage,
-    UrlImages,
 )
 from service.settings import Settings
 from service.ssrf import check_destination, parse_allowlist
@@ -152,58 +143,6 @@ def _classify_params(request: Request) -> tuple[int, str]:
 
 MAX_FILENAME_BYTES = 255
 """Longest filename accepted in a multipart part (it is echoed in answers, job states and logs)."""
-_BINARY = {"type": "string", "format": "binary"}
-
-
-def _url_images_schema() -> dict[str, Any]:
-    """UrlImages' JSON schema with its item schema inlined (OpenAPI resolves no nested ``$defs``)."""
-    schema = UrlImages.model_json_schema()
-    schema.pop("$defs", None)
-    schema["properties"]["images"]["items"] = UrlImage.model_json_schema()
-    return schema
-
-
-_CLASSIFY_BODY: dict[str, Any] = {
-    "required": True,
-    "content": {
-        "multipart/form-data": {
-            "schema": {
-                "type": "object",
-                "properties": {"file": {"type": "array", "items": _BINARY, "description": "One part per image."}},
-                "required": ["file"],
-            }
-        },
-        **{t: {"schema": _BINARY} for t in (*MEDIA_TYPES, "application/octet-stream")},
-        "application/json": {"schema": _url_images_schema()},
-    },
-}
-_ERRORS: dict[int | str, dict[str, Any]] = {
-    code: {"model": ErrorBody, "description": text}
-    for code, text in {
-        400: "Empty, truncated or undecodable image, a malformed multipart or JSON body, or an image URL that "
-        "could not be fetched (`url_fetch_failed`: no connection, not 200, too many redirects, too slow).",
-        403: "An image URL or a Webhook-URL the SSRF guard refuses (`url_not_allowed`): a private, loopback, "
-        "link-local or metadata address not allow-listed, or http where only https is allowed.",
-        401: "API keys are configured and the request carries no valid one (`Authorization: Bearer` or `X-API-Key`).",
-        408: "The request body did not arrive within GATEWAY_BODY_TIMEOUT.",
-        413: "Body, image count or an image's decoded size over its limit, or more images than the API key's "
-        "burst allows at once.",
-        415: "Content type that is not an image, multipart/form-data or JSON, or an image URL whose answer is "
-        "not an image type.",
-        404: "Unknown job, or another API key's (GET /jobs/{job_id}).",
-        409: "mode=offline: the Idempotency-Key was used before with a different body (`idempotency_conflict`).",
-        422: "Invalid query parameters.",
-        429: "Retry after `Retry-After` seconds: the batch queue is full (`queue_full`), the request cannot meet "
-        "its deadline (`deadline_unmeetable`), or the API key is over its rate or concurrency quota "
-        "(`quota_exceeded`; other keys are still served).",
-        500: "The backend failed on the batch.",
-        503: "The backend is not ready, or the gateway is shutting down.",
-        504: "The request deadline passed.",
-    }.items()
-}
-_ERRORS[429]["headers"] = {
-    "Retry-After": {"description": "Seconds after which a retry may succeed.", "schema": {"type": "integer"}}
-}
 
 
 def _media_type(content_type: str | None) -> str:
@@ -255,7 +194,7 @@ async def _read_images(request: Request, max_images: int) -> list[ImageInput]:
     "/classify",
     response_model=ClassifyResponse,
     responses={
-        **_ERRORS,
+        **ERRORS,
         202: {
             "model": JobsAccepted,
             "description": "mode=offline: one job per image.",
@@ -268,7 +207,7 @@ async def _read_images(request: Request, max_images: int) -> list[ImageInput]:
             },
         },
     },
-    openapi_extra={"requestBody": _CLASSIFY_BODY, "parameters": _QUERY_DOC},
+    openapi_extra={"requestBody": CLASSIFY_BODY, "parameters": _QUERY_DOC},
     summary="Classify one or more images",
     description=(
         "Send images as multipart/form-data `file` parts (several are batched together) or as a raw "
@@ -491,51 +430,3 @@ async def metrics(request: Request) -> Response:
     assert isinstance(metrics, Metrics)
     body, content_type = metrics.exposition(request.headers.get("accept", ""))
     return Response(body, media_type=content_type)
-
-
-class ClassifyFastPath:
-    """``POST /classify`` straight to ``handle_classify``, around FastAPI's routing, dependency and
-    exception layers (a third of the event loop's time per request on the serving-path benchmark).
-    It sits inside the gateway's own middleware (body bounds, keys, metrics), renders errors exactly
-    as the app's handlers do, and tags the scope with the documented route for the metrics and
-    the server span."""
-
-    def __init__(self, app: ASGIApp, route: BaseRoute, metrics: Metrics) -> None:
-        self.app = app
-        self.route = route
-        self.metrics = metrics
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"] != "/classify" or scope["method"] != "POST":
-            await self.app(scope, receive, send)
-            return
-        scope["route"] = self.route
-        request = Request(scope, receive)
-        try:
-            response = await handle_classify(request)
-        except ClientDisconnect:
-            timed_out = scope.get(TIMED_OUT)
-            if timed_out is None:
-                return  # the client left: nobody to answer
-            # The protocol has answered 408 and closed; this (dropped) answer tells the metrics.
-            response = self._refusal(RequestTimeout(timed_out))
-        except GatewayError as exc:
-            response = self._refusal(exc)
-        except Exception:  # outside FastAPI's error layer: answer 500 in the gateway's shape
-            logger.exception("POST /classify failed")
-            response = self._refusal(GatewayError("the gateway failed on this request; see its log"))
-        await response(scope, receive, send)
-
-    def _refusal(self, exc: GatewayError) -> Response:
-        return refusal(exc, self.metrics)
-
-
-def refusal(exc: GatewayError, metrics: Metrics) -> Response:
-    """Count a refused request and answer it; a failure on the gateway's side (5xx) is also logged
-    (rate-limited, with the request's ids) and marked on its span."""
-    metrics.rejections.labels(exc.error).inc()
-    if exc.status_code >= 500:
-        logger.warning("request failed: %s (%d): %s", exc.error, exc.status_code, exc.detail)
-    if (span := trace.get_current_span()).is_recording():
-        span.set_attribute("gateway.error", exc.error)
-    return error_response(exc)

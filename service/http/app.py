@@ -23,7 +23,8 @@ from service.backends.base import Backend
 from service.backends.health import BackendHealth
 from service.classifier import Classifier
 from service.errors import GatewayError, error_body, validation_detail
-from service.http.api import ClassifyFastPath, refusal, router
+from service.http.api import router
+from service.http.fastpath import ClassifyFastPath, refusal
 from service.http.fetch import Fetcher
 from service.http.middleware import OPEN_PATHS, ApiKeyMiddleware, BodyLimitMiddleware, RequestMiddleware
 from service.http.quotas import Quotas
