@@ -1,4 +1,5 @@
-"""What a batch of n images costs the backend, learned online: ``seconds(n) = a * n + b``.
+"""The adaptive batching policy, and what a batch of n images costs the backend, learned online:
+``seconds(n) = a * n + b``.
 
 Least squares over a sliding window of the most recent batches (sizes and backend seconds), updated
 once per finished batch from the batcher's report (no polling, no timer). ``b`` is the fixed cost of
@@ -16,8 +17,15 @@ policy then picks give the window the variety it needs.
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from dataclasses import dataclass
+
+HEADROOM = 1.25
+"""The adaptive policy sizes batches for arrivals this much faster than measured, so the backend
+runs at most ~80 % busy and a burst does not start a queue at once."""
+RATE_TIME_CONSTANT = 1.0
+"""Seconds over which the arrival-rate estimate forgets (exponentially weighted)."""
 
 
 @dataclass(frozen=True)
@@ -90,3 +98,60 @@ def _least_squares(samples: deque[tuple[int, float]], previous: Fit | None) -> F
     if b < 0:
         return Fit(a=mean_t / mean_n, b=0.0)
     return Fit(a=a, b=b)
+
+
+class AdaptivePolicy:
+    """How many images a batch waits for, and how long a request would wait, from the learned
+    batch times (:class:`BatchLatencyModel`) and the arrival rate. The batcher tells it what
+    arrived and what each batch cost; it holds no clock or task of its own."""
+
+    def __init__(self, max_batch_size: int, slots: int, window: int = 64) -> None:
+        self.model = BatchLatencyModel(window)
+        self.max_batch_size = max_batch_size
+        self.slots = slots
+        """Batches the backend may run at once."""
+        self.rate = 0.0
+        """The latest arrival-rate estimate, images per second."""
+        self._arrivals = 0
+        self._rate_at: float | None = None
+
+    def arrived(self, count: int) -> None:
+        self._arrivals += count
+
+    def arrival_rate(self, now: float) -> float:
+        """Images admitted per second, exponentially weighted over ``RATE_TIME_CONSTANT``; updated
+        when the batcher looks (once per batch), not per request."""
+        if self._rate_at is None:
+            self._rate_at = now
+            return self.rate
+        elapsed = now - self._rate_at
+        if elapsed >= 0.01:
+            weight = 1.0 - math.exp(-elapsed / RATE_TIME_CONSTANT)
+            self.rate += weight * (self._arrivals / elapsed - self.rate)
+            self._arrivals = 0
+            self._rate_at = now
+        return self.rate
+
+    def target(self, now: float) -> int:
+        """The whole batch while the model is not ready, else the smallest n whose batches keep up
+        with the arrivals: ``rate * (a*n + b) / n <= slots``, i.e. ``n >= rate*b / (slots - rate*a)``."""
+        fit = self.model.fit
+        if fit is None:
+            return self.max_batch_size
+        rate = self.arrival_rate(now) * HEADROOM
+        spare = self.slots - rate * fit.a
+        if spare <= 0:  # not even full batches keep up: make them full
+            return self.max_batch_size
+        return max(1, min(self.max_batch_size, math.ceil(rate * fit.b / spare)))
+
+    def predicted_wait(self, ahead: int, inflight: int) -> float | None:
+        """Seconds until the last of ``ahead`` queued images is answered, with ``inflight`` batches
+        running now, from the learned batch times and how far they have recently been exceeded
+        (None before the model has seen a batch)."""
+        fit = self.model.fit
+        if fit is None:
+            return None
+        batch = min(ahead, self.max_batch_size)
+        waves = math.ceil(math.ceil(ahead / self.max_batch_size) / self.slots)
+        busy = fit.seconds(self.max_batch_size) / 2 if inflight >= self.slots else 0.0
+        return (busy + waves * fit.seconds(batch)) * self.model.margin

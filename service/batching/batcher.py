@@ -42,7 +42,7 @@ import numpy as np
 from opentelemetry import trace
 from opentelemetry.trace import Link, SpanContext, SpanKind, StatusCode
 
-from service.batching.adaptive import BatchLatencyModel
+from service.batching.adaptive import AdaptivePolicy, BatchLatencyModel
 from service.errors import (
     BackendError,
     BackendUnavailable,
@@ -103,11 +103,6 @@ class BatchReport:
 
 
 Policy = Literal["fixed", "adaptive"]
-HEADROOM = 1.25
-"""The adaptive policy sizes batches for arrivals this much faster than measured, so the backend
-runs at most ~80 % busy and a burst does not start a queue at once."""
-RATE_TIME_CONSTANT = 1.0
-"""Seconds over which the arrival-rate estimate forgets (exponentially weighted)."""
 
 
 class DynamicBatcher:
@@ -131,11 +126,8 @@ class DynamicBatcher:
         if max_batch_size < 1 or max_queue_size < 1 or max_inflight_batches < 1 or max_delay < 0:
             raise ValueError("batcher limits must be positive")
         self.policy = policy
-        self.model = BatchLatencyModel() if policy == "adaptive" else None
-        """The batch times learned (adaptive policy only)."""
-        self._arrivals = 0
-        self._rate = 0.0
-        self._rate_at: float | None = None
+        self.adaptive = AdaptivePolicy(max_batch_size, max_inflight_batches) if policy == "adaptive" else None
+        """The adaptive policy's learned batch times and arrival rate (None: fixed policy)."""
         self.target = max_batch_size
         """The batch size the policy last waited for."""
         self._preparing = 0
@@ -185,18 +177,17 @@ class DynamicBatcher:
         if deadline is not None and self.model is not None:
             self._check_deadline(count, deadline)
 
+    @property
+    def model(self) -> BatchLatencyModel | None:
+        """The batch times learned (adaptive policy only)."""
+        return self.adaptive.model if self.adaptive is not None else None
+
     def predicted_wait(self, count: int) -> float | None:
         """Seconds until ``count`` more images would be answered, behind the queue and the batches
-        running now, from the learned batch times and how far they have recently been exceeded
-        (None before the model has seen a batch)."""
-        fit = self.model.fit if self.model is not None else None
-        if fit is None:
+        running now (None with the fixed policy, or before the model has seen a batch)."""
+        if self.adaptive is None:
             return None
-        ahead = len(self._queue) + self._preparing + count
-        batch = min(ahead, self.max_batch_size)
-        waves = math.ceil(math.ceil(ahead / self.max_batch_size) / self.max_inflight_batches)
-        busy = fit.seconds(self.max_batch_size) / 2 if self._inflight >= self.max_inflight_batches else 0.0
-        return (busy + waves * fit.seconds(batch)) * self.model.margin  # type: ignore[union-attr]
+        return self.adaptive.predicted_wait(len(self._queue) + self._preparing + count, self._inflight)
 
     def _check_deadline(self, count: int, deadline: float) -> None:
         wait = self.predicted_wait(count)
@@ -213,37 +204,15 @@ class DynamicBatcher:
     @property
     def rate(self) -> float:
         """The latest arrival-rate estimate, images per second (adaptive policy)."""
-        return self._rate
-
-    def arrival_rate(self, now: float) -> float:
-        """Images admitted per second, exponentially weighted over ``RATE_TIME_CONSTANT``; updated
-        when the batcher looks (once per batch), not per request."""
-        if self._rate_at is None:
-            self._rate_at = now
-            return self._rate
-        elapsed = now - self._rate_at
-        if elapsed >= 0.01:
-            weight = 1.0 - math.exp(-elapsed / RATE_TIME_CONSTANT)
-            self._rate += weight * (self._arrivals / elapsed - self._rate)
-            self._arrivals = 0
-            self._rate_at = now
-        return self._rate
+        return self.adaptive.rate if self.adaptive is not None else 0.0
 
     def _target(self, now: float) -> int:
-        """How many images the next batch waits for while the backend is busy: the whole batch
-        (fixed policy, or an adaptive model not ready yet), else the smallest n whose batches keep
-        up with the arrivals: ``rate * (a*n + b) / n <= slots``, i.e. ``n >= rate*b / (slots - rate*a)``."""
-        fit = self.model.fit if self.model is not None else None
-        if fit is None:
-            return self.max_batch_size
-        rate = self.arrival_rate(now) * HEADROOM
-        spare = self.max_inflight_batches - rate * fit.a
-        if spare <= 0:  # not even full batches keep up: make them full
-            return self.max_batch_size
-        return max(1, min(self.max_batch_size, math.ceil(rate * fit.b / spare)))
+        """How many images the next batch waits for while the backend is busy."""
+        return self.adaptive.target(now) if self.adaptive is not None else self.max_batch_size
 
     def _enqueue(self, items: list[_Item]) -> None:
-        self._arrivals += len(items)
+        if self.adaptive is not None:
+            self.adaptive.arrived(len(items))
         self._queue.extend(items)
         self._idle.clear()
         if len(self._queue) >= self._wanted:
@@ -482,8 +451,8 @@ class DynamicBatcher:
                     span.set_attribute("error.type", error.error)
                 span.end()
             backend_seconds = loop.time() - started
-            if self.model is not None and error is None:
-                self.model.observe(len(batch), backend_seconds)
+            if self.adaptive is not None and error is None:
+                self.adaptive.model.observe(len(batch), backend_seconds)
             self._inflight -= 1
             self._slots.release()
             self._wake.set()

@@ -17,8 +17,8 @@ import pytest
 
 from service.backends.base import Images
 from service.backends.embedded import EmbeddedBackend
-from service.batching.adaptive import BatchLatencyModel
-from service.batching.batcher import HEADROOM, BatchReport, DynamicBatcher
+from service.batching.adaptive import HEADROOM, BatchLatencyModel
+from service.batching.batcher import BatchReport, DynamicBatcher
 from service.errors import DeadlineExceeded, DeadlineUnmeetable
 from service.models.profiles import get_profile
 from service.models.store import model_path
@@ -140,7 +140,7 @@ async def test_it_waits_for_the_smallest_batch_that_keeps_up(make: Factory) -> N
     assert (fit.a, fit.b) == (pytest.approx(A, rel=0.3), pytest.approx(B, rel=0.3))
     loop = asyncio.get_running_loop()
     for rate in (0.0, 50.0, 200.0, 400.0):
-        batcher._rate, batcher._rate_at = rate, loop.time()  # a steady measured rate
+        batcher.adaptive.rate, batcher.adaptive._rate_at = rate, loop.time()  # type: ignore[union-attr]
         wanted = rate * HEADROOM
         spare = 1 - wanted * fit.a
         expected = 32 if spare <= 0 else max(1, min(32, math.ceil(wanted * fit.b / spare)))
