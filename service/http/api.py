@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import APIRouter, Depends, Request
@@ -12,6 +13,8 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.datastructures import UploadFile
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from service.backends.base import Backend
+from service.backends.health import BackendHealth
 from service.classifier import Classifier, ImageInput
 from service.errors import (
     BackendUnavailable,
@@ -23,11 +26,13 @@ from service.errors import (
     QuotaExceeded,
     UnsupportedMediaType,
 )
+from service.http.fetch import Fetcher
 from service.http.json_body import read_urls
 from service.http.middleware import API_KEY, AUTHENTICATED
 from service.http.openapi import CLASSIFY_BODY, ERRORS
+from service.http.quotas import Quotas
 from service.images.files import MEDIA_TYPES
-from service.jobs.client import OfflineImage, PendingJob
+from service.jobs.client import JobsClient, OfflineImage, PendingJob
 from service.metrics import Metrics
 from service.models.checkpoints import real_weights_hint
 from service.schemas import (
@@ -56,6 +61,33 @@ async def reject_unknown_query(request: Request) -> None:
 
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Gateway:
+    """Everything a request handler needs, built once per app."""
+
+    settings: Settings
+    backend: Backend
+    classifier: Classifier
+    metrics: Metrics
+    health: BackendHealth
+    jobs: JobsClient | None = None
+    quotas: Quotas | None = None
+    fetcher: Fetcher | None = None
+    """Fetches images given by URL (None: URL inputs are off)."""
+    closing: bool = False
+    active_requests: int = 0
+    """/classify requests being handled now (admission control)."""
+
+
+def _gateway(request: Request) -> Gateway:
+    """The app's state, built once by its composition root (``service.http.app``)."""
+    gateway = request.app.state.gateway
+    assert isinstance(gateway, Gateway)
+    return gateway
+
+
 router = APIRouter()
 CHECKED_QUERY = [Depends(reject_unknown_query)]
 """Routes with FastAPI-parsed parameters check for unknown ones this way; /classify parses its two
@@ -228,11 +260,12 @@ async def handle_classify(request: Request) -> Response:
     """The route's work, shared by the FastAPI route (documented in OpenAPI) and ``ClassifyFastPath``
     (what serves it: the same function without the framework's per-request layers)."""
     top_k, mode = _classify_params(request)
-    gateway = request.app.state.gateway
+    gateway = _gateway(request)
     _check_room(gateway)  # full now: refuse before spending time on the body
     if _media_type(request.headers.get("content-type")) == "application/json":
         urls = await _read_urls(request, gateway)
         _spend_quota(request, gateway, len(urls))  # before fetching: the fetches are the cost
+        assert gateway.fetcher is not None  # _read_urls refuses URLs where fetching is off
         async with gateway.fetcher.images(urls) as fetched:
             _check_room(gateway)
             return await _admitted(request, gateway, fetched, top_k, mode)
@@ -244,13 +277,13 @@ async def handle_classify(request: Request) -> Response:
     return await _admitted(request, gateway, images, top_k, mode)
 
 
-def _check_room(gateway: Any) -> None:
+def _check_room(gateway: Gateway) -> None:
     limit = gateway.settings.max_concurrent_requests
     if gateway.active_requests >= limit:
         raise QueueFull(f"{limit} requests are already being handled; retry later")
 
 
-async def _admitted(request: Request, gateway: Any, images: list[ImageInput], top_k: int, mode: str) -> Response:
+async def _admitted(request: Request, gateway: Gateway, images: list[ImageInput], top_k: int, mode: str) -> Response:
     deadline = asyncio.get_running_loop().time() + gateway.settings.request_timeout
     gateway.active_requests += 1
     try:
@@ -263,14 +296,14 @@ async def _admitted(request: Request, gateway: Any, images: list[ImageInput], to
         gateway.active_requests -= 1
 
 
-async def _read_urls(request: Request, gateway: Any) -> list[str]:
+async def _read_urls(request: Request, gateway: Gateway) -> list[str]:
     if gateway.fetcher is None:
         raise UnsupportedMediaType("images by URL are turned off here (GATEWAY_URL_INPUTS); upload the images")
     settings = gateway.settings
     return await read_urls(request, settings.max_json_body_bytes_effective, settings.max_images_per_request)
 
 
-def _spend_quota(request: Request, gateway: Any, images: int) -> None:
+def _spend_quota(request: Request, gateway: Gateway, images: int) -> None:
     key_id = request.scope.get(API_KEY)
     if gateway.quotas is None or key_id is None:
         return
@@ -282,7 +315,7 @@ def _spend_quota(request: Request, gateway: Any, images: int) -> None:
     gateway.metrics.key_images.labels(key_id).inc(images)
 
 
-async def _classify_online(gateway: Any, images: list[ImageInput], top_k: int, deadline: float) -> Response:
+async def _classify_online(gateway: Gateway, images: list[ImageInput], top_k: int, deadline: float) -> Response:
     classifier: Classifier = gateway.classifier
     results = await classifier.classify(images, k=top_k, deadline=deadline)
     gateway.metrics.images_online.inc(len(results))
@@ -291,7 +324,7 @@ async def _classify_online(gateway: Any, images: list[ImageInput], top_k: int, d
 
 async def _classify_offline(request: Request, images: list[ImageInput], top_k: int) -> JSONResponse:
     """Validate every image cheaply (type, header, dimensions), then publish each as a job."""
-    gateway = request.app.state.gateway
+    gateway = _gateway(request)
     if gateway.jobs is None:  # a property of this deployment, not a passing fault: retrying cannot help
         raise BadRequest("mode=offline is not available: this gateway has no message broker (GATEWAY_BROKER_URL)")
     key = _idempotency_key(request)
@@ -344,7 +377,7 @@ async def _webhook_url(request: Request, settings: Settings) -> str | None:
     summary="State of an offline job: pending, done (with labels) or failed (with the reason)",
 )
 async def job_status(request: Request, job_id: str) -> JobStatus:
-    gateway = request.app.state.gateway
+    gateway = _gateway(request)
     owner = request.scope.get(API_KEY) or ""
     state = gateway.jobs.job(job_id, owner) if gateway.jobs is not None else None
     if state is None:  # also another key's job: the same answer, so that its existence is not told
@@ -374,7 +407,7 @@ async def job_status(request: Request, job_id: str) -> JobStatus:
     responses={503: {"model": ErrorBody, "description": "A restart is due (the shared engine is gone too long)."}},
 )
 async def healthz(request: Request) -> dict[str, str]:
-    check = getattr(request.app.state.gateway.backend, "liveness", None)
+    check = getattr(_gateway(request).backend, "liveness", None)
     problem = check() if check is not None else None
     if problem is not None:
         raise BackendUnavailable(problem)
@@ -389,7 +422,7 @@ async def healthz(request: Request) -> dict[str, str]:
     summary="Readiness: the model is loaded and the backend can serve",
 )
 async def readyz(request: Request) -> JSONResponse:
-    gateway = request.app.state.gateway
+    gateway = _gateway(request)
     problem = gateway.health.problem  # the background check's latest answer: no backend call here
     checks = {"backend": f"{gateway.backend.name}: {problem or 'ok'}"}
     runtime = getattr(gateway.backend, "detail", None)
@@ -426,7 +459,5 @@ async def readyz(request: Request) -> JSONResponse:
     dependencies=CHECKED_QUERY,
 )
 async def metrics(request: Request) -> Response:
-    metrics = request.app.state.gateway.metrics
-    assert isinstance(metrics, Metrics)
-    body, content_type = metrics.exposition(request.headers.get("accept", ""))
+    body, content_type = _gateway(request).metrics.exposition(request.headers.get("accept", ""))
     return Response(body, media_type=content_type)

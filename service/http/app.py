@@ -8,7 +8,6 @@ import gc
 import logging
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
 from pathlib import Path
 
 from fastapi import FastAPI, Request
@@ -20,10 +19,8 @@ from starlette.types import ASGIApp
 
 from service import __version__
 from service.backends.base import Backend
-from service.backends.health import BackendHealth
-from service.classifier import Classifier
 from service.errors import GatewayError, error_body, validation_detail
-from service.http.api import router
+from service.http.api import Gateway, router
 from service.http.fastpath import ClassifyFastPath, refusal
 from service.http.fetch import Fetcher
 from service.http.middleware import OPEN_PATHS, ApiKeyMiddleware, BodyLimitMiddleware, RequestMiddleware
@@ -37,24 +34,6 @@ from service.ssrf import parse_allowlist
 from service.tracing import Tracing
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class Gateway:
-    """Everything a request handler needs, built once per app."""
-
-    settings: Settings
-    backend: Backend
-    classifier: Classifier
-    metrics: Metrics
-    health: BackendHealth
-    jobs: JobsClient | None = None
-    quotas: Quotas | None = None
-    fetcher: Fetcher | None = None
-    """Fetches images given by URL (None: URL inputs are off)."""
-    closing: bool = False
-    active_requests: int = 0
-    """/classify requests being handled now (admission control)."""
 
 
 class GatewayApp(FastAPI):
