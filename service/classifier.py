@@ -6,7 +6,6 @@ Shared by the HTTP API and (later) the offline queue worker.
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from collections.abc import Callable
 from concurrent.futures import Executor
@@ -89,8 +88,6 @@ class Classifier:
         self._decode_many = decode_many
         """Where set, a request's several images are decoded by one call instead of one pool task each."""
         self.model_info = ModelInfo(name=profile.name, version=profile.version, random_weights=random_weights)
-        self._model_json = self.model_info.model_dump_json()
-        self._labels_json = [json.dumps(label) for label in profile.labels]
 
     def _prepare_timed(self, data: bytes, deadline: float | None, parent: SpanContext | None = None) -> np.ndarray:
         """Decode one image (in a pool thread), timed; under ``parent`` (a sampled request's span)
@@ -185,15 +182,3 @@ class Classifier:
         ]
         self.metrics.postprocess_duration.observe(time.perf_counter() - started)
         return out
-
-    def answer_json(self, results: list[Classification]) -> bytes:
-        """The online answer, in the shape of ``schemas.ClassifyResponse`` (which documents it), as
-        compact JSON. Written out here with the labels encoded once: building and validating the
-        pydantic models, or ``json.dumps`` of the nested dicts, cost more than the rest of the route.
-        Scores are finite (the batcher fails NaN/inf rows) and ``repr`` is how ``json`` writes floats."""
-        labels = self._labels_json
-        parts = []
-        for result in results:
-            ranked = ",".join(f'{{"index":{i},"label":{labels[i]},"score":{s!r}}}' for i, _, s in result.labels)
-            parts.append(f'{{"filename":{json.dumps(result.filename)},"labels":[{ranked}]}}')
-        return f'{{"model":{self._model_json},"results":[{",".join(parts)}]}}'.encode()

@@ -3,22 +3,19 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
-import numpy as np
 import pytest
 
 import service.classifier as classifier_module
 from service.batching.batcher import DynamicBatcher
-from service.classifier import Classification, Classifier, ImageInput
+from service.classifier import Classifier, ImageInput
 from service.errors import BadImage
 from service.images.imageinfo import ImageInfo, probe
 from service.images.preprocess import PreprocessConfig
 from service.metrics import Metrics
-from service.models.profiles import get_profile, top_k
-from service.schemas import ClassifyResponse
+from service.models.profiles import get_profile
 
 
 def _unused_batcher() -> DynamicBatcher:
@@ -54,28 +51,3 @@ async def test_offline_validation_runs_in_the_thread_pool(monkeypatch: pytest.Mo
         pool.shutdown()
     assert threads
     assert all(name.startswith("preprocess") for name in threads), threads
-
-
-@pytest.mark.parametrize("filename", [None, 'cat "1".jpg', "kätzchen\n.png"])
-def test_the_online_answer_is_the_documented_json(filename: str | None) -> None:
-    """The answer written by hand (for speed) is exactly what the documented response model, or
-    ``json.dumps`` of the same values, would give: quoting, escapes and float digits included."""
-    profile = get_profile("resnet50")  # real ImageNet labels, some with quotes and commas
-    batcher = _unused_batcher()
-    classifier = Classifier(profile, batcher, ThreadPoolExecutor(1), Metrics(), PreprocessConfig())
-    rng = np.random.default_rng(3)
-    results = []
-    for _ in range(3):
-        row = rng.random(1000).astype(np.float32) * rng.choice([1e-9, 1.0, 1e6])
-        results.append(Classification(filename, [(i, profile.labels[i], s) for i, s in top_k(row, 5)]))
-    text = classifier.answer_json(results)
-    expected = ClassifyResponse(
-        model=classifier.model_info,
-        results=[
-            {"filename": r.filename, "labels": [{"index": i, "label": lab, "score": s} for i, lab, s in r.labels]}
-            for r in results
-        ],  # type: ignore[misc]
-    )
-    assert json.loads(text) == expected.model_dump()
-    assert json.loads(text) == json.loads(json.dumps(expected.model_dump()))
-    assert [lab["score"] for lab in json.loads(text)["results"][0]["labels"]] == [s for _, _, s in results[0].labels]

@@ -26,6 +26,7 @@ from service.errors import (
     QuotaExceeded,
     UnsupportedMediaType,
 )
+from service.http.answers import Answers
 from service.http.fetch import Fetcher
 from service.http.json_body import read_urls
 from service.http.middleware import API_KEY, AUTHENTICATED
@@ -72,6 +73,8 @@ class Gateway:
     classifier: Classifier
     metrics: Metrics
     health: BackendHealth
+    answers: Answers
+    """Renders the online answers."""
     jobs: JobsClient | None = None
     quotas: Quotas | None = None
     fetcher: Fetcher | None = None
@@ -319,7 +322,7 @@ async def _classify_online(gateway: Gateway, images: list[ImageInput], top_k: in
     classifier: Classifier = gateway.classifier
     results = await classifier.classify(images, k=top_k, deadline=deadline)
     gateway.metrics.images_online.inc(len(results))
-    return Response(classifier.answer_json(results), media_type="application/json")
+    return Response(gateway.answers.render(results), media_type="application/json")
 
 
 async def _classify_offline(request: Request, images: list[ImageInput], top_k: int) -> JSONResponse:

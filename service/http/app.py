@@ -20,6 +20,7 @@ from starlette.types import ASGIApp
 from service import __version__
 from service.backends.base import Backend
 from service.errors import GatewayError, error_body, validation_detail
+from service.http.answers import Answers
 from service.http.api import Gateway, router
 from service.http.fastpath import ClassifyFastPath, refusal
 from service.http.fetch import Fetcher
@@ -93,8 +94,17 @@ def create_app(
                     if settings.url_inputs
                     else None
                 )
+                classifier = pipeline.classifier
                 gateway = Gateway(
-                    settings, pipeline.backend, pipeline.classifier, metrics, pipeline.health, jobs, quotas, fetcher
+                    settings=settings,
+                    backend=pipeline.backend,
+                    classifier=classifier,
+                    metrics=metrics,
+                    health=pipeline.health,
+                    answers=Answers(classifier.model_info, classifier.profile.labels),
+                    jobs=jobs,
+                    quotas=quotas,
+                    fetcher=fetcher,
                 )
                 app.state.gateway = gateway
                 # What exists now (modules, the model, the label tables) lives as long as the process:

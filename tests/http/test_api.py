@@ -283,9 +283,9 @@ async def test_an_unexpected_failure_is_a_json_500_and_the_gateway_goes_on(
 ) -> None:
     """/classify is served outside FastAPI's error layer: a bug in it still answers the gateway's
     JSON 500 (not uvicorn's plain text), counts it, and the next request is served."""
-    import service.classifier as classifier_module
+    from service.http.answers import Answers
 
-    real = classifier_module.Classifier.answer_json
+    real = Answers.render
     calls = 0
 
     def once_broken(self: object, results: list[object]) -> bytes:
@@ -295,7 +295,7 @@ async def test_an_unexpected_failure_is_a_json_500_and_the_gateway_goes_on(
             raise KeyError("a bug")
         return real(self, results)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(classifier_module.Classifier, "answer_json", once_broken)
+    monkeypatch.setattr(Answers, "render", once_broken)
     async with running_gateway(gateway_factory(backend="fake", metrics_public=True), FakeBackend()) as client:
         broken = await client.post("/classify", content=png_of_class(3), headers={"content-type": "image/png"})
         assert error_of(broken) == (500, "internal_error")
