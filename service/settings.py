@@ -204,8 +204,7 @@ class Settings(BaseSettings):
     openvino_precision: Literal["fp32", "bf16", "int8"] = "bf16"
     """Precision of the ``openvino`` backend: ``bf16`` (where the CPU has bfloat16 kernels, else
     fp32, said in /readyz's ``runtime`` check), ``fp32``, or ``int8`` (quantised on ``calibration_dir``'s
-    photos, or a model built by ``gateway models quantize``). See "Runtimes and precisions on CPU" in
-    docs/performance.md."""
+    photos, or a model built by ``gateway models quantize``). See docs/performance/precision.md."""
     torch_device: str = "cuda"
     """Device of the ``torch`` backend: ``cuda``, ``cuda:N``, or ``cpu`` (for trying it without a GPU; always
     fp32 there)."""
@@ -221,7 +220,7 @@ class Settings(BaseSettings):
     worker, each batching alone; ``shared`` starts one engine process (``gateway engine``) that owns the
     GPU, and the workers (decoding, batching) hand it their batches through shared memory, where one
     batcher merges them (``service.backends.engine``; metric ``gateway_engine_batch_size``). See
-    docs/performance.md for when each wins."""
+    docs/performance/gpu_figures.md for when each wins."""
     engine_socket: str | None = None
     """The shared engine's Unix socket (set by ``gateway serve`` for its workers; or an engine run
     on its own with ``gateway engine --socket PATH``)."""
@@ -410,9 +409,10 @@ class Settings(BaseSettings):
     longest length, 2,048 characters, 2,112 bytes each with the JSON around it: 135 KB by default)."""
     preprocess_workers: int = Field(default_factory=lambda: DECODE_THREADS_PER_CPU * available_cpus(), ge=1)
     """Threads that decode and resize images (OpenCV releases the GIL); default two per CPU the
-    process may use (its affinity, capped by a cgroup CPU quota, not the node's cores): a thread also waits for the GIL
-    and for its turn on a core, so one per CPU leaves cores idle (see the serving-path
-    section of docs/performance.md). Their memory is bounded by ``max_decode_bytes``, not by their number."""
+    process may use (its affinity, capped by a cgroup CPU quota, not the node's cores): a thread
+    also waits for the GIL and for its turn on a core, so one per CPU leaves cores idle (see
+    docs/performance/serving_path.md). Their memory is bounded by ``max_decode_bytes``, not by their
+    number."""
 
     def load_api_keys(self) -> list[ApiKey]:
         """Every configured key with its quota (empty: no authentication)."""

@@ -2,7 +2,7 @@
 
 With several uvicorn workers each holding its own model, each worker batches alone: on a 16-core
 H100 host with one image per request, 16 workers formed batches of 2 and time-sliced the GPU
-between 16 contexts (3,784 img/s against 10,172 with 32-image requests; docs/performance.md). The
+between 16 contexts (3,784 img/s against 10,172 with 32-image requests; docs/performance/gpu_figures.md). The
 engine is the other design: the workers decode and batch as before, then hand their batches to one
 engine process, whose own batcher merges them into the GPU's batches (what Triton's dynamic batcher
 does for the microservice architecture, without leaving the host or copying images through gRPC).

@@ -5,7 +5,7 @@ Precisions: ``fp32``; ``bf16`` (the CPU plugin's bfloat16 kernels, where the CPU
 BF16 or AMX; elsewhere it falls back to fp32 and says so in ``/readyz``); ``int8`` (a model
 quantised after training by ``service.models.quantize``, calibrated on photos; the layers left in
 floating point run in bf16 where the CPU has it, which is what makes int8 faster than bf16 here: see
-"Runtimes and precisions on CPU" in docs/performance.md). One compiled model serves every in-flight batch,
+docs/performance/precision.md). One compiled model serves every in-flight batch,
 each thread with its own infer request; ``infer`` releases the GIL.
 """
 
