@@ -329,13 +329,19 @@ async def test_a_head_that_never_ends_is_cut_off_at_the_bound(gateway_factory: M
         reader, writer = await connect()
         answer = asyncio.ensure_future(_until_closed(reader))
         writer.write(b"GET /healthz HTTP/1.1\r\nhost: x\r\nx-big: ")
-        sent = 0
-        while not answer.done() and sent < 2 * MAX_HEAD_BYTES:
-            writer.write(b"a" * 4096)
-            sent += 4096
-            await asyncio.sleep(0.005)  # a trickle: the gateway reads each piece as it comes
-        assert (await answer).startswith(b"HTTP/1.1 431")
-        assert sent < 2 * MAX_HEAD_BYTES
+        await _trickled_until_431(writer, answer)
+
+
+async def _trickled_until_431(writer: asyncio.StreamWriter, answer: asyncio.Future[bytes]) -> None:
+    """Send 4 KiB pieces of one never-ending field until the gateway answers: 431, before twice
+    MAX_HEAD_BYTES were sent."""
+    sent = 0
+    while not answer.done() and sent < 2 * MAX_HEAD_BYTES:
+        writer.write(b"a" * 4096)
+        sent += 4096
+        await asyncio.sleep(0.005)  # a trickle: the gateway reads each piece as it comes
+    assert (await answer).startswith(b"HTTP/1.1 431")
+    assert sent < 2 * MAX_HEAD_BYTES
 
 
 CHUNKED = b"POST /classify HTTP/1.1\r\nhost: x\r\ncontent-type: image/png\r\ntransfer-encoding: chunked\r\n\r\n"
@@ -350,13 +356,7 @@ async def test_trailers_that_never_end_are_cut_off_at_the_bound(gateway_factory:
         reader, writer = await connect()
         answer = asyncio.ensure_future(_until_closed(reader))
         writer.write(CHUNKED + f"{len(PNG):x}\r\n".encode() + PNG + b"\r\n0\r\nx-trailer: ")
-        sent = 0
-        while not answer.done() and sent < 2 * MAX_HEAD_BYTES:
-            writer.write(b"a" * 4096)
-            sent += 4096
-            await asyncio.sleep(0.005)  # a trickle: the gateway reads each piece as it comes
-        assert (await answer).startswith(b"HTTP/1.1 431")
-        assert sent < 2 * MAX_HEAD_BYTES
+        await _trickled_until_431(writer, answer)
 
 
 async def test_a_chunked_body_trickled_with_trailers_is_served(gateway_factory: MakeSettings) -> None:

@@ -257,6 +257,28 @@ async def test_a_location_of_raw_bytes_is_a_400_in_json(gateway_factory: MakeSet
     assert "\\udcff" in answer.json()["detail"]
 
 
+@asynccontextmanager
+async def delivered(settings: Settings, names: Names, urls: dict[str, str]) -> AsyncIterator[WebhookSender]:
+    """A webhook sender given a delivery message per ``urls`` entry (job id: URL), yielded once as
+    many dead letters are queued; stopped (what is in progress settled) and its broker closed after."""
+    broker = Broker(BROKER_URL, names)
+    await broker.connect(timeout=10)
+    sender = WebhookSender(settings, broker, Metrics())
+    await sender.start()
+    try:
+        for job_id, url in urls.items():
+            await broker.publish(
+                "queue", delivery_message(JobResult(job_id=job_id, status="done"), url), names.webhooks
+            )
+        async with asyncio.timeout(30):
+            while await queue_depth(names.dead) < len(urls):  # noqa: ASYNC110
+                await asyncio.sleep(0.05)
+        yield sender
+    finally:
+        await sender.stop(drain_timeout=2)
+        await broker.aclose()
+
+
 @pytest.fixture
 def prefix() -> Iterator[str]:
     """A fresh queue prefix on the shared RabbitMQ for one test, deleted after it."""
@@ -323,8 +345,6 @@ async def test_the_webhook_sender_refuses_those_forms_where_it_connects(
         webhook_retry_delays="0.1",
         webhook_max_age=1.0,
     )
-    broker = Broker(BROKER_URL, names)
-    await broker.connect(timeout=10)
     async with trap() as caught:
         urls = {
             **{f"dots-{i}": f"http://{h}:{caught.port}/hook" for i, h in enumerate(with_unicode_dots(TRAP_HOST))},
@@ -332,20 +352,8 @@ async def test_the_webhook_sender_refuses_those_forms_where_it_connects(
             "6to4": f"http://[2002:7f00:1::1]:{caught.port}/hook",
             "malformed": "http://a..b/hook",
         }
-        sender = WebhookSender(settings, broker, Metrics())
-        await sender.start()
-        try:
-            for job_id, url in urls.items():
-                await broker.publish(
-                    "queue", delivery_message(JobResult(job_id=job_id, status="done"), url), names.webhooks
-                )
-            async with asyncio.timeout(30):
-                while await queue_depth(names.dead) < len(urls):  # noqa: ASYNC110
-                    await asyncio.sleep(0.05)
+        async with delivered(settings, names, urls):
             dead = {m.message_id: str((m.headers or {})[DETAIL_HEADER]) for m in await drain(names.dead)}
-        finally:
-            await sender.stop(drain_timeout=2)
-            await broker.aclose()
         assert caught.accepted == 0
     for job_id in urls:
         reason = dead[job_id]
@@ -384,22 +392,9 @@ async def test_a_malformed_webhook_url_is_dead_lettered_once(gateway_factory: Ma
     delivery to be dead-lettered again, over and over."""
     names = Names(prefix)
     settings = gateway_factory(broker_url=BROKER_URL, queue_prefix=prefix, webhook_secret=SECRET)
-    broker = Broker(BROKER_URL, names)
-    await broker.connect(timeout=10)
     urls = {"unclosed": "https://[::1/hook?token=secret", "yarl": "http://a[:]@"}
-    sender = WebhookSender(settings, broker, Metrics())
-    await sender.start()
-    try:
-        for job_id, url in urls.items():
-            await broker.publish(
-                "queue", delivery_message(JobResult(job_id=job_id, status="done"), url), names.webhooks
-            )
-        async with asyncio.timeout(30):
-            while await queue_depth(names.dead) < len(urls):  # noqa: ASYNC110
-                await asyncio.sleep(0.05)
-    finally:
-        await sender.stop(drain_timeout=2)  # settles what is in progress: a requeue is back in the queue
-        await broker.aclose()
+    async with delivered(settings, names, urls) as sender:
+        pass  # leaving settles what is in progress: a requeue would be back in the queue
     assert await queue_depth(names.webhooks) == 0
     dead = await drain(names.dead)
     assert sorted(m.message_id or "" for m in dead) == sorted(urls)
