@@ -8,32 +8,8 @@ applies them, for submits of 1, 16 and 64 images; next to it, what the byte boun
 from __future__ import annotations
 
 import argparse
-import secrets
-import tracemalloc
 
-from service.jobs.idempotency import Entry, IdempotencyLog, fingerprint, key_digest
-from service.jobs.topology import Names
-
-
-def bytes_per_key(keys: int, images: int) -> tuple[float, float]:
-    """(measured, counted by the bound) bytes per key."""
-    log = IdempotencyLog(Names("memory"), ttl=86400.0, max_bytes=1 << 40, hold=15.0)
-    body = fingerprint([(b"image", "image/png", "a.png")] * images, 5).hex()
-    entries = []
-    for i in range(keys):  # made before measuring: they are the stream's, not the state's
-        key, claim = key_digest(b"an api key", f"order-{i:012d}").hex(), secrets.token_hex(16)
-        common = {"key": key, "claim": claim, "fingerprint": body, "count": images, "at": 1e10}
-        intent = Entry.model_validate({"kind": "intent", **common})
-        entries.append((intent, intent.model_copy(update={"kind": "outcome", "published": (1 << images) - 1})))
-    tracemalloc.start()
-    before = tracemalloc.get_traced_memory()[0]
-    for intent, outcome in entries:
-        log.apply(intent)
-        log.apply(outcome)
-    measured = (tracemalloc.get_traced_memory()[0] - before) / keys
-    tracemalloc.stop()
-    assert len(log.states) == keys
-    return measured, log.states.currsize / keys
+from loadtests.harness.idempotency import bytes_per_key
 
 
 def main() -> None:

@@ -16,7 +16,6 @@ import argparse
 import asyncio
 import json
 import os
-import secrets
 import statistics
 import subprocess
 import sys
@@ -27,25 +26,6 @@ from pathlib import Path
 import aio_pika
 
 BROKER_URL = "amqp://guest:guest@127.0.0.1:5672/"
-
-
-def entry(kind: str, key: str, claim: str, published: int) -> bytes:
-    body = {"kind": kind, "key": key, "claim": claim, "fingerprint": "f" * 32, "count": 1}
-    return json.dumps({**body, "published": published, "at": time.time()}).encode()
-
-
-async def fill(broker_url: str, stream: str, entries: int) -> None:
-    """``entries`` entries, half intents and half outcomes (``entries // 2`` keys), confirmed."""
-    connection = await aio_pika.connect(broker_url)
-    async with connection:
-        channel = await connection.channel(publisher_confirms=True)
-        await channel.declare_queue(stream, durable=True, arguments={"x-queue-type": "stream"})
-        for start in range(0, entries, 2000):
-            bodies = []
-            for _ in range(start, min(entries, start + 2000), 2):
-                key, claim = secrets.token_hex(16), secrets.token_hex(16)
-                bodies += [entry("intent", key, claim, 0), entry("outcome", key, claim, 1)]
-            await asyncio.gather(*(channel.default_exchange.publish(aio_pika.Message(body), stream) for body in bodies))
 
 
 async def delete_everything(broker_url: str, prefix: str) -> None:
@@ -114,6 +94,10 @@ def main() -> None:
     if args.read:
         print(json.dumps(asyncio.run(read_stream(args.broker_url, args.read, args.entries[0]))))
         return
+    # here, not at the top: the measuring process runs this file with the measured checkout on its
+    # path, whose loadtests may have no harness module for it
+    from loadtests.harness.idempotency import fill
+
     codes = {"this checkout": Path.cwd()} | ({"baseline": args.baseline.resolve()} if args.baseline else {})
     print(f"{'entries':>8} {'code':>14} {'read s':>8} {'ready s':>8} {'entries/s':>10} {'+RSS MB':>8}")
     for entries in args.entries:

@@ -33,14 +33,13 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from pathlib import Path
 
-from loadtests.harness.deployment import broker_pid, gateway, worker
+from loadtests.harness.deployment import broker_pid, gateway, pinning, worker
 from loadtests.harness.http_load import Row, http_load, median_row
 from loadtests.harness.photos import sample_photos
-from loadtests.harness.resources import cpu_seconds, pin_process
+from loadtests.harness.resources import cpu_seconds
 from service.jobs.broker import Broker
 from service.jobs.messages import new_job_id, request_message
 from service.jobs.topology import REQUEST_KEY, Names
@@ -179,29 +178,6 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     with pinning(args.serving_cpus) as serving:
         run(args, serving)
-
-
-@contextmanager
-def pinning(count: int) -> Iterator[set[int] | None]:
-    """The CPUs for the serving process (None: no pinning); this process and RabbitMQ are moved to
-    the others until the end, then back onto every CPU."""
-    if not count:
-        yield None
-        return
-    everything = sorted(os.sched_getaffinity(0))
-    if count >= len(everything):
-        raise SystemExit(f"--serving-cpus {count}: this host has {len(everything)} CPUs; leave one for the load")
-    serving, load = set(everything[-count:]), set(everything[:-count])
-    broker = broker_pid()
-    os.sched_setaffinity(0, load)
-    if broker:
-        pin_process(broker, load)
-    try:
-        yield serving
-    finally:
-        os.sched_setaffinity(0, set(everything))
-        if broker:
-            pin_process(broker, set(everything))
 
 
 def run(args: argparse.Namespace, serving: set[int] | None) -> None:

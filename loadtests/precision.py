@@ -21,12 +21,12 @@ import asyncio
 import os
 import statistics
 import tempfile
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
+from loadtests.harness.backend_alone import backend_rate, scores_of
 from loadtests.harness.dataset import build
 from loadtests.harness.deployment import gateway
 from loadtests.harness.http_load import Row, http_load, median_row
@@ -58,30 +58,6 @@ def _gateway_flags(name: str, model: str, batch: int, calibration: Path) -> list
     if name == "onnxruntime fp32":
         return [*flags, "--backend", "embedded"]
     return [*flags, "--backend", "openvino", "--openvino-precision", name.split()[1]]
-
-
-async def scores_of(backend: InProcessBackend, images: np.ndarray) -> np.ndarray:
-    await backend.start()
-    try:
-        if problem := await backend.ready():
-            raise RuntimeError(f"{backend.name} backend not ready: {problem}")
-        return np.concatenate([await backend.infer(images[i : i + 16]) for i in range(0, len(images), 16)])
-    finally:
-        await backend.aclose()
-
-
-async def backend_rate(backend: InProcessBackend, images: np.ndarray, batch: int, seconds: float) -> float:
-    await backend.start()
-    try:
-        await backend.infer(images[:batch])  # warm-up
-        done, start = 0, time.perf_counter()
-        while time.perf_counter() - start < seconds:
-            offset = (done % (len(images) - batch)) if len(images) > batch else 0
-            await backend.infer(images[offset : offset + batch])
-            done += batch
-        return done / (time.perf_counter() - start)
-    finally:
-        await backend.aclose()
 
 
 def main() -> None:

@@ -35,6 +35,7 @@ from skimage import data as skdata
 from loadtests.harness.deployment import gateway
 from loadtests.harness.http_load import stop_process, wait_ready
 from loadtests.harness.otlp_receiver import OTLPReceiver
+from loadtests.harness.reference_app import SAME_WORK
 from loadtests.harness.resources import children, cpu_seconds
 from loadtests.harness.wrk import parse
 from service.tune.runner import free_port
@@ -46,9 +47,6 @@ local f = io.open("{path}", "rb")
 wrk.body = f:read("*all")
 f:close()
 """
-
-
-SAME_WORK = "reference doing the gateway's image work (header checks, centre crop, resize)"
 
 
 @dataclass

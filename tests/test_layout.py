@@ -3,6 +3,9 @@
 ``python -m tests.test_layout`` prints the figures (modules at the root, import layers, cycles,
 upward imports, the longest modules). Every import counts, those inside functions too (they are
 how a cycle hides); only ``if TYPE_CHECKING:`` blocks are left out, since they never run.
+
+The tests' own imports are checked too: of ``loadtests/``, a test imports only ``loadtests.harness``
+(how figures are measured), never a figure, which it runs as a user does (``python -m loadtests.<figure>``).
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "service"
+TESTS = Path(__file__).resolve().parent
 
 RANKS: dict[str, int] = {
     "service": 0,  # the package itself: its version
@@ -176,6 +180,32 @@ def root_modules(graph: Graph) -> list[str]:
     )
 
 
+def _outside_the_harness(module: str) -> bool:
+    in_loadtests = module == "loadtests" or module.startswith("loadtests.")
+    return in_loadtests and not (module == "loadtests.harness" or module.startswith("loadtests.harness."))
+
+
+def figure_imports(tests: Path = TESTS) -> list[str]:
+    """Each import, under ``tests``, of a ``loadtests`` module outside ``loadtests.harness`` (a figure,
+    or the ``loadtests`` package itself), as ``path:line module``; inside functions and
+    ``if TYPE_CHECKING:`` blocks too."""
+    found: set[tuple[str, int, str]] = set()
+    for path in sorted(tests.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+                # ``from loadtests import x``: x is a module of the package (or a name of its root)
+                names = [
+                    f"{node.module}.{alias.name}" if node.module == "loadtests" else node.module for alias in node.names
+                ]
+            else:
+                continue  # a relative import stays in the tests
+            where = str(path.relative_to(tests.parent))
+            found.update((where, node.lineno, name) for name in names if _outside_the_harness(name))
+    return [f"{where}:{line} {name}" for where, line, name in sorted(found)]
+
+
 def report(graph: Graph) -> str:
     longest = max(graph.modules.items(), key=lambda item: len(item[1].read_text().splitlines()))
     unranked = {unit(name) for name in graph.modules} - set(RANKS)
@@ -225,6 +255,30 @@ def test_the_checks_see_an_import_cycle_and_an_upward_import(tmp_path: Path) -> 
     graph = read_graph(package)
     assert cycles(graph) == [["service.backends.engine", "service.pipeline"]]
     assert upward_imports(graph) == ["service.backends.engine -> service.pipeline"]
+
+
+def test_tests_import_no_figure() -> None:
+    """A test runs a figure as a user does, in a process of its own (``tests/loadtests/__init__.py``),
+    and imports what it needs of one from ``loadtests.harness``."""
+    assert figure_imports() == []
+
+
+def test_the_check_sees_a_test_importing_a_figure(tmp_path: Path) -> None:
+    """The check above can fail: a figure imported at the top, inside a function or from the
+    package's root, and the root itself, are each found; the harness, however imported, is not."""
+    tests = tmp_path / "tests"
+    (tests / "jobs").mkdir(parents=True)
+    (tests / "jobs" / "test_a.py").write_text(
+        "import loadtests.harness.wrk\nfrom loadtests import harness\nfrom loadtests.harness.photos import noise_png\n"
+        "from . import conftest\n"
+    )
+    (tests / "jobs" / "test_b.py").write_text("def test() -> None:\n    from loadtests.overload import run\n")
+    (tests / "test_c.py").write_text("from loadtests import decode_memory, harness\nimport loadtests\n")
+    assert figure_imports(tests) == [
+        "tests/jobs/test_b.py:2 loadtests.overload",
+        "tests/test_c.py:1 loadtests.decode_memory",
+        "tests/test_c.py:2 loadtests",
+    ]
 
 
 if __name__ == "__main__":

@@ -16,7 +16,7 @@ import psutil
 
 from loadtests.harness.http_load import start_gateway, stop_process
 from loadtests.harness.network import LinkedNamespace, Shaping
-from loadtests.harness.resources import pinned
+from loadtests.harness.resources import pin_process, pinned
 from service.jobs.topology import Names
 from service.models.profiles import get_profile
 from service.models.store import ensure_model
@@ -159,3 +159,26 @@ def broker_pid() -> int | None:
         if process.info["name"] == "beam.smp":
             return int(process.pid)
     return None
+
+
+@contextmanager
+def pinning(count: int) -> Iterator[set[int] | None]:
+    """The CPUs for the serving process (None: no pinning); this process and RabbitMQ are moved to
+    the others until the end, then back onto every CPU."""
+    if not count:
+        yield None
+        return
+    everything = sorted(os.sched_getaffinity(0))
+    if count >= len(everything):
+        raise SystemExit(f"--serving-cpus {count}: this host has {len(everything)} CPUs; leave one for the load")
+    serving, load = set(everything[-count:]), set(everything[:-count])
+    broker = broker_pid()
+    os.sched_setaffinity(0, load)
+    if broker:
+        pin_process(broker, load)
+    try:
+        yield serving
+    finally:
+        os.sched_setaffinity(0, set(everything))
+        if broker:
+            pin_process(broker, set(everything))

@@ -1,4 +1,5 @@
-"""Real photos for benchmarks: scikit-image's sample photos, or a folder the user gives."""
+"""Real photos for benchmarks: scikit-image's sample photos, or a folder the user gives; and
+noise, for bodies that do not compress."""
 
 from __future__ import annotations
 
@@ -26,3 +27,9 @@ def sample_photos(folder: Path | None = None, *, quality: int = 90) -> list[tupl
         assert ok
         photos.append((f"{name}.jpg", buf.tobytes()))
     return photos
+
+
+def noise_png(side: int = 512, seed: int = 0) -> bytes:
+    """An incompressible PNG (~770 KB at 512 px): large bodies make unbounded buffering visible."""
+    pixels = np.random.default_rng(seed).integers(0, 256, (side, side, 3), dtype=np.uint8)
+    return cv2.imencode(".png", pixels)[1].tobytes()

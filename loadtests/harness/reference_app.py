@@ -38,6 +38,10 @@ GATEWAY_CONFIG = PreprocessConfig()
 """The gateway's defaults for a 224 px model (the trivial model's: crop 0.875)."""
 
 
+SAME_WORK = "reference doing the gateway's image work (header checks, centre crop, resize)"
+"""The name of this app's row with ``--preprocess gateway`` in ``loadtests.serving_path``'s table."""
+
+
 def _prepare_as_the_gateway(data: bytes) -> int:
     return int(prepare(data, GATEWAY_CONFIG)[0, 0, 0])
 

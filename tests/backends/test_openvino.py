@@ -13,8 +13,8 @@ import pytest
 
 import service.backends.openvino as openvino_module
 import service.models.quantize as quantize_module
+from loadtests.harness.backend_alone import scores_of
 from loadtests.harness.dataset import build
-from loadtests.precision import scores_of
 from service.backends.embedded import EmbeddedBackend
 from service.backends.openvino import OpenVINOBackend, Precision, has_bf16
 from service.models.profiles import get_profile

@@ -11,7 +11,7 @@ import httpx
 import numpy as np
 import pytest
 
-from loadtests.overload import noise_png
+from loadtests.harness.photos import noise_png
 from service.backends.base import Images
 from service.backends.fake import FakeBackend
 from service.settings import Settings

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from loadtests.overload import run
+from loadtests.harness.overload import run
 
 
 @pytest.mark.slow

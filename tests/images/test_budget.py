@@ -11,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 
-from loadtests.overload import noise_png
+from loadtests.harness.photos import noise_png
 from service.batching.batcher import DynamicBatcher
 from service.classifier import Classifier, ImageInput
 from service.errors import BadImage, DeadlineExceeded

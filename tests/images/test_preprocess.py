@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from PIL import Image, ImageOps
 from skimage import data as skdata
 
-from loadtests import decode_memory
+from loadtests.harness import decode_cases
 from service.errors import BadImage, GatewayError, PayloadTooLarge
 from service.images.imageinfo import probe
 from service.images.preprocess import PreprocessConfig, centre_crop_resize, prepare, reduction_for
@@ -160,12 +160,12 @@ def test_random_bytes_never_crash(payload: bytes, prefix: bytes) -> None:
     assert out.shape == (224, 224, 3)
 
 
-@pytest.mark.parametrize("case", decode_memory.CASES, ids=[c.name for c in decode_memory.CASES])
-def test_decoding_stays_within_the_bytes_budget(case: decode_memory.Case, tmp_path: Path) -> None:
+@pytest.mark.parametrize("case", decode_cases.CASES, ids=[c.name for c in decode_cases.CASES])
+def test_decoding_stays_within_the_bytes_budget(case: decode_cases.Case, tmp_path: Path) -> None:
     """For every accepted format, bit depth and alpha, the peak memory of preparing an image (in a
     fresh process) stays within what the header reckons: the budget GATEWAY_MAX_IMAGE_BYTES is
     compared with. Full-resolution float conversions (1.7 GB for a 7000x7000 RGBA PNG) broke this."""
-    measured = decode_memory.measure(decode_memory.make(case, tmp_path, scale=0.45))
+    measured = decode_cases.measure(decode_cases.make(case, tmp_path, scale=0.45))
     assert measured["peak"] <= measured["estimate"] + 24e6, measured  # + decoder working buffers (WebP: ~12 MB)
 
 

@@ -13,7 +13,7 @@ from typing import Any
 import httpx
 import pytest
 
-from loadtests.idempotency_memory import bytes_per_key
+from loadtests.harness.idempotency import bytes_per_key
 from service.errors import BackendUnavailable
 from service.jobs.client import JobsClient, OfflineImage
 from service.jobs.idempotency import STATE_BYTES, Decision, Entry, IdempotencyLog, fingerprint, key_digest

@@ -10,7 +10,7 @@ from collections.abc import Callable
 
 import httpx
 
-from loadtests.idempotency_replay import fill
+from loadtests.harness.idempotency import fill
 from service.jobs.topology import Names
 from service.settings import Settings
 from tests.conftest import readyz_becomes, running_gateway

@@ -6,28 +6,16 @@ import re
 
 import pytest
 
-from loadtests.batch_policy import main
+from tests.loadtests import run_figure
 
 
 @pytest.mark.slow
-def test_both_policies_are_measured_under_open_loop_load(capsys: pytest.CaptureFixture[str]) -> None:
-    main(
-        [
-            "--model",
-            "trivial",
-            "--loads",
-            "0.5",
-            "--seconds",
-            "1.5",
-            "--warmup",
-            "0.5",
-            "--capacity",
-            "60",
-            "--p99-target-ms",
-            "5000",
-        ]
+def test_both_policies_are_measured_under_open_loop_load() -> None:
+    out = run_figure(
+        "batch_policy",
+        *("--model", "trivial", "--loads", "0.5", "--seconds", "1.5", "--warmup", "0.5"),
+        *("--capacity", "60", "--p99-target-ms", "5000"),
     )
-    out = capsys.readouterr().out
     rows = re.findall(r"^\| 0.5x \| 30 \| (fixed|adaptive) \| ([\d,]+) \| ([\d.]+) \| ([\d.]+) \|", out, re.M)
     assert [policy for policy, *_ in rows] == ["fixed", "adaptive"], out
     for _, answered, p50, p99 in rows:

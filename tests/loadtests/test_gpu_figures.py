@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from loadtests.gpu_figures import gateway_run
+from loadtests.harness.gpu_runs import GatewaySpec, bodies, gateway_run
 from loadtests.harness.http_load import start_gateway
 from loadtests.harness.photos import sample_photos
 from loadtests.harness.wrk import parse
@@ -87,8 +87,6 @@ Requests/sec:  10977.16
 def test_the_bodies_are_valid_multipart(tmp_path: Path, photos: list[bytes]) -> None:
     import httpx
 
-    from loadtests.gpu_figures import bodies
-
     paths, ctype = bodies(photos, 3, tmp_path, count=2)
     proc, url = _gateway(tmp_path)
     try:
@@ -102,8 +100,6 @@ def test_the_bodies_are_valid_multipart(tmp_path: Path, photos: list[bytes]) -> 
 
 
 def test_gateway_specs_name_what_differs_from_the_default() -> None:
-    from loadtests.gpu_figures import GatewaySpec
-
     assert GatewaySpec.parse("14") == GatewaySpec(14)
     assert GatewaySpec.parse("14").full_plan
     spec = GatewaySpec.parse("4:spin:nvjpeg")

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from loadtests.json_body import main
+from tests.loadtests import run_figure
 
 
 @pytest.mark.slow
-def test_json_body_figure_prints_the_refusal(capsys: pytest.CaptureFixture[str]) -> None:
-    main(["--repeat", "1"])
-    row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("| this checkout"))
+def test_json_body_figure_prints_the_refusal() -> None:
+    out = run_figure("json_body", "--repeat", "1")
+    row = next(line for line in out.splitlines() if line.startswith("| this checkout"))
     assert "| 413 payload_too_large |" in row

@@ -6,13 +6,13 @@ import re
 
 import pytest
 
-from loadtests.serving_path import SAME_WORK, main
+from loadtests.harness.reference_app import SAME_WORK
+from tests.loadtests import run_figure
 
 
 @pytest.mark.slow
-def test_serving_path_benchmark_prints_both_servers(capsys: pytest.CaptureFixture[str]) -> None:
-    main(["--seconds", "1", "--repeat", "1", "--connections", "8"])
-    out = capsys.readouterr().out
+def test_serving_path_benchmark_prints_both_servers() -> None:
+    out = run_figure("serving_path", "--seconds", "1", "--repeat", "1", "--connections", "8")
     rows = {
         m.group(1): m.groups()[1:]
         for m in re.finditer(r"^\| ([^|]+) \| ([\d,]+) \| ([\d.]+) \| ([\d.]+) \|.*\| (\d+) \|$", out, re.M)

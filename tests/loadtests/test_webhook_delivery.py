@@ -6,13 +6,12 @@ import re
 
 import pytest
 
-from loadtests.webhook_delivery import main
+from tests.loadtests import run_figure
 
 
 @pytest.mark.parametrize("path", [[], ["--fail-first", "--delay", "0.1"]])
-def test_every_delivery_is_counted(capsys: pytest.CaptureFixture[str], path: list[str]) -> None:
-    main(["--jobs", "40", *path])
-    out = capsys.readouterr().out
+def test_every_delivery_is_counted(path: list[str]) -> None:
+    out = run_figure("webhook_delivery", "--jobs", "40", *path)
     assert out.startswith("40 webhooks")
     figures = dict(re.findall(r"^  (\w+) +([0-9.]+)$", out, re.M))
     assert set(figures) == {"deliveries_per_s", "p50_ms", "p99_ms"}
