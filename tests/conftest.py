@@ -24,6 +24,7 @@ from service.models.profiles import get_profile
 from service.models.store import ensure_model
 from service.settings import Settings
 from service.tune.runner import free_port
+from tests.triton_server import triton, triton_install, triton_repository  # noqa: F401 (fixtures)
 
 CAT_CLASSES = {281, 282, 283, 284, 285, 286, 287}  # tabby, tiger cat, Persian, Siamese, Egyptian, cougar, lynx
 ESPRESSO = 967

@@ -18,6 +18,8 @@ import pytest
 from loadtests.harness.http_load import start_gateway, stop_process
 from tests.jobs.conftest import BROKER_URL, _delete_everything
 
+pytestmark = pytest.mark.rabbitmq
+
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
 SECRET = "whsec_" + base64.b64encode(bytes(range(32))).decode()

@@ -287,6 +287,7 @@ def prefix() -> Iterator[str]:
     asyncio.run(_delete_everything(name))
 
 
+@pytest.mark.rabbitmq
 async def test_webhook_urls_of_the_same_forms_are_refused_at_submit(gateway_factory: MakeSettings, prefix: str) -> None:
     """``Webhook-URL`` with Unicode full stops or an address-translation form of a loopback or
     private address is 403 at submit; a malformed one (or one with non-ASCII bytes) is 400 with
@@ -330,6 +331,7 @@ async def test_webhook_urls_of_the_same_forms_are_refused_at_submit(gateway_fact
     assert await queue_depth(Names(prefix).work) == 0
 
 
+@pytest.mark.rabbitmq
 async def test_the_webhook_sender_refuses_those_forms_where_it_connects(
     gateway_factory: MakeSettings, prefix: str
 ) -> None:
@@ -360,6 +362,7 @@ async def test_the_webhook_sender_refuses_those_forms_where_it_connects(
         assert "loopback" in reason or "empty label" in reason, (job_id, reason)
 
 
+@pytest.mark.rabbitmq
 async def test_a_refused_name_does_not_tell_what_it_resolves_to(gateway_factory: MakeSettings, prefix: str) -> None:
     """A name that resolves to a refused address (``localhost`` here; ``db.internal`` in a cluster)
     is 403 naming the host and the kind of address, never the address: the gateway's answers are
@@ -386,6 +389,7 @@ async def test_a_refused_name_does_not_tell_what_it_resolves_to(gateway_factory:
         assert caught.accepted == 0
 
 
+@pytest.mark.rabbitmq
 async def test_a_malformed_webhook_url_is_dead_lettered_once(gateway_factory: MakeSettings, prefix: str) -> None:
     """A delivery whose URL no parser can split (``https://[::1``) is dead-lettered once and acked:
     logging where it was going must not fail after the dead letter is out, which requeued the

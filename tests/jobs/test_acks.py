@@ -9,10 +9,13 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 
 import aio_pika
+import pytest
 from aio_pika.abc import AbstractIncomingMessage, AbstractQueue
 
 from service.jobs.acks import Acks
 from tests.jobs.conftest import BROKER_URL, queue_depth
+
+pytestmark = pytest.mark.rabbitmq
 
 
 @asynccontextmanager

@@ -9,12 +9,15 @@ from collections.abc import Callable
 
 import aio_pika
 import httpx
+import pytest
 
 from service.jobs.messages import DEFAULT_REPLY_TO, JobResult, result_message
 from service.jobs.topology import Names
 from service.settings import Settings
 from tests.conftest import running_gateway
 from tests.jobs.conftest import BROKER_URL, broker_ok, publish
+
+pytestmark = pytest.mark.rabbitmq
 
 MakeSettings = Callable[..., Settings]
 

@@ -5,9 +5,13 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+
 from service.jobs.broker import Broker
 from service.jobs.topology import Names
 from tests.jobs.conftest import BROKER_URL
+
+pytestmark = pytest.mark.rabbitmq
 
 
 async def test_not_ok_until_its_consumers_are_set_up_and_a_failed_set_up_is_retried(prefix: str) -> None:

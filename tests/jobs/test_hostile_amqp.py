@@ -16,6 +16,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 import aio_pika
+import pytest
 from pamqp import commands
 from pamqp.encode import table_integer
 
@@ -32,6 +33,8 @@ from service.jobs.worker import run_worker
 from service.settings import Settings
 from tests.conftest import crafted_png, png_bytes, solid_image
 from tests.jobs.conftest import BROKER_URL, collect_results, drain, queue_depth
+
+pytestmark = pytest.mark.rabbitmq
 
 MakeSettings = Callable[..., Settings]
 FRAME_MAX = 131_072

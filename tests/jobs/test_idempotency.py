@@ -25,6 +25,8 @@ from tests.conftest import png_bytes, running_gateway, solid_image
 from tests.jobs.conftest import BROKER_URL, broker_ok, drain, queue_depth
 from tests.jobs.test_api_results import publish_result
 
+pytestmark = pytest.mark.rabbitmq
+
 MakeSettings = Callable[..., Settings]
 PNGS = [png_bytes(solid_image(v, 16)) for v in (10, 20, 30)]
 KEYS = 24

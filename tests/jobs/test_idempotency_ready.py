@@ -9,6 +9,7 @@ import asyncio
 from collections.abc import Callable
 
 import httpx
+import pytest
 
 from loadtests.harness.idempotency import fill
 from service.jobs.topology import Names
@@ -16,6 +17,8 @@ from service.settings import Settings
 from tests.conftest import readyz_becomes, running_gateway
 from tests.jobs.conftest import BROKER_URL, broker_ok
 from tests.jobs.test_api_results import _close_connection
+
+pytestmark = pytest.mark.rabbitmq
 
 MakeSettings = Callable[..., Settings]
 ENTRIES = 20_000

@@ -24,6 +24,8 @@ from service.settings import Settings
 from tests.conftest import png_bytes, solid_image
 from tests.jobs.conftest import BROKER_URL, queue_depth
 
+pytestmark = pytest.mark.rabbitmq
+
 IMAGES = [OfflineImage(png_bytes(solid_image(v, 16)), "image/png", f"{v}.png") for v in (10, 20)]
 PUBLISH_TIMEOUT = 0.5
 

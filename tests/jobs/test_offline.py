@@ -39,6 +39,8 @@ from tests.jobs.conftest import (
     worker_pids,
 )
 
+pytestmark = pytest.mark.rabbitmq
+
 MakeSettings = Callable[..., Settings]
 
 

@@ -11,11 +11,14 @@ import secrets
 from collections.abc import Callable
 
 import httpx
+import pytest
 
 from service.jobs.worker import run_worker
 from service.settings import Settings
 from tests.conftest import png_bytes, running_gateway, solid_image
 from tests.jobs.conftest import BROKER_URL, broker_ok
+
+pytestmark = pytest.mark.rabbitmq
 
 MakeSettings = Callable[..., Settings]
 KEY_A, KEY_B = "tenant-a-7c1e5f0d2b9a", "tenant-b-4e8a1c3f6d0b"

@@ -24,6 +24,8 @@ from service.settings import Settings
 from tests.conftest import png_bytes, running_gateway, solid_image
 from tests.jobs.conftest import BROKER_URL, broker_ok, class_pngs, collect_results, publish
 
+pytestmark = pytest.mark.rabbitmq
+
 TRACE = "5bf92f3577b34da6a3ce929d0e0e4736"
 
 

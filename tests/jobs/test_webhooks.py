@@ -39,6 +39,8 @@ from tests.jobs.conftest import (
     wait_for_line,
 )
 
+pytestmark = pytest.mark.rabbitmq
+
 MakeSettings = Callable[..., Settings]
 SECRET = "whsec_" + base64.b64encode(bytes(range(32))).decode()
 LOOPBACK = {"webhook_secret": SECRET, "webhook_allow_http": True, "webhook_allowlist": "127.0.0.1/32"}

@@ -44,6 +44,8 @@ from tests.jobs.conftest import (
     wait_for_line,
 )
 
+pytestmark = pytest.mark.rabbitmq
+
 MakeSettings = Callable[..., Settings]
 
 

@@ -13,6 +13,8 @@ import pytest
 from loadtests.harness.deployment import broker_pid, pinning
 from tests.loadtests import run_figure
 
+pytestmark = pytest.mark.rabbitmq
+
 
 def _bench_queues() -> set[str]:
     listed = subprocess.run(["rabbitmqctl", "list_queues", "-q", "name"], capture_output=True, text=True, check=True)

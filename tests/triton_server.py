@@ -19,7 +19,7 @@ from service.models.store import model_path
 from service.triton.repository import TritonOptions, write_model
 from service.triton.server import LocalTriton, Ports, TritonInstall, TritonNotInstalled
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 SLOW_SECONDS = 1.0
 
 

@@ -24,7 +24,9 @@ from service.triton.server import LocalTriton, TritonInstall
 from service.tune.loadgen import closed_loop
 from service.tune.report import read_env
 from service.tune.runner import gateway_process
-from tests.triton.conftest import start_triton
+from tests.triton_server import start_triton
+
+pytestmark = pytest.mark.triton
 
 MODEL = "trivial"
 

@@ -14,6 +14,8 @@ from service.backends.triton import TritonBackend
 from service.backends.triton_shm import Region, SharedMemoryPool
 from service.triton.server import LocalTriton
 
+pytestmark = pytest.mark.triton
+
 BATCH = np.zeros((2, 224, 224, 3), np.uint8)
 
 

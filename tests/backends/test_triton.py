@@ -20,7 +20,9 @@ from service.settings import Settings
 from service.triton.model_config import ReloadRefused, TritonModel
 from service.triton.server import LocalTriton, TritonInstall
 from tests.conftest import CAT_CLASSES, ESPRESSO, running_gateway
-from tests.triton.conftest import SLOW_SECONDS, start_triton
+from tests.triton_server import SLOW_SECONDS, start_triton
+
+pytestmark = pytest.mark.triton
 
 MakeSettings = Callable[..., Settings]
 TRANSPORTS = [("grpc", False), ("http", False), ("grpc", True), ("http", True)]

@@ -14,6 +14,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import httpx
+import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
 from service.backends.fake import FakeBackend
@@ -22,7 +23,7 @@ from service.settings import Settings
 from service.triton.server import LocalTriton
 from tests.conftest import png_bytes, running_gateway, running_prometheus, solid_image
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 DASHBOARD = ROOT / "deploy" / "grafana" / "dashboards" / "gateway.json"
 RABBITMQ_METRICS = "http://127.0.0.1:15692/metrics"
 # Triton exports these only with a GPU (none in CI); names as in Triton's metrics documentation.
@@ -102,6 +103,8 @@ def test_dashboard_is_current_and_well_formed(tmp_path: Path) -> None:
             assert all(t["expr"] and t["refId"] for t in panel["targets"])
 
 
+@pytest.mark.triton
+@pytest.mark.rabbitmq
 async def test_every_query_names_real_series(
     gateway_factory: Callable[..., Settings], triton: LocalTriton, tmp_path: Path
 ) -> None:
@@ -143,6 +146,7 @@ async def test_every_query_parses_in_prometheus(tmp_path: Path) -> None:
             assert body["status"] == "success", (expr, body.get("error"))
 
 
+@pytest.mark.rabbitmq
 def test_rabbitmq_prometheus_plugin_answers() -> None:
     """.ci/run enables rabbitmq_prometheus; without it the query check above cannot run."""
     with urllib.request.urlopen(RABBITMQ_METRICS, timeout=5) as response:

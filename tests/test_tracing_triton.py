@@ -15,7 +15,9 @@ from loadtests.harness.otlp_receiver import OTLPReceiver
 from service.settings import Settings
 from service.triton.server import LocalTriton, TritonInstall
 from tests.conftest import running_gateway
-from tests.triton.conftest import start_triton
+from tests.triton_server import start_triton
+
+pytestmark = pytest.mark.triton
 
 MakeSettings = Callable[..., Settings]
 
