@@ -229,8 +229,9 @@ class Settings(BaseSettings):
     of starting) after which ``gateway serve`` stops its workers and exits non-zero, so the container restarts;
     before that it restarts the engine with growing delays (0.5 s doubling to 30 s)."""
     engine_down_limit: float = Field(120.0, gt=0.0)
-    """Seconds a worker may be without its shared engine before ``/healthz`` fails (503), so that an
-    orchestrator restarts the pod (the engine's restarts and model load must fit in it)."""
+    """Seconds a worker may be without its shared engine, or with one that answers nothing (a call 5 s
+    past its deadline unanswered), before ``/healthz`` fails (503), so that an orchestrator restarts
+    the pod (the engine's restarts and model load must fit in it)."""
     torch_sync: Literal["blocking", "spin"] = "blocking"
     """How a ``torch`` backend thread waits for its batch on the GPU: ``blocking`` sleeps until it is
     done, leaving the core to decoding; ``spin`` busy-waits (CUDA's default with fewer processes than

@@ -222,25 +222,41 @@ class _Slots:
         self._waiters = kept
 
 
+ANSWER_GRACE = 5.0
+"""Seconds past a call's deadline after which an engine that has not answered it counts as stuck."""
+
+
 class _Connection:
     """One connection to the engine: a generation of calls, with its own ids."""
 
     def __init__(self, generation: int, writer: asyncio.StreamWriter) -> None:
         self.generation = generation
         self.writer = writer
-        self.pending: dict[int, tuple[asyncio.Future[np.ndarray], int]] = {}
-        """Calls sent and not answered: their future (done when the call gave up) and slot."""
+        self.pending: dict[int, tuple[asyncio.Future[np.ndarray], int, float]] = {}
+        """Calls sent and not answered: their future (done when the call gave up), slot, and when
+        the engine owes the answer by (monotonic: the call's deadline, or ``owed_within`` after it
+        was sent when it has none, plus ``grace``)."""
         self.next_id = 0
         self.lost: str | None = None
 
-    def send(self, slot: int, count: int, timeout: float | None) -> asyncio.Future[np.ndarray]:
+    def send(
+        self, slot: int, count: int, timeout: float | None, owed_within: float, grace: float
+    ) -> asyncio.Future[np.ndarray]:
         if self.lost is not None:
             raise BackendUnavailable(self.lost)
         self.next_id += 1
         future: asyncio.Future[np.ndarray] = asyncio.get_running_loop().create_future()
-        self.pending[self.next_id] = (future, slot)
+        owed_by = time.monotonic() + (timeout if timeout else owed_within) + grace
+        self.pending[self.next_id] = (future, slot, owed_by)
         self.writer.write(_REQUEST.pack(self.next_id, slot, count, timeout or 0.0))
         return future
+
+    def overdue_since(self) -> float | None:
+        """Since when the engine has owed an answer it has not given (None: it owes none yet). The
+        engine answers every call by its deadline, late ones with 504: one still unanswered well
+        after it means the engine is stuck, though its connection is up."""
+        owed = min((owed_by for _, _, owed_by in self.pending.values()), default=None)
+        return owed if owed is not None and owed < time.monotonic() else None
 
 
 class EngineClient:
@@ -256,12 +272,16 @@ class EngineClient:
         max_batch_size: int,
         slots: int,
         down_limit: float = 120.0,
+        answer_grace: float = ANSWER_GRACE,
     ) -> None:
-        """``down_limit``: seconds without the engine after which ``liveness`` reports it."""
+        """``down_limit``: seconds without the engine (gone, or stuck) after which ``liveness``
+        reports it. ``answer_grace``: seconds past a call's deadline after which an engine that has
+        not answered it counts as stuck."""
         self.socket_path = socket_path
         self.geometry = geometry
         self.max_batch_size = max_batch_size
         self.down_limit = down_limit
+        self.answer_grace = answer_grace
         self.detail: str | None = None
         self._fd, self._block = create_block(slots * max_batch_size * geometry.image_bytes)
         size = geometry.image_size
@@ -338,7 +358,7 @@ class EngineClient:
         error = BackendUnavailable(problem)
         self._slots.fail_waiters(connection.generation, error)
         pending, connection.pending = connection.pending, {}
-        for future, slot in pending.values():
+        for future, slot, _ in pending.values():
             self._slots.release(slot)
             if not future.done():
                 future.set_exception(error)
@@ -353,7 +373,7 @@ class EngineClient:
             entry = connection.pending.pop(request_id, None)
             if entry is None:
                 raise ConnectionError(f"the engine answered call {request_id}, which it was not sent")
-            future, slot = entry
+            future, slot, _ = entry
             self._slots.release(slot)  # the engine is done with it
             if future.done():  # the call gave up (its deadline)
                 continue
@@ -376,7 +396,7 @@ class EngineClient:
                 slot = await self._slots.acquire(connection.generation)
                 await self._copy(slot, images)
                 try:
-                    answer = connection.send(slot, count, timeout)
+                    answer = connection.send(slot, count, timeout, self.down_limit, self.answer_grace)
                 except BackendUnavailable:  # lost while copying
                     self._slots.release(slot)
                     raise
@@ -402,16 +422,27 @@ class EngineClient:
             copy.exception()  # retrieved: the call that gave up has its own error
         self._slots.release(slot)
 
+    def _stuck(self) -> tuple[float, str] | None:
+        """Since when, and why, a connected engine counts as stuck (None: it answers in time)."""
+        connection = self._connection
+        since = connection.overdue_since() if connection is not None else None
+        if since is None:
+            return None
+        return since, f"the engine has not answered a call {self.answer_grace:g} s past its deadline (stuck?)"
+
     async def ready(self) -> str | None:
-        return self._problem
+        stuck = self._stuck()
+        return stuck[1] if stuck is not None else self._problem
 
     def liveness(self) -> str | None:
-        """Why this worker is not live: without its engine for longer than ``down_limit`` (then a
-        restart of the pod may help; the gateway's own restarts of the engine have not)."""
-        down_since = self._down_since
+        """Why this worker is not live: without its engine, or with an engine that answers nothing,
+        for longer than ``down_limit`` (then a restart of the pod may help; the gateway's own
+        restarts of the engine have not, or a stuck engine has not exited for it to restart)."""
+        stuck = self._stuck()
+        down_since, problem = stuck if stuck is not None else (self._down_since, self._problem)
         if down_since is None or time.monotonic() - down_since <= self.down_limit:
             return None
-        return f"no shared engine for {time.monotonic() - down_since:.0f} s: {self._problem}"
+        return f"no working shared engine for {time.monotonic() - down_since:.0f} s: {problem}"
 
     async def aclose(self) -> None:
         if self._connector is not None:

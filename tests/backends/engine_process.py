@@ -58,8 +58,10 @@ def engine_process(
 
 
 @asynccontextmanager
-async def engine_client(socket: Path, *, slots: int = 2, max_batch_size: int = 4) -> AsyncIterator[EngineClient]:
-    client = EngineClient(str(socket), GEOMETRY, max_batch_size=max_batch_size, slots=slots)
+async def engine_client(
+    socket: Path, *, slots: int = 2, max_batch_size: int = 4, **options: float
+) -> AsyncIterator[EngineClient]:
+    client = EngineClient(str(socket), GEOMETRY, max_batch_size=max_batch_size, slots=slots, **options)
     await client.start()
     try:
         yield client

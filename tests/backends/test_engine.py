@@ -445,3 +445,31 @@ async def test_a_call_gives_up_at_its_timeout_while_the_engine_hangs(tmp_path: P
                     await client.infer(process_images(2), timeout=0.3)
                 process.send_signal(signal.SIGCONT)
                 assert list((await client.infer(process_images(3), timeout=30)).argmax(axis=1)) == [3]
+
+
+async def test_a_stuck_engine_is_not_ready_then_not_live_and_recovers(tmp_path: Path) -> None:
+    """An engine whose connection is up but which answers nothing (SIGSTOP: a deadlock, a hung
+    GPU): once a call is ``answer_grace`` past its deadline unanswered, the worker is not ready
+    (out of rotation), and after ``down_limit`` more not live (the pod is restarted). It used to
+    stay ready and live for ever, every request a 504 at its deadline. Answers again: ready."""
+    socket = tmp_path / "engine.sock"
+    with engine_process(socket) as process:
+        async with engine_client(socket, slots=1, answer_grace=0.3, down_limit=1.0) as client:
+            assert await client.ready() is None
+            process.send_signal(signal.SIGSTOP)
+            try:
+                with pytest.raises(DeadlineExceeded):
+                    await client.infer(process_images(1), timeout=0.2)
+                assert await client.ready() is None  # within its grace
+                assert client.liveness() is None
+                await asyncio.sleep(0.5)
+                assert "has not answered" in (await client.ready() or "")
+                assert client.liveness() is None  # not for down_limit yet
+                await asyncio.sleep(1.2)
+                assert "no working shared engine" in (client.liveness() or "")
+            finally:
+                process.send_signal(signal.SIGCONT)
+            async with asyncio.timeout(10):
+                assert list((await client.infer(process_images(3), timeout=30)).argmax(axis=1)) == [3]
+            assert await client.ready() is None
+            assert client.liveness() is None
