@@ -34,6 +34,7 @@ from service.http.openapi import CLASSIFY_BODY, ERRORS
 from service.http.quotas import Quotas
 from service.images.files import MEDIA_TYPES
 from service.jobs.client import JobsClient, OfflineImage, PendingJob
+from service.jobs.owners import JOB_ID_CHARS
 from service.metrics import Metrics
 from service.models.checkpoints import real_weights_hint
 from service.schemas import (
@@ -384,8 +385,13 @@ async def job_status(request: Request, job_id: str) -> JobStatus:
     owner = request.scope.get(API_KEY) or ""
     state = gateway.jobs.job(job_id, owner) if gateway.jobs is not None else None
     if state is None:  # also another key's job: the same answer, so that its existence is not told
+        shown = (
+            repr(job_id)
+            if len(job_id) <= JOB_ID_CHARS
+            else f"(an id of {len(job_id)} characters; ids have {JOB_ID_CHARS})"
+        )
         raise NotFound(
-            f"unknown job {job_id!r}: never accepted, forgotten (job states are kept "
+            f"unknown job {shown}: never accepted, forgotten (job states are kept "
             f"{gateway.settings.jobs_ttl:g} s, within GATEWAY_JOBS_CACHE_BYTES), or accepted by another replica "
             "and not finished yet"
         )

@@ -118,3 +118,16 @@ async def test_the_key_id_on_metrics_opens_nothing(gateway_factory: MakeSettings
         assert (await get_job(client, KEY_B, guess)).status_code == 404
         assert (await get_job(client, KEY_B, job_id)).status_code == 404
         assert (await get_job(client, KEY_A, job_id)).json()["status"] == "pending"
+
+
+async def test_a_long_job_id_is_not_echoed_back(gateway_factory: MakeSettings, prefix: str) -> None:
+    """A job id of 60,000 characters is a 404 whose detail gives its length, not the id: the answer
+    (and any log of it) does not repeat whatever a caller sends, at any size."""
+    settings = gateway_factory(broker_url=BROKER_URL, queue_prefix=prefix, backend="fake")
+    async with running_gateway(settings) as client:
+        answer = await client.get("/jobs/" + "a" * 60_000)
+        short = await client.get("/jobs/" + "b" * 10)
+    assert answer.status_code == 404
+    assert len(answer.content) < 1_000
+    assert "an id of 60000 characters" in answer.json()["detail"]
+    assert "'bbbbbbbbbb'" in short.json()["detail"]
