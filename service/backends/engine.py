@@ -442,7 +442,7 @@ class EngineClient:
         down_since, problem = stuck if stuck is not None else (self._down_since, self._problem)
         if down_since is None or time.monotonic() - down_since <= self.down_limit:
             return None
-        return f"no working shared engine for {time.monotonic() - down_since:.0f} s: {problem}"
+        return f"no shared engine for {time.monotonic() - down_since:.0f} s: {problem}"
 
     async def aclose(self) -> None:
         if self._connector is not None:
