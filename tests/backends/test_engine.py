@@ -15,7 +15,7 @@ import subprocess
 import sys
 import time
 from collections.abc import AsyncIterator, Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from pathlib import Path
 
@@ -206,6 +206,20 @@ def test_serve_with_a_shared_engine_answers_as_the_model_does(
         stop_process(proc)
 
 
+def held_in_engine(pool: ThreadPoolExecutor, url: str, engine: psutil.Process, jpeg: bytes) -> Future[httpx.Response]:
+    """A request to the gateway whose batch is in the engine, stopped (SIGSTOP) so that it stays there."""
+    engine.send_signal(signal.SIGSTOP)
+    request = pool.submit(
+        httpx.post, f"{url}/classify", content=jpeg, headers={"content-type": "image/jpeg"}, timeout=90
+    )
+    poll(
+        lambda: "gateway_batcher_inflight_batches 1.0" in httpx.get(f"{url}/metrics").text,
+        30,
+        "the request's batch in the engine",
+    )
+    return request
+
+
 @pytest.mark.slow
 def test_serve_restarts_an_engine_killed_mid_request(tmp_path: Path, cat_jpeg: bytes) -> None:
     """The engine SIGKILLed with a request in it: the request fails at once with 503 (not at its
@@ -214,16 +228,8 @@ def test_serve_restarts_an_engine_killed_mid_request(tmp_path: Path, cat_jpeg: b
     proc, url = start_gateway([], tmp_path / "models", env=SHARED_ENGINE)
     try:
         (engine,) = children(proc, "engine")
-        engine.send_signal(signal.SIGSTOP)  # the next request's batch reaches the engine and stays there
         with ThreadPoolExecutor(1) as pool:
-            request = pool.submit(
-                httpx.post, f"{url}/classify", content=cat_jpeg, headers={"content-type": "image/jpeg"}, timeout=90
-            )
-            poll(
-                lambda: "gateway_batcher_inflight_batches 1.0" in httpx.get(f"{url}/metrics").text,
-                30,
-                "the request's batch in the engine",
-            )
+            request = held_in_engine(pool, url, engine, cat_jpeg)
             engine.send_signal(signal.SIGKILL)
             killed = time.monotonic()
             answer = request.result(timeout=90)
@@ -313,16 +319,8 @@ def test_a_request_in_the_engine_is_answered_when_every_process_of_the_gateway_i
     try:
         (engine,) = children(proc, "engine")
         workers = children(proc, "spawn_main")
-        engine.send_signal(signal.SIGSTOP)  # the next request's batch reaches the engine and stays there
         with ThreadPoolExecutor(1) as pool:
-            request = pool.submit(
-                httpx.post, f"{url}/classify", content=cat_jpeg, headers={"content-type": "image/jpeg"}, timeout=90
-            )
-            poll(
-                lambda: "gateway_batcher_inflight_batches 1.0" in httpx.get(f"{url}/metrics").text,
-                30,
-                "the request's batch in the engine",
-            )
+            request = held_in_engine(pool, url, engine, cat_jpeg)
             for process in [psutil.Process(proc.pid), *workers, engine]:
                 process.send_signal(signal.SIGTERM)
             engine.send_signal(signal.SIGCONT)
