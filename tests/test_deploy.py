@@ -139,7 +139,9 @@ def test_kubernetes_overlay_renders_and_validates(overlay: str, tmp_path: Path) 
 
 def test_dockerfile_is_multi_stage_non_root_with_a_healthcheck() -> None:
     dockerfile = (ROOT / "Dockerfile").read_text()
-    assert len(re.findall(r"^FROM ", dockerfile, re.M)) == 2
+    stages = re.findall(r"^FROM \S+ AS (\S+)$", dockerfile, re.M)
+    assert stages[-1] == "runtime"  # the default target serves
+    assert "tools" in stages  # --target tools builds models
     assert re.search(r"^USER 10001$", dockerfile, re.M)
     assert "HEALTHCHECK" in dockerfile
     assert re.search(r'^ENTRYPOINT \["gateway"\]$', dockerfile, re.M)  # exec form: SIGTERM reaches uvicorn

@@ -10,7 +10,7 @@ import numpy as np
 import onnxruntime as ort
 
 from service.backends.inprocess import InProcessBackend
-from service.models.graph import INPUT_NAME, OUTPUT_NAME
+from service.models.tensors import INPUT_NAME, OUTPUT_NAME
 
 
 class EmbeddedBackend(InProcessBackend):

@@ -23,7 +23,7 @@ from tritonclient.utils import InferenceServerException
 from service.backends.base import BatchBuffer, Images
 from service.backends.triton_shm import SharedMemoryPool
 from service.errors import BackendError, BackendUnavailable, DeadlineExceeded, GatewayError, QueueFull
-from service.models.graph import INPUT_NAME, OUTPUT_NAME
+from service.models.tensors import INPUT_NAME, OUTPUT_NAME
 from service.tracing import current_headers
 
 logger = logging.getLogger(__name__)

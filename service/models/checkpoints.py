@@ -19,8 +19,6 @@ import hashlib
 import http.client
 import json
 import logging
-import os
-import tempfile
 import time
 import urllib.request
 from collections.abc import Callable
@@ -28,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
+from service.host.files import atomic_write
 from service.settings import Settings
 
 logger = logging.getLogger(__name__)
@@ -121,19 +120,12 @@ def fetch(
                 return path
         except (OSError, json.JSONDecodeError):
             pass
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    try:
-        with os.fdopen(fd, "wb") as out:
-            got, received = _download(source, out, size, timeout, progress)
+    with atomic_write(path) as out:  # kept only if every check below passes
+        got, received = _download(source, out, size, timeout, progress)
         if size is not None and received != size:
             raise FetchFailed(f"{source}: {received} bytes, but the pinned checkpoint has {size}")
         if got != want:
             raise FetchFailed(f"{source}: SHA-256 {got}, not the pinned {want}; the file was not kept")
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
     kept = {"model": checkpoint.model, "url": source, "sha256": want, "size": received, "fetched_at": time.time()}
     record.write_text(json.dumps(kept, indent=2))
     logger.info("kept %s (%d bytes, SHA-256 %s) as %s", source, received, want, path)

@@ -11,7 +11,8 @@ from __future__ import annotations
 import numpy as np
 import onnx
 
-from service.models.graph import INPUT_NAME, GraphBuilder, bn_params
+from service.models.graph import GraphBuilder, bn_params
+from service.models.tensors import INPUT_NAME
 
 BN_EPS = 1e-3
 # (repeats, stride of the first block) per stage; kernel and expansion are read from the weights

@@ -16,9 +16,9 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
+from service.models.tensors import INPUT_NAME, OUTPUT_NAME
+
 OPSET = 17
-INPUT_NAME = "images"
-OUTPUT_NAME = "scores"
 
 
 class GraphBuilder:

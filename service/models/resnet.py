@@ -10,7 +10,8 @@ from __future__ import annotations
 import numpy as np
 import onnx
 
-from service.models.graph import INPUT_NAME, GraphBuilder, bn_params
+from service.models.graph import GraphBuilder, bn_params
+from service.models.tensors import INPUT_NAME
 
 BN_EPS = 1e-5
 LAYERS = (3, 4, 6, 3)

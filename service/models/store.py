@@ -10,13 +10,16 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
-import tempfile
 from pathlib import Path
 
+from service.host.files import atomic_write
 from service.models.profiles import ModelProfile
 
 logger = logging.getLogger(__name__)
+
+
+class ModelToolsMissing(RuntimeError):
+    """The model is not built and this install cannot build it (no ``models`` extra)."""
 
 
 def _fingerprint(profile: ModelProfile, weights: Path | None) -> dict[str, object]:
@@ -29,18 +32,6 @@ def _fingerprint(profile: ModelProfile, weights: Path | None) -> dict[str, objec
 
 def model_path(models_dir: Path, profile: ModelProfile) -> Path:
     return models_dir / profile.name / profile.version / "model.onnx"
-
-
-def _atomic_write(path: Path, data: bytes) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def ensure_model(models_dir: Path, profile: ModelProfile, weights: Path | None = None, *, force: bool = False) -> Path:
@@ -57,10 +48,20 @@ def ensure_model(models_dir: Path, profile: ModelProfile, weights: Path | None =
         except json.JSONDecodeError:
             pass
     logger.info("building %s into %s", profile.name, path)
-    data = profile.build(weights).SerializeToString()
-    _atomic_write(path, data)
+    try:
+        graph = profile.build(weights)
+    except ModuleNotFoundError as exc:  # a serving-only install (the runtime image) has no builder
+        raise ModelToolsMissing(
+            f"{profile.name} is not built in {models_dir}, and building it needs {exc.name!r}: "
+            "pip install 'inference-gateway[models]', or bake it into the image "
+            f"(docker build --build-arg MODELS='{profile.name} ...')"
+        ) from exc
+    data = graph.SerializeToString()
+    with atomic_write(path) as out:
+        out.write(data)
     meta = dict(fingerprint, sha256=hashlib.sha256(data).hexdigest())
-    _atomic_write(meta_path, json.dumps(meta, indent=2).encode())
+    with atomic_write(meta_path) as out:
+        out.write(json.dumps(meta, indent=2).encode())
     return path
 
 

@@ -11,7 +11,8 @@ import numpy as np
 import onnx
 from onnx import TensorProto
 
-from service.models.graph import INPUT_NAME, GraphBuilder
+from service.models.graph import GraphBuilder
+from service.models.tensors import INPUT_NAME
 
 GRID_STEP = 8
 

@@ -11,8 +11,6 @@ works, not only the ones ``gateway models triton-repo`` writes; every other fiel
 
 from __future__ import annotations
 
-import os
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
@@ -21,6 +19,8 @@ import tritonclient.grpc
 from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2 as mc
 from tritonclient.utils import InferenceServerException
+
+from service.host.files import atomic_write
 
 if TYPE_CHECKING:
     import tritonclient.http
@@ -96,9 +96,8 @@ class TritonModel:
 
     def write(self, text: str) -> None:
         """Replace the file atomically: Triton may read it at any moment."""
-        with tempfile.NamedTemporaryFile("w", dir=self.path.parent, prefix=".config-", delete=False) as out:
+        with atomic_write(self.path, "w") as out:  # readable by Triton's user, as the file it replaces
             out.write(text)
-        os.replace(out.name, self.path)
 
     def reload(self) -> None:
         client = self._client()

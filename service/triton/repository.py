@@ -26,8 +26,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from service.models.graph import INPUT_NAME, OUTPUT_NAME
 from service.models.profiles import ModelProfile
+from service.models.tensors import INPUT_NAME, OUTPUT_NAME
 
 Variant = Literal["tensorrt", "onnxruntime", "openvino", "python"]
 VARIANTS: tuple[Variant, ...] = ("tensorrt", "onnxruntime", "openvino", "python")

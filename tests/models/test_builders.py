@@ -9,8 +9,8 @@ import pytest
 
 from service.images.preprocess import PreprocessConfig, prepare
 from service.models import resnet
-from service.models.graph import INPUT_NAME, OUTPUT_NAME
 from service.models.profiles import get_profile, top_k
+from service.models.tensors import INPUT_NAME, OUTPUT_NAME
 from tests.conftest import CAT_CLASSES, ESPRESSO
 from tests.torch_files import write_zip
 

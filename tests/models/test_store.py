@@ -1,12 +1,14 @@
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from service.models.profiles import get_profile
-from service.models.store import ensure_model
+from service.models.store import ModelToolsMissing, ensure_model
 from tests.torch_files import write_legacy
 
 
@@ -38,3 +40,27 @@ def test_rebuilds_when_the_weights_file_changes(tmp_path: Path) -> None:
     second = ensure_model(tmp_path / "models", profile, weights).read_bytes()
     assert first != second
     assert not list((tmp_path / "models").rglob(".model.onnx.*"))  # no temporary files left behind
+
+
+def test_a_built_model_is_readable_by_other_users(tmp_path: Path) -> None:
+    """The image's build writes models as root and its runtime user reads them: the files get the
+    mode a plain open() gives (umask 022 here), not the 0600 of the temporary file they were."""
+    path = ensure_model(tmp_path, get_profile("trivial"))
+    for built in (path, path.with_name("build.json")):
+        assert built.stat().st_mode & 0o777 == 0o644, oct(built.stat().st_mode)
+
+
+def test_serving_a_built_model_needs_no_builder_and_a_missing_one_says_what_to_install(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The runtime image has no onnx (the `models` extra): a model baked in is served; one that is
+    not is refused with the install or build step, not a bare ModuleNotFoundError."""
+    profile = get_profile("trivial")
+    built = ensure_model(tmp_path, profile)
+    monkeypatch.setitem(sys.modules, "onnx", None)  # import onnx now raises ModuleNotFoundError
+    for builder in ("trivial", "graph", "resnet", "efficientnet_lite"):  # as if never imported
+        monkeypatch.delitem(sys.modules, f"service.models.{builder}", raising=False)
+        monkeypatch.delattr(sys.modules["service.models"], builder, raising=False)
+    assert ensure_model(tmp_path, profile) == built
+    with pytest.raises(ModelToolsMissing, match=r"not built in .*needs 'onnx'.*inference-gateway\[models\]"):
+        ensure_model(tmp_path / "empty", profile)
