@@ -197,7 +197,8 @@ class Settings(BaseSettings):
     backend: Literal["embedded", "openvino", "torch", "triton", "fake"] = "embedded"
     """Where batches run: ``embedded`` (ONNX Runtime in this process, on CPU), ``openvino`` (the
     model converted by OpenVINO for this CPU, in this process; see ``openvino_precision``;
-    ``pip install '.[openvino]'``, which ``scripts/bootstrap`` and the image do), ``torch`` (ResNet-50
+    ``pip install '.[openvino]'``, which ``scripts/bootstrap test`` does; in the image:
+    ``docker build --build-arg EXTRAS=openvino``), ``torch`` (ResNet-50
     in PyTorch in this process, on a CUDA GPU; see ``torch_device``; ``pip install '.[torch]'``),
     ``triton`` (NVIDIA Triton Inference Server, see the ``triton_*`` settings) or ``fake`` (a
     deterministic stand-in with no model, for testing the gateway itself)."""

@@ -67,6 +67,26 @@ def test_compose_refuses_to_start_without_credentials() -> None:
         assert "guest" not in (ROOT / path).read_text()
 
 
+def test_the_host_stack_runs_the_image_locked_down_against_the_hosts_services() -> None:
+    """docker-compose.host.yml: the gateway and a worker on the host's network (how scripts/image-test
+    runs them), locked down as in production, with no default broker credentials."""
+    refused = compose("docker-compose.host.yml", env={"PATH": os.environ["PATH"]})
+    assert refused.returncode != 0
+    assert "GATEWAY_BROKER_URL" in refused.stderr
+    url = "amqp://gateway:s3cret-pw@127.0.0.1:5672/"
+    result = compose("docker-compose.host.yml", env={"PATH": os.environ["PATH"], "GATEWAY_BROKER_URL": url})
+    assert result.returncode == 0, result.stderr
+    services = yaml.safe_load(result.stdout)["services"]
+    assert set(services) == {"gateway", "worker"}
+    for service in services.values():
+        assert service["network_mode"] == "host"
+        assert service["read_only"] is True
+        assert service["cap_drop"] == ["ALL"]
+        assert service["tmpfs"] == ["/tmp"]
+        assert service["environment"]["GATEWAY_BROKER_URL"] == url
+    assert services["worker"]["healthcheck"]["test"][:3] == ["CMD", "gateway", "alive"]
+
+
 def render(overlay: str, tmp_path: Path) -> list[dict[str, Any]]:
     """kubectl kustomize on a copy of k8s/ with generated credentials (never committed)."""
     tree = tmp_path / "k8s"

@@ -1,10 +1,11 @@
 """The built image, run as a user runs it and checked from outside the container.
 
 ``scripts/image-test`` builds the image and runs this module with ``GATEWAY_TEST_IMAGE`` naming it
-(the whole suite leaves this folder out without that variable). Containers run on the host's
-network (the engine here has no bridge), locked down as production runs them: a read-only root
-with a tmpfs for /tmp, every capability dropped, no new privileges. The worker talks to the host's
-RabbitMQ under a queue prefix of its own.
+(the whole suite leaves this folder out without that variable). The gateway and the worker are
+started with docker-compose.host.yml, as a developer runs the stack against the host's services:
+on the host's network (the engine here has no bridge), locked down as production runs them (a
+read-only root with a tmpfs for /tmp, every capability dropped, no new privileges), the worker on
+the host's RabbitMQ under a queue prefix of this run.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import pytest
 from service.tune.runner import free_port
 from tests.conftest import CAT_CLASSES
 from tests.jobs.conftest import BROKER_URL, _delete_everything
+from tests.test_deploy import ROOT
 
 IMAGE = os.environ.get("GATEWAY_TEST_IMAGE", "")
 LOCKED_DOWN = ("--read-only", "--tmpfs=/tmp:rw,size=256m", "--cap-drop=ALL", "--security-opt=no-new-privileges")
@@ -56,6 +58,28 @@ def start(name: str, port: int, *command: str, env: dict[str, str] | None = None
     environment = [f"--env={key}={value}" for key, value in (env or {}).items()]
     docker("run", "--detach", "--name", name, "--network", "host", *LOCKED_DOWN, *environment, IMAGE, *command)
     return Container(name, f"http://127.0.0.1:{port}")
+
+
+class HostStack:
+    """docker-compose.host.yml under a project name of its own."""
+
+    def __init__(self, env: dict[str, str]) -> None:
+        self.project = f"imagetest{uuid.uuid4().hex[:8]}"
+        self.env = {**os.environ, "GATEWAY_IMAGE": IMAGE, **env}
+
+    def compose(self, *args: str) -> str:
+        command = ["docker-compose", "-f", str(ROOT / "docker-compose.host.yml"), "-p", self.project, *args]
+        done = subprocess.run(command, env=self.env, capture_output=True, text=True, timeout=180)
+        if done.returncode != 0:
+            raise AssertionError(f"{' '.join(command)} failed ({done.returncode}): {done.stderr.strip()}")
+        return done.stdout.strip()
+
+    def up(self, service: str, port: int) -> Container:
+        self.compose("up", "--detach", "--no-build", service)
+        return Container(self.compose("ps", "--quiet", service), f"http://127.0.0.1:{port}")
+
+    def down(self) -> None:
+        self.compose("down", "--timeout", "30")
 
 
 def remove(container: Container) -> None:
@@ -90,16 +114,21 @@ def prefix() -> Iterator[str]:
 
 
 @pytest.fixture(scope="module")
-def gateway(prefix: str) -> Iterator[Container]:
-    """``serve`` on the embedded default, with the broker set so that it also takes offline jobs."""
-    port = free_port()
-    env = {"GATEWAY_PORT": str(port), "GATEWAY_BROKER_URL": BROKER_URL, "GATEWAY_QUEUE_PREFIX": prefix}
-    container = start(f"gateway-image-test-{uuid.uuid4().hex[:8]}", port, "serve", env=env)
+def stack(prefix: str) -> Iterator[HostStack]:
+    ports = {"GATEWAY_PORT": str(free_port()), "GATEWAY_WORKER_METRICS_PORT": str(free_port())}
+    stack = HostStack({"GATEWAY_BROKER_URL": BROKER_URL, "GATEWAY_QUEUE_PREFIX": prefix, **ports})
     try:
-        wait_ready(container)
-        yield container
+        yield stack
     finally:
-        remove(container)
+        stack.down()
+
+
+@pytest.fixture(scope="module")
+def gateway(stack: HostStack) -> Container:
+    """``serve`` on the embedded default, with the broker set so that it also takes offline jobs."""
+    container = stack.up("gateway", int(stack.env["GATEWAY_PORT"]))
+    wait_ready(container)
+    return container
 
 
 def test_the_image_runs_as_a_non_root_user() -> None:
@@ -172,7 +201,9 @@ def test_it_runs_without_root_privileges_or_a_writable_root(gateway: Container) 
     assert "Read-only file system" in wrote.stderr
 
 
-def test_an_offline_job_is_classified_by_the_worker_container(gateway: Container, prefix: str, cat_jpeg: bytes) -> None:
+def test_an_offline_job_is_classified_by_the_worker_container(
+    gateway: Container, stack: HostStack, cat_jpeg: bytes
+) -> None:
     submitted = httpx.post(
         gateway.url + "/classify?mode=offline", files={"file": ("cat.jpg", cat_jpeg, "image/jpeg")}, timeout=30
     )
@@ -182,10 +213,7 @@ def test_an_offline_job_is_classified_by_the_worker_container(gateway: Container
     time.sleep(2)  # no worker yet: the job waits in the queue
     assert httpx.get(status_url, timeout=5).json()["status"] == "pending"
 
-    metrics_port = free_port()
-    env = {"GATEWAY_BROKER_URL": BROKER_URL, "GATEWAY_QUEUE_PREFIX": prefix}
-    env["GATEWAY_WORKER_METRICS_PORT"] = str(metrics_port)
-    worker = start(f"worker-image-test-{uuid.uuid4().hex[:8]}", metrics_port, "worker", env=env)
+    worker = stack.up("worker", int(stack.env["GATEWAY_WORKER_METRICS_PORT"]))
     try:
         deadline = time.monotonic() + 120
         while (answer := httpx.get(status_url, timeout=5).json())["status"] == "pending":
@@ -200,7 +228,7 @@ def test_an_offline_job_is_classified_by_the_worker_container(gateway: Container
         assert offline, worker_metrics[:2000]
         assert float(offline.group(1)) == 1  # this worker classified it
     finally:
-        remove(worker)
+        stack.compose("stop", "worker")
 
 
 def test_sigterm_under_load_answers_every_request_then_exits_0(cat_jpeg: bytes) -> None:
