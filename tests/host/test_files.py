@@ -21,8 +21,13 @@ def test_a_written_file_gets_the_mode_of_a_plain_open(tmp_path: Path) -> None:
 def test_a_failed_write_leaves_the_old_file_and_no_temporary(tmp_path: Path) -> None:
     path = tmp_path / "config.pbtxt"
     path.write_text("old")
-    with pytest.raises(RuntimeError), atomic_write(path, "w") as out:
-        out.write("half")
-        raise RuntimeError("disk full")
+
+    def write_half() -> None:
+        with atomic_write(path, "w") as out:
+            out.write("half")
+            raise RuntimeError("disk full")
+
+    with pytest.raises(RuntimeError):
+        write_half()
     assert path.read_text() == "old"
     assert os.listdir(tmp_path) == ["config.pbtxt"]
