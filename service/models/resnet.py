@@ -7,11 +7,14 @@ model's compute profile for load tests (and the source of the Triton/TensorRT mo
 
 from __future__ import annotations
 
-import numpy as np
-import onnx
+from typing import TYPE_CHECKING
 
-from service.models.graph import GraphBuilder, bn_params
+import numpy as np
+
 from service.models.tensors import INPUT_NAME
+
+if TYPE_CHECKING:  # building needs the `models` extra; the torch backend uses only the constants
+    import onnx
 
 BN_EPS = 1e-5
 LAYERS = (3, 4, 6, 3)
@@ -60,6 +63,8 @@ def random_state_dict(seed: int = 0, classes: int = 1000) -> dict[str, np.ndarra
 
 
 def build(state: dict[str, np.ndarray], image_size: int = 224) -> onnx.ModelProto:
+    from service.models.graph import GraphBuilder, bn_params
+
     g = GraphBuilder()
     x = g.normalise_uint8_nhwc(INPUT_NAME, MEAN, STD)
     x = g.op("Relu", [g.conv_bn(x, state["conv1.weight"], bn_params(state, "bn1"), stride=2, eps=BN_EPS)])

