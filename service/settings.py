@@ -13,12 +13,15 @@ from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Literal
+from urllib.parse import urlsplit
 
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from service.host.cpus import available_cpus
 from service.schemas import MAX_URL_LENGTH
+
+BROKER_ADDRESSES_AT_MOST = 16
 
 
 def _default_models_dir() -> Path:
@@ -283,7 +286,9 @@ class Settings(BaseSettings):
 
     broker_url: str | None = None
     """RabbitMQ URL (e.g. ``amqp://user:pass@rabbitmq:5672/``) for offline mode; without it,
-    ``mode=offline`` requests get 503 and ``gateway worker`` / ``gateway ingest`` refuse to start."""
+    ``mode=offline`` requests get 503 and ``gateway worker`` / ``gateway ingest`` refuse to start.
+    Several comma-separated URLs name the nodes of a cluster (at most 16): each process starts on one
+    at random and moves to the next when its node is lost."""
     queue_prefix: str = "gateway"
     """Prefix of every exchange and queue name, so several deployments can share a broker."""
     url_inputs: bool = True
@@ -476,6 +481,31 @@ class Settings(BaseSettings):
         if not value.strip() or value != value.strip():
             raise ValueError(f"{value!r} is not an address or a host name (0.0.0.0 or :: for every interface)")
         return value
+
+    @field_validator("broker_url", mode="after")
+    @classmethod
+    def _broker_addresses(cls, value: str | None) -> str | None:
+        """Each comma-separated part an amqp:// or amqps:// URL with a host; empty means unset. A bad
+        part is named by its position, never echoed (it may hold a password)."""
+        if value is None or not value.strip():
+            return None
+        parts = [part.strip() for part in value.split(",")]
+        if len(parts) > BROKER_ADDRESSES_AT_MOST:
+            raise ValueError(f"{len(parts)} broker addresses; at most {BROKER_ADDRESSES_AT_MOST}")
+        for position, part in enumerate(parts, 1):
+            where = f"broker address {position} of {len(parts)}"
+            if not part:
+                raise ValueError(f"{where} is empty (a stray comma?)")
+            try:
+                url = urlsplit(part)
+                url.port  # noqa: B018 (parsing the port is the check)
+            except ValueError:
+                raise ValueError(f"{where} is not a URL") from None
+            if url.scheme not in ("amqp", "amqps"):
+                raise ValueError(f"{where} is not an amqp:// or amqps:// URL")
+            if not url.hostname or any(c.isspace() or ord(c) < 32 for c in part):
+                raise ValueError(f"{where} has no host, or a space or control character in it")
+        return ",".join(parts)
 
     @field_validator("webhook_secret", mode="before")
     @classmethod

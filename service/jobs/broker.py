@@ -5,24 +5,58 @@ in the background; until it exists, and whenever it is lost, ``publish`` fails a
 rather than hanging. Publishes use publisher confirms and ``mandatory``, with a timeout; the channel
 is opened with aio-pika's ``on_return_raises``, so a publish the broker returns as unroutable fails
 (``PublishError``) like a nacked one instead of counting as confirmed.
+
+With several addresses (the nodes of a cluster, comma-separated in ``GATEWAY_BROKER_URL``) each
+process starts on one picked at random, so that clients spread over the nodes, and when its node is
+lost, every reconnection attempt of aio-pika's robust connection goes to the next address: the
+connection, its channels, queues and consumers are restored there as they would be on the same node.
+Attempts back off exponentially with jitter (``Backoff``), so that the clients of a dead node do not
+all arrive at the next one at the same instant.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import random
 from collections.abc import Awaitable, Callable
-from typing import Literal
+from dataclasses import dataclass
+from typing import Any, Literal
 
 import aio_pika
 from aio_pika.abc import AbstractExchange, AbstractMessage, AbstractRobustChannel, AbstractRobustConnection
 from pamqp.common import FieldTable
+from yarl import URL
 
 from service.errors import BackendUnavailable
 from service.jobs import frames
 from service.jobs.topology import Names, Topology, declare
 
 logger = logging.getLogger(__name__)
+
+
+def addresses(url: str) -> list[str]:
+    """The broker addresses of a ``GATEWAY_BROKER_URL``: one URL, or several comma-separated."""
+    return [part.strip() for part in url.split(",") if part.strip()]
+
+
+@dataclass
+class Backoff:
+    """Seconds before the next connection attempt: doubling from ``first`` up to ``cap``, each drawn
+    from [0.5, 1.5) of that ("equal jitter"), so that many clients spread out instead of retrying in
+    step."""
+
+    first: float = 0.5
+    cap: float = 10.0
+    attempt: int = 0
+
+    def next(self) -> float:
+        base = min(self.cap, self.first * 2**self.attempt)
+        self.attempt += 1
+        return float(base * random.uniform(0.5, 1.5))
+
+    def reset(self) -> None:
+        self.attempt = 0
 
 
 def redact(url: str) -> str:
@@ -47,7 +81,11 @@ class Broker:
         name: str | None = None,
     ) -> None:
         frames.install()  # a message with hostile properties must not close the connection
-        self.url = url
+        self.addresses = addresses(url)
+        if not self.addresses:
+            raise ValueError("no broker address")
+        self._current = random.randrange(len(self.addresses))
+        self._backoff = Backoff()
         self.names = names
         self.publish_timeout = publish_timeout
         self.prefetch = prefetch
@@ -58,13 +96,27 @@ class Broker:
         self.channel: AbstractRobustChannel | None = None
         self.topology: Topology | None = None
         self._connector: asyncio.Task[None] | None = None
+        self._follower: asyncio.Task[None] | None = None
+        self._closing = False
         self.connected = asyncio.Event()
+
+    @property
+    def url(self) -> str:
+        """The address in use (or tried next)."""
+        return self.addresses[self._current]
+
+    def _rotate(self) -> str:
+        self._current = (self._current + 1) % len(self.addresses)
+        return self.url
 
     async def _connect_once(self) -> None:
         properties: FieldTable | None = {"connection_name": self.name} if self.name else None
         connection = await aio_pika.connect_robust(
-            self.url, timeout=5, reconnect_interval=1, client_properties=properties
+            self.url, timeout=5, reconnect_interval=self._backoff.first, client_properties=properties
         )
+        if len(self.addresses) > 1:
+            connection.close_callbacks.add(self._on_lost)
+            connection.reconnect_callbacks.add(self._on_restored)
         try:
             channel = await connection.channel(publisher_confirms=True, on_return_raises=True)
             if self.prefetch:
@@ -78,10 +130,38 @@ class Broker:
             await connection.close()
             raise
         self.connected.set()
+        self._backoff.reset()
         logger.info("broker: connected to %s", redact(self.url))
 
+    def _on_lost(self, connection: Any, exc: BaseException | None = None) -> None:
+        """The node is gone (or the link to it): aim the robust connection's attempts elsewhere.
+        Called before aio-pika's first attempt, so that attempt already goes to the next node; a
+        follower keeps moving on while the attempts fail."""
+        if self._closing or self.connection is None or connection is not self.connection:
+            return  # closed on purpose, or not ours
+        logger.warning("broker: lost %s (%s); trying %s", redact(self.url), exc, redact(self._rotate()))
+        self._aim(self.connection)
+        if self._follower is None or self._follower.done():
+            self._follower = asyncio.get_running_loop().create_task(self._fail_over(self.connection))
+
+    def _on_restored(self, connection: Any) -> None:
+        self._backoff.reset()
+        logger.info("broker: reconnected to %s", redact(self.url))
+
+    def _aim(self, connection: AbstractRobustConnection) -> None:
+        connection.url = URL(self.url)  # type: ignore[attr-defined]  # read by each attempt
+        connection.reconnect_interval = self._backoff.next()  # type: ignore[attr-defined]
+
+    async def _fail_over(self, connection: AbstractRobustConnection) -> None:
+        """While the robust connection is down, move it on to the next address after each interval."""
+        while not connection.is_closed:
+            await asyncio.sleep(connection.reconnect_interval)  # type: ignore[attr-defined]
+            if connection.connected.is_set() or connection.is_closed:
+                return
+            self._rotate()
+            self._aim(connection)
+
     async def _connect_forever(self) -> None:
-        delay = 0.5
         while True:
             try:
                 await self._connect_once()
@@ -89,9 +169,12 @@ class Broker:
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
-                logger.warning("broker: cannot connect to %s (%s); retrying in %.1f s", redact(self.url), exc, delay)
+                delay = self._backoff.next()
+                tried = redact(self.url)
+                logger.warning(
+                    "broker: cannot connect to %s (%s); trying %s in %.1f s", tried, exc, redact(self._rotate()), delay
+                )
                 await asyncio.sleep(delay)
-                delay = min(delay * 2, 10.0)
 
     def start(self) -> None:
         """Connect in the background (the caller does not wait for the broker)."""
@@ -118,6 +201,8 @@ class Broker:
     def status(self) -> str:
         if self.is_open:
             return "ok"
+        if len(self.addresses) > 1:
+            return f"not connected to any of {len(self.addresses)} broker nodes (trying {redact(self.url)})"
         return f"not connected to {redact(self.url)}"
 
     async def publish(
@@ -147,8 +232,10 @@ class Broker:
             raise BackendUnavailable(f"the broker did not confirm the message ({type(exc).__name__}: {exc})") from exc
 
     async def aclose(self) -> None:
-        if self._connector is not None:
-            self._connector.cancel()
-            await asyncio.gather(self._connector, return_exceptions=True)
+        self._closing = True
+        for task in (self._connector, self._follower):
+            if task is not None:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
         if self.connection is not None:
             await self.connection.close()

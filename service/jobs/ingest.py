@@ -30,7 +30,7 @@ from service.images.imageinfo import probe
 from service.jobs.acks import Acks
 from service.jobs.broker import Broker
 from service.jobs.messages import new_job_id, request_message
-from service.jobs.topology import REQUEST_KEY, Names
+from service.jobs.topology import REQUEST_KEY, Names, declare_replicated
 from service.settings import Settings
 from service.tracing import Tracing, publishing
 
@@ -140,7 +140,10 @@ async def run_ingest(
     await broker.connect()
     assert broker.channel is not None
     assert broker.topology is not None
-    queue = await broker.channel.declare_queue(names.ingest_queue(run), durable=True)
+    assert broker.connection is not None
+    # replicated: it survives its node's loss in a cluster (a run resumed from an earlier version's
+    # classic queue keeps that queue)
+    queue = await declare_replicated(broker.connection, broker.channel, names.ingest_queue(run))
     await queue.bind(broker.topology.results_exchange, f"ingest.{run}")
     all_done = asyncio.Event()
     last_progress = time.monotonic()

@@ -1,10 +1,10 @@
 """Exchange and queue names, and their declaration (idempotent; every party declares what it uses).
 
 <prefix>.requests  direct exchange -> quorum queue <prefix>.work        (routing key "classify")
-<prefix>.results   topic exchange  -> durable queue <prefix>.results    (binding "#", capped)
+<prefix>.results   topic exchange  -> quorum queue <prefix>.results     (binding "#", capped)
                                    -> each API replica's own queue      (binding "jobs")
-                                   -> each ingest run's durable queue   (binding "ingest.<run>")
-<prefix>.dead      fanout exchange -> durable queue <prefix>.dead       (reason in x-gateway-error,
+                                   -> each ingest run's quorum queue    (binding "ingest.<run>")
+<prefix>.dead      fanout exchange -> quorum queue <prefix>.dead        (reason in x-gateway-error,
                                                                          or x-death for the broker's)
 (default exchange)                 -> quorum queue <prefix>.webhooks    (deliveries to make)
                                    -> quorum queues <prefix>.webhooks.retry.<ms>ms (deliveries to retry:
@@ -93,14 +93,22 @@ async def declare(connection: AbstractConnection, channel: AbstractChannel, name
     dead_exchange = await channel.declare_exchange(names.dead, aio_pika.ExchangeType.FANOUT, durable=True)
     requests_queue = await channel.declare_queue(names.work, durable=True, arguments={"x-queue-type": "quorum"})
     await requests_queue.bind(requests_exchange, REQUEST_KEY)
-    results_queue = await channel.declare_queue(
-        names.results, durable=True, passive=await _exists(connection, names.results)
-    )
+    # Quorum queues, replicated over a cluster's nodes: a classic queue lives on one node, and a
+    # client that fails over could not even declare it while that node is down. A queue an earlier
+    # version made classic is used as it is.
+    results_queue = await declare_replicated(connection, channel, names.results)
     await results_queue.bind(results_exchange, "#")
-    dead_queue = await channel.declare_queue(names.dead, durable=True)
+    dead_queue = await declare_replicated(connection, channel, names.dead)
     await dead_queue.bind(dead_exchange)
     await channel.declare_queue(names.webhooks, durable=True, arguments={"x-queue-type": "quorum"})
     return Topology(names, requests_exchange, requests_queue, results_exchange, dead_exchange, dead_queue)
+
+
+async def declare_replicated(connection: AbstractConnection, channel: AbstractChannel, name: str) -> AbstractQueue:
+    """A durable quorum queue, or the queue of that name as an earlier version declared it."""
+    if await _exists(connection, name):
+        return await channel.declare_queue(name, durable=True, passive=True)
+    return await channel.declare_queue(name, durable=True, arguments={"x-queue-type": "quorum"})
 
 
 async def _exists(connection: AbstractConnection, name: str) -> bool:

@@ -49,6 +49,15 @@ pytestmark = pytest.mark.rabbitmq
 MakeSettings = Callable[..., Settings]
 
 
+async def classic_results_queue(names: Names) -> None:
+    """Declare the results queue classic, as earlier versions did (the topology keeps it as it is):
+    the refusal tests need a queue that ``max-length: 0, overflow: reject-publish`` refuses at once; a
+    quorum queue lets one message in first."""
+    connection = await aio_pika.connect(BROKER_URL)
+    async with connection:
+        await (await connection.channel()).declare_queue(names.results, durable=True)
+
+
 async def results(names: Names, count: int, timeout: float = 60) -> dict[str, JobResult]:
     return {r.job_id: r for r in await collect_results(names, count, timeout)}
 
@@ -174,6 +183,7 @@ async def test_broker_refusals_use_up_no_delivery(
     )
     settings = settings_for(gateway_factory, prefix, worker_prefetch=4, max_batch_size=4, queue_delivery_limit=limit)
     jobs = [f"j{v}" for v in range(4)]
+    await classic_results_queue(names)
     _set_policies(names, limit)
     try:
         await asyncio.to_thread(subprocess.run, rabbitmqctl_commands([refuse])[0], check=True, capture_output=True)
@@ -556,6 +566,7 @@ async def test_an_outcome_retried_when_its_channel_is_lost_is_not_published(
         broker_url=url, queue_prefix=prefix, worker_metrics_port=0, backend="fake", worker_prefetch=2
     )
     jobs = ["a", "b"]
+    await classic_results_queue(names)
     await publish(names, *(job(v, j) for v, j in enumerate(jobs)))
     try:
         await asyncio.to_thread(subprocess.run, rabbitmqctl_commands([refuse])[0], check=True, capture_output=True)

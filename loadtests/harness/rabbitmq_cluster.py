@@ -1,0 +1,213 @@
+"""A RabbitMQ cluster of several nodes on this machine, as production runs it (three nodes, so that
+quorum queues keep a majority when one goes), for the fail-over tests and figures.
+
+Each node has its own name, AMQP and distribution ports and data folder; all share the Erlang cookie
+of the machine's RabbitMQ (they run as its user, with its home), and join the first node with
+``rabbitmqctl join_cluster``. The gateway's policies are applied with ``rabbitmqctl set_policy``,
+as ``gateway queues policies`` prints them. Nodes are started from Debian's ``rabbitmq-server``
+(the one ``scripts/test-deps`` installs); the machine's own broker on 5672 is left alone.
+
+    with RabbitCluster(size=3) as cluster:
+        cluster.urls          # "amqp://guest:guest@127.0.0.1:5681/,amqp://...:5682/,..."
+        cluster.kill(node)    # SIGKILL, as a crashed host; cluster.start_node(node) brings it back
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pwd
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+
+SERVER = Path("/usr/lib/rabbitmq/bin/rabbitmq-server")
+CTL = Path("/usr/lib/rabbitmq/bin/rabbitmqctl")
+USER = "rabbitmq"
+
+
+class ClusterUnavailable(RuntimeError):
+    """This machine cannot run the cluster (no RabbitMQ install, not root)."""
+
+
+@dataclass(frozen=True)
+class Node:
+    name: str
+    """Erlang node name, ``<short>@<host>``."""
+    amqp_port: int
+    dist_port: int
+    base: Path
+
+    @property
+    def url(self) -> str:
+        return f"amqp://guest:guest@127.0.0.1:{self.amqp_port}/"  # guest may connect over loopback
+
+    @property
+    def pid_file(self) -> Path:
+        return self.base / "pid"
+
+
+def check() -> str | None:
+    """Why a cluster cannot run here, or None."""
+    if not SERVER.exists() or not CTL.exists():
+        return f"no RabbitMQ install ({SERVER})"
+    if os.geteuid() != 0:
+        return "starting RabbitMQ nodes as its user needs root"
+    try:
+        pwd.getpwnam(USER)
+    except KeyError:
+        return f"no {USER!r} user"
+    return None
+
+
+class RabbitCluster:
+    def __init__(self, *, size: int = 3, first_port: int = 5681, prefix: str = "gwc") -> None:
+        why = check()
+        if why is not None:
+            raise ClusterUnavailable(why)
+        host = socket.gethostname().split(".")[0]
+        # Its own folder, which the nodes' user can reach (a test's tmp_path sits under a 0700 folder).
+        self.base = Path(tempfile.mkdtemp(prefix="gateway-rabbit-cluster-"))
+        self.base.chmod(0o755)
+        self.nodes = [
+            Node(f"{prefix}{i}@{host}", first_port + i, first_port + 20000 + i, self.base / f"{prefix}{i}")
+            for i in range(size)
+        ]
+        self._account = pwd.getpwnam(USER)
+
+    @property
+    def urls(self) -> str:
+        """Every node's address, as ``GATEWAY_BROKER_URL`` takes them (comma-separated)."""
+        return ",".join(node.url for node in self.nodes)
+
+    def _env(self, node: Node) -> dict[str, str]:
+        return {
+            "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
+            "HOME": self._account.pw_dir,  # the machine's Erlang cookie: one for every node and the CLI
+            "RABBITMQ_NODENAME": node.name,
+            "RABBITMQ_NODE_PORT": str(node.amqp_port),
+            "RABBITMQ_DIST_PORT": str(node.dist_port),
+            "RABBITMQ_MNESIA_BASE": str(node.base / "mnesia"),
+            "RABBITMQ_LOG_BASE": str(node.base / "log"),
+            "RABBITMQ_PID_FILE": str(node.pid_file),
+            "RABBITMQ_ENABLED_PLUGINS_FILE": str(node.base / "enabled_plugins"),
+            "RABBITMQ_CONFIG_FILE": str(node.base / "rabbitmq.conf"),
+            "RABBITMQ_ADVANCED_CONFIG_FILE": str(node.base / "advanced.config"),
+        }
+
+    def _as_rabbitmq(self, node: Node, *argv: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            list(argv),
+            env=self._env(node),
+            cwd=self._account.pw_dir,
+            user=self._account.pw_uid,
+            group=self._account.pw_gid,
+            extra_groups=[],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
+
+    def ctl(self, node: Node, *args: str, timeout: float = 120) -> str:
+        """``rabbitmqctl -n <node> ...``; raises with its output when it fails."""
+        done = self._as_rabbitmq(node, str(CTL), "-n", node.name, *args, timeout=timeout)
+        if done.returncode != 0:
+            raise RuntimeError(f"rabbitmqctl -n {node.name} {' '.join(args)}: {done.stdout}{done.stderr}".strip())
+        return done.stdout
+
+    def _prepare(self, node: Node) -> None:
+        (node.base / "log").mkdir(parents=True, exist_ok=True)
+        (node.base / "enabled_plugins").write_text("[].\n")
+        # Nothing but AMQP and distribution: no listener may collide with the machine's own broker.
+        (node.base / "rabbitmq.conf").write_text(f"listeners.tcp.1 = 127.0.0.1:{node.amqp_port}\n")
+        (node.base / "advanced.config").write_text("[].\n")
+        for path in [node.base, *node.base.rglob("*")]:
+            os.chown(path, self._account.pw_uid, self._account.pw_gid)
+
+    def start_node(self, node: Node, timeout: float = 120) -> None:
+        """Start one node (its data kept: a restarted node rejoins its cluster) and wait for it."""
+        self._prepare(node)
+        done = self._as_rabbitmq(node, str(SERVER), "-detached", timeout=30)
+        if done.returncode != 0:
+            raise RuntimeError(f"{node.name} did not start: {done.stdout}{done.stderr}")
+        self.ctl(node, "wait", str(node.pid_file), "--timeout", str(int(timeout)), timeout=timeout + 10)
+        self.ctl(node, "await_startup", "--timeout", str(int(timeout)), timeout=timeout + 10)
+
+    def start(self, policies: list[list[str]] | None = None) -> None:
+        """Start every node, cluster them on the first, apply ``policies`` (rabbitmqctl argument
+        lists, as ``service.jobs.policies.rabbitmqctl_commands`` gives them)."""
+        first, *others = self.nodes
+        self.start_node(first)
+        for node in others:
+            self.start_node(node)
+            self.ctl(node, "stop_app")
+            self.ctl(node, "join_cluster", first.name)
+            self.ctl(node, "start_app")
+        for command in policies or []:
+            self.ctl(first, *command[1:])  # each starts with "rabbitmqctl"
+
+    def members(self, via: Node | None = None) -> list[str]:
+        """The running nodes, as one node sees them."""
+        node = via or next(n for n in self.nodes if self.running(n))
+        status = json.loads(self.ctl(node, "cluster_status", "--formatter", "json", timeout=30))
+        return sorted(status["running_nodes"])
+
+    def pid(self, node: Node) -> int | None:
+        try:
+            return int(node.pid_file.read_text().strip())
+        except (OSError, ValueError):
+            return None
+
+    def running(self, node: Node) -> bool:
+        pid = self.pid(node)
+        if pid is None:
+            return False
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        return True
+
+    def kill(self, node: Node) -> None:
+        """SIGKILL the node's Erlang VM, as a crashed host: no goodbye to its peers or clients."""
+        pid = self.pid(node)
+        if pid is None:
+            return
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            return
+        deadline = time.monotonic() + 30
+        while self.running(node) and time.monotonic() < deadline:
+            time.sleep(0.05)
+
+    def stop_node(self, node: Node) -> None:
+        """A clean stop, as in maintenance (a rolling restart stops and starts one node at a time)."""
+        if self.running(node):
+            self.ctl(node, "stop", str(node.pid_file), timeout=120)
+
+    def stop(self) -> None:
+        for node in self.nodes:
+            try:
+                self.stop_node(node)
+            except (RuntimeError, subprocess.TimeoutExpired):
+                self.kill(node)
+            self.kill(node)
+        shutil.rmtree(self.base, ignore_errors=True)
+
+    def __enter__(self) -> RabbitCluster:
+        try:
+            self.start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+        self.stop()
