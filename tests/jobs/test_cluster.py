@@ -5,8 +5,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 
 import aio_pika
 import pytest
@@ -15,6 +21,7 @@ from loadtests.harness.rabbitmq_cluster import RabbitCluster
 from service.jobs.broker import Broker
 from service.jobs.policies import gateway_policies, rabbitmqctl_commands
 from service.jobs.topology import REQUEST_KEY, Names
+from tests.jobs.conftest import class_pngs, gateway_process, wait_for_line
 
 pytestmark = [pytest.mark.rabbitmq, pytest.mark.slow]
 
@@ -91,3 +98,92 @@ async def test_a_client_moves_to_a_live_node_when_its_node_is_killed(cluster: Ra
     finally:
         await broker.aclose()
         cluster.start_node(cluster.nodes[first])
+
+
+def leader_of(cluster: RabbitCluster, queue: str) -> int:
+    """Index of the node that holds the quorum queue's leader."""
+    node = next(n for n in cluster.nodes if cluster.running(n))
+    rows = json.loads(cluster.ctl(node, "list_queues", "name", "leader", "--formatter", "json"))
+    leader = next(row["leader"] for row in rows if row["name"] == queue)
+    return next(i for i, n in enumerate(cluster.nodes) if n.name == leader)
+
+
+def result_lines(out: Path) -> int:
+    return len(out.read_text().splitlines()) if out.exists() else 0
+
+
+def test_killing_the_work_queues_leader_mid_ingest_loses_no_image(
+    cluster: RabbitCluster, prefix: str, tmp_path: Path, models_dir: Path
+) -> None:
+    """1,000 images through two workers; when a third of the results are in, the node holding the
+    work queue's leader is SIGKILLed. Every image ends done, once, with its class; the time from the
+    kill to the next result is printed (the bound asserted is generous: a shared 2-core machine)."""
+    count = 1000
+    classes = class_pngs(tmp_path / "images", count)
+    env = {
+        **os.environ,
+        "GATEWAY_BROKER_URL": cluster.urls,
+        "GATEWAY_QUEUE_PREFIX": f"{prefix}-ingest",
+        "GATEWAY_MODELS_DIR": str(models_dir),
+        "GATEWAY_WORKER_METRICS_PORT": "0",
+        "GATEWAY_BACKEND": "fake",
+        "GATEWAY_FAKE_DELAY": "0.1",
+        "GATEWAY_MAX_BATCH_SIZE": "8",
+    }
+    workers = []
+    for i in range(2):
+        log = tmp_path / f"worker-{i}.log"
+        workers.append(gateway_process(["worker"], env, log))
+        wait_for_line(log, "worker ready")
+    leader = leader_of(cluster, f"{prefix}-ingest.work")  # asked before: rabbitmqctl takes a second or two
+    out = tmp_path / "out.jsonl"
+    command = [sys.executable, "-m", "service", "ingest", str(tmp_path / "images"), "--out", str(out)]
+    ingest = subprocess.Popen(
+        [*command, "--resend-after", "60"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    killed = None
+    started = time.monotonic()
+    try:
+        deadline = time.monotonic() + 180
+        while result_lines(out) < count // 3:
+            assert ingest.poll() is None, ingest.communicate()
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        killed = leader
+        cluster.kill(cluster.nodes[killed])
+        before = result_lines(out)
+        last = time.monotonic()
+        stall = 0.0  # the longest time without a new result, from the kill until the ingest ends
+        seen = before
+        while ingest.poll() is None:
+            now, lines = time.monotonic(), result_lines(out)
+            if lines > seen:
+                stall, seen, last = max(stall, now - last), lines, now
+            assert now - last < 60, "no result for 60 s after the leader's node was killed"
+            time.sleep(0.01)
+        _, stderr = ingest.communicate(timeout=300)
+        assert ingest.returncode == 0, stderr
+        total = time.monotonic() - started
+    finally:
+        for proc in workers:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+                proc.wait(timeout=60)
+        if ingest.poll() is None:
+            ingest.kill()
+        if killed is not None:
+            cluster.start_node(cluster.nodes[killed])
+    assert before < count * 2 // 3  # the kill came mid-run
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(rows) == count  # once each from the client's point of view (ingest keeps the first per image)
+    assert {row["path"] for row in rows} == {str(p) for p in classes}
+    assert all(row["status"] == "done" for row in rows)
+    assert all(row["labels"][0]["index"] == classes[Path(row["path"])] for row in rows)
+    moved = sum(
+        text.count("broker: lost")
+        for text in [stderr, *((tmp_path / f"worker-{i}.log").read_text() for i in range(len(workers)))]
+    )
+    print(
+        f"{count} images in {total:.1f} s; longest wait for a result after the leader's node was killed "
+        f"{stall:.2f} s; {moved} of 3 clients were on that node and moved"
+    )
