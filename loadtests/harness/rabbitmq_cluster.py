@@ -130,8 +130,24 @@ class RabbitCluster:
         for path in [node.base, *node.base.rglob("*")]:
             os.chown(path, self._account.pw_uid, self._account.pw_gid)
 
+    def _kill_leftover(self, node: Node) -> None:
+        """A node of this name left by a run that was killed (its VM still up, known to epmd): its
+        data folder is gone, so it is stopped hard before the name is used again. Found by the
+        ``RABBITMQ_NODENAME`` in its environment (the name is not on its command line)."""
+        wanted = f"RABBITMQ_NODENAME={node.name}".encode()
+        for proc in Path("/proc").glob("[0-9]*"):
+            try:
+                if proc.stat().st_uid == self._account.pw_uid and wanted in (proc / "environ").read_bytes().split(
+                    b"\0"
+                ):
+                    os.kill(int(proc.name), signal.SIGKILL)
+            except (OSError, ValueError):
+                continue
+
     def start_node(self, node: Node, timeout: float = 120) -> None:
         """Start one node (its data kept: a restarted node rejoins its cluster) and wait for it."""
+        if not self.running(node):
+            self._kill_leftover(node)
         self._prepare(node)
         done = self._as_rabbitmq(node, str(SERVER), "-detached", timeout=30)
         if done.returncode != 0:

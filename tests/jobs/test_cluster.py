@@ -139,7 +139,7 @@ def test_killing_the_work_queues_leader_mid_ingest_loses_no_image(
     out = tmp_path / "out.jsonl"
     command = [sys.executable, "-m", "service", "ingest", str(tmp_path / "images"), "--out", str(out)]
     ingest = subprocess.Popen(
-        [*command, "--resend-after", "60"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        [*command, "--resend-after", "20"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
     killed = None
     started = time.monotonic()
@@ -192,10 +192,10 @@ def test_killing_the_work_queues_leader_mid_ingest_loses_no_image(
 def test_a_rolling_restart_mid_ingest_loses_no_image(
     cluster: RabbitCluster, prefix: str, tmp_path: Path, models_dir: Path
 ) -> None:
-    """Maintenance: each node stopped cleanly and started again, one at a time, while 1,200 images
+    """Maintenance: each node stopped cleanly and started again, one at a time, while 2,400 images
     go through two workers. Every image ends done once; the rate before and during the restart is
     printed (the dip: clients move, quorum queues elect leaders, a returning node catches up)."""
-    count = 1200
+    count = 2400
     classes = class_pngs(tmp_path / "images", count)
     env = {
         **os.environ,
@@ -215,7 +215,7 @@ def test_a_rolling_restart_mid_ingest_loses_no_image(
     out = tmp_path / "out.jsonl"
     command = [sys.executable, "-m", "service", "ingest", str(tmp_path / "images"), "--out", str(out)]
     ingest = subprocess.Popen(
-        [*command, "--resend-after", "60"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        [*command, "--resend-after", "20"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
     try:
         deadline = time.monotonic() + 120
