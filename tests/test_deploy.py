@@ -11,10 +11,13 @@ import shutil
 import subprocess
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import kubernetes_validate
 import pytest
 import yaml
+
+from service.settings import Settings
 
 ROOT = Path(__file__).resolve().parents[1]
 COMPOSE_ENV = {"RABBITMQ_USER": "gateway", "RABBITMQ_PASSWORD": "s3cret-pw", "GRAFANA_ADMIN_PASSWORD": "pw"}
@@ -23,6 +26,9 @@ CRD_REQUIRED = {  # no schemas ship for these: check what the cluster would reje
     "TriggerAuthentication": ["secretTargetRef"],
     "ServiceMonitor": ["selector", "endpoints"],
     "PodMonitor": ["selector", "podMetricsEndpoints"],
+    "RabbitmqCluster": ["replicas", "rabbitmq", "affinity"],
+    "User": ["rabbitmqClusterReference", "importCredentialsSecret"],
+    "Permission": ["rabbitmqClusterReference", "vhost", "userReference", "permissions"],
 }
 
 
@@ -152,9 +158,60 @@ def test_kubernetes_overlay_renders_and_validates(overlay: str, tmp_path: Path) 
 
     secret = next(d for d in docs if d["kind"] == "Secret")
     assert secret["metadata"]["name"].startswith("rabbitmq-credentials-")  # generated, hash-suffixed
+    assert {"username", "password", "RABBITMQ_URL"} <= set(secret["data"])  # the topology operator's keys
+    secrets = {d["metadata"]["name"] for d in docs if d["kind"] == "Secret"}
+    for reference in secret_references(docs):  # every reference follows the generated name
+        assert reference in secrets or reference == "gateway-webhooks", reference  # (that one is optional)
     rendered = json.dumps(docs)
     assert "guest" not in rendered
     assert not re.search(r"change-me", rendered)
+
+
+def secret_references(node: Any) -> list[str]:
+    """Secret names referenced anywhere in rendered documents: pods' secretKeyRef, KEDA's
+    secretTargetRef, the topology operator's importCredentialsSecret."""
+    found: list[str] = []
+    if isinstance(node, dict):
+        for key, value in node.items():
+            if key in ("secretKeyRef", "importCredentialsSecret"):
+                found.append(value["name"])
+            elif key == "secretTargetRef":
+                found.extend(ref["name"] for ref in value)
+            else:
+                found.extend(secret_references(value))
+    elif isinstance(node, list):
+        for item in node:
+            found.extend(secret_references(item))
+    return found
+
+
+def test_rabbitmq_is_a_three_node_cluster_spread_over_machines(tmp_path: Path) -> None:
+    """The RabbitMQ Cluster Operator's resource: three nodes, one per machine, pause_minority; a
+    disruption budget of one node; the gateway and workers given every node's address, which the
+    settings accept."""
+    docs = render("cpu", tmp_path)
+    cluster = by_kind(docs, "RabbitmqCluster", "rabbitmq")
+    assert cluster["spec"]["replicas"] == 3
+    assert "cluster_partition_handling = pause_minority" in cluster["spec"]["rabbitmq"]["additionalConfig"]
+    (rule,) = cluster["spec"]["affinity"]["podAntiAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+    assert rule["topologyKey"] == "kubernetes.io/hostname"
+    assert rule["labelSelector"]["matchLabels"] == {"app.kubernetes.io/name": "rabbitmq"}
+    budget = by_kind(docs, "PodDisruptionBudget", "rabbitmq")["spec"]
+    assert budget["maxUnavailable"] == 1
+    assert budget["selector"]["matchLabels"] == {"app.kubernetes.io/name": "rabbitmq"}
+    assert not [d for d in docs if d["kind"] == "StatefulSet"]  # the operator makes it
+    for name in ("gateway", "worker"):
+        env = {e["name"]: e for e in container(by_kind(docs, "Deployment", name), name)["env"]}
+        url = env["GATEWAY_BROKER_URL"]["value"].replace("$(RABBITMQ_USER)", "u").replace("$(RABBITMQ_PASSWORD)", "p")
+        hosts = [urlsplit(address.strip()).hostname for address in Settings(broker_url=url).broker_url.split(",")]
+        assert hosts == [f"rabbitmq-server-{i}.rabbitmq-nodes" for i in range(3)]
+    policy = by_kind(docs, "NetworkPolicy", "rabbitmq-from-gateway-and-workers")["spec"]["ingress"]
+    peers = next(
+        r
+        for r in policy
+        if r["from"][0].get("podSelector", {}).get("matchLabels", {}).get("app.kubernetes.io/name") == "rabbitmq"
+    )
+    assert {p["port"] for p in peers["ports"]} == {4369, 25672}  # clustering is not cut off
 
 
 def test_dockerfile_is_multi_stage_non_root_with_a_healthcheck() -> None:

@@ -10,6 +10,19 @@ as ``gateway queues policies`` prints them. Nodes are started from Debian's ``ra
     with RabbitCluster(size=3) as cluster:
         cluster.urls          # "amqp://guest:guest@127.0.0.1:5681/,amqp://...:5682/,..."
         cluster.kill(node)    # SIGKILL, as a crashed host; cluster.start_node(node) brings it back
+        cluster.partition(node)  # cut it off from the others (iptables); cluster.heal() undoes it
+
+Nodes run with ``cluster_partition_handling = pause_minority``, as the RabbitMQ Cluster Operator
+configures them: a node that cannot see a majority stops serving until it can. ``net_ticktime`` is
+10 s instead of Erlang's 60, so that a partition is noticed in 7-13 s and the test stays short.
+
+A partition is made with iptables on the loopback interface, where all the nodes' traffic flows:
+each node runs with a supplementary group of its own; connections its processes open are marked
+with that group (``CONNMARK``, from the first packet); a partition drops every packet of the
+connections made to the node's distribution port and of those it made to the other nodes' ones,
+both ways. Its AMQP port and the other nodes' links are untouched, so clients see what a client
+of a partitioned host sees: a node that is up, then (pause_minority) one that closes its
+connections and refuses new ones.
 """
 
 from __future__ import annotations
@@ -30,6 +43,12 @@ from types import TracebackType
 SERVER = Path("/usr/lib/rabbitmq/bin/rabbitmq-server")
 CTL = Path("/usr/lib/rabbitmq/bin/rabbitmqctl")
 USER = "rabbitmq"
+NET_TICKTIME = 10
+"""Seconds; a peer silent for about this long is declared down (Erlang's default is 60)."""
+PARTITION_GROUP = 64_600
+"""Node i runs with supplementary group PARTITION_GROUP + i: iptables tells its connections apart."""
+MARK_CHAIN = "GATEWAY-CLUSTER-MARK"
+CUT_CHAIN = "GATEWAY-CLUSTER-CUT"
 
 
 class ClusterUnavailable(RuntimeError):
@@ -43,6 +62,8 @@ class Node:
     amqp_port: int
     dist_port: int
     base: Path
+    group: int
+    """Supplementary group of its processes (marks its connections, see ``partition``)."""
 
     @property
     def url(self) -> str:
@@ -76,7 +97,13 @@ class RabbitCluster:
         self.base = Path(tempfile.mkdtemp(prefix="gateway-rabbit-cluster-"))
         self.base.chmod(0o755)
         self.nodes = [
-            Node(f"{prefix}{i}@{host}", first_port + i, first_port + 20000 + i, self.base / f"{prefix}{i}")
+            Node(
+                f"{prefix}{i}@{host}",
+                first_port + i,
+                first_port + 20000 + i,
+                self.base / f"{prefix}{i}",
+                PARTITION_GROUP + i,
+            )
             for i in range(size)
         ]
         self._account = pwd.getpwnam(USER)
@@ -99,16 +126,20 @@ class RabbitCluster:
             "RABBITMQ_ENABLED_PLUGINS_FILE": str(node.base / "enabled_plugins"),
             "RABBITMQ_CONFIG_FILE": str(node.base / "rabbitmq.conf"),
             "RABBITMQ_ADVANCED_CONFIG_FILE": str(node.base / "advanced.config"),
+            # the CLI too: a node drops a peer (the CLI is one) silent for NET_TICKTIME
+            "RABBITMQ_CTL_ERL_ARGS": f"-kernel net_ticktime {NET_TICKTIME}",
         }
 
-    def _as_rabbitmq(self, node: Node, *argv: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    def _as_rabbitmq(
+        self, node: Node, *argv: str, timeout: float = 120, groups: tuple[int, ...] = ()
+    ) -> subprocess.CompletedProcess[str]:
         return subprocess.run(
             list(argv),
             env=self._env(node),
             cwd=self._account.pw_dir,
             user=self._account.pw_uid,
             group=self._account.pw_gid,
-            extra_groups=[],
+            extra_groups=list(groups),
             capture_output=True,
             text=True,
             timeout=timeout,
@@ -125,8 +156,10 @@ class RabbitCluster:
         (node.base / "log").mkdir(parents=True, exist_ok=True)
         (node.base / "enabled_plugins").write_text("[].\n")
         # Nothing but AMQP and distribution: no listener may collide with the machine's own broker.
-        (node.base / "rabbitmq.conf").write_text(f"listeners.tcp.1 = 127.0.0.1:{node.amqp_port}\n")
-        (node.base / "advanced.config").write_text("[].\n")
+        (node.base / "rabbitmq.conf").write_text(
+            f"listeners.tcp.1 = 127.0.0.1:{node.amqp_port}\ncluster_partition_handling = pause_minority\n"
+        )
+        (node.base / "advanced.config").write_text(f"[{{kernel, [{{net_ticktime, {NET_TICKTIME}}}]}}].\n")
         for path in [node.base, *node.base.rglob("*")]:
             os.chown(path, self._account.pw_uid, self._account.pw_gid)
 
@@ -149,7 +182,7 @@ class RabbitCluster:
         if not self.running(node):
             self._kill_leftover(node)
         self._prepare(node)
-        done = self._as_rabbitmq(node, str(SERVER), "-detached", timeout=30)
+        done = self._as_rabbitmq(node, str(SERVER), "-detached", timeout=30, groups=(node.group,))
         if done.returncode != 0:
             raise RuntimeError(f"{node.name} did not start: {done.stdout}{done.stderr}")
         self.ctl(node, "wait", str(node.pid_file), "--timeout", str(int(timeout)), timeout=timeout + 10)
@@ -158,6 +191,7 @@ class RabbitCluster:
     def start(self, policies: list[list[str]] | None = None) -> None:
         """Start every node, cluster them on the first, apply ``policies`` (rabbitmqctl argument
         lists, as ``service.jobs.policies.rabbitmqctl_commands`` gives them)."""
+        self._mark_connections()  # before any node connects: marks are set on a connection's first packet
         first, *others = self.nodes
         self.start_node(first)
         for node in others:
@@ -208,7 +242,60 @@ class RabbitCluster:
         if self.running(node):
             self.ctl(node, "stop", str(node.pid_file), timeout=120)
 
+    def _iptables(self, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+        done = subprocess.run(["iptables", "-w", *args], capture_output=True, text=True, timeout=30)
+        if check and done.returncode != 0:
+            raise ClusterUnavailable(f"iptables {' '.join(args)}: {done.stderr.strip()}")
+        return done
+
+    def _remove_chain(self, table: str, chain: str) -> None:
+        while self._iptables("-t", table, "-D", "OUTPUT", "-o", "lo", "-j", chain, check=False).returncode == 0:
+            pass
+        self._iptables("-t", table, "-F", chain, check=False)
+        self._iptables("-t", table, "-X", chain, check=False)
+
+    def _mark_connections(self) -> None:
+        """Mark each connection a node opens with its group (mangle table, first packet)."""
+        if shutil.which("iptables") is None:
+            return  # no partitions here: ``partition`` says why
+        self._remove_chain("mangle", MARK_CHAIN)  # left by a killed run
+        self._remove_chain("filter", CUT_CHAIN)
+        self._iptables("-t", "mangle", "-N", MARK_CHAIN)
+        self._iptables("-t", "mangle", "-A", "OUTPUT", "-o", "lo", "-j", MARK_CHAIN)
+        for node in self.nodes:
+            self._iptables(
+                "-t", "mangle", "-A", MARK_CHAIN, "-p", "tcp", "-m", "conntrack", "--ctstate", "NEW",
+                "-m", "owner", "--gid-owner", str(node.group), "--suppl-groups",
+                "-j", "CONNMARK", "--set-mark", str(node.group),
+            )  # fmt: skip
+
+    def partition(self, node: Node) -> None:
+        """Cut ``node`` off from the other nodes: every packet of the distribution connections
+        between it and them is dropped, both ways (as a switch failing), until ``heal``."""
+        if shutil.which("iptables") is None:
+            raise ClusterUnavailable("partitions need iptables")
+        self._iptables("-N", CUT_CHAIN, check=False)
+        if self._iptables("-C", "OUTPUT", "-o", "lo", "-j", CUT_CHAIN, check=False).returncode != 0:
+            self._iptables("-I", "OUTPUT", "-o", "lo", "-j", CUT_CHAIN)
+        for other in self.nodes:
+            if other is node:
+                continue
+            # the other node's connections to this node's port, and this node's to the other's
+            for opener, target in ((other, node), (node, other)):
+                self._iptables(
+                    "-A", CUT_CHAIN, "-p", "tcp", "-m", "connmark", "--mark", str(opener.group),
+                    "-m", "conntrack", "--ctorigdstport", str(target.dist_port), "-j", "DROP",
+                )  # fmt: skip
+
+    def heal(self) -> None:
+        """Undo every partition: the nodes find each other again (pause_minority: the paused node
+        starts serving once it sees a majority)."""
+        self._remove_chain("filter", CUT_CHAIN)
+
     def stop(self) -> None:
+        if shutil.which("iptables") is not None:
+            self._remove_chain("filter", CUT_CHAIN)
+            self._remove_chain("mangle", MARK_CHAIN)
         for node in self.nodes:
             try:
                 self.stop_node(node)

@@ -12,6 +12,14 @@ lost, every reconnection attempt of aio-pika's robust connection goes to the nex
 connection, its channels, queues and consumers are restored there as they would be on the same node.
 Attempts back off exponentially with jitter (``Backoff``), so that the clients of a dead node do not
 all arrive at the next one at the same instant.
+
+Publishes go on a channel of their own, not the consumers' channel (RabbitMQ's advice: publishing
+and consuming apart). A channel whose publish was nacked is retired and the next publish opens a
+new one: after a node's loss, a channel opened on a surviving node before the new quorum queue
+leader is known there (RabbitMQ 3.10 reads the leader from a record that can be stale; later
+versions ask the election's own table) nacks every publish to that queue for as long as it lives,
+while a channel opened a moment later works. Retiring it costs one channel open per nack; closing
+the consumers' channel instead would lose its deliveries' tags.
 """
 
 from __future__ import annotations
@@ -20,11 +28,12 @@ import asyncio
 import logging
 import random
 from collections.abc import Awaitable, Callable
+from contextlib import suppress
 from dataclasses import dataclass
 from typing import Any, Literal
 
 import aio_pika
-from aio_pika.abc import AbstractExchange, AbstractMessage, AbstractRobustChannel, AbstractRobustConnection
+from aio_pika.abc import AbstractChannel, AbstractMessage, AbstractRobustChannel, AbstractRobustConnection
 from pamqp.common import FieldTable
 from yarl import URL
 
@@ -97,6 +106,12 @@ class Broker:
         self.topology: Topology | None = None
         self._connector: asyncio.Task[None] | None = None
         self._follower: asyncio.Task[None] | None = None
+        self._publisher: AbstractChannel | None = None
+        """The channel publishes go on (opened on first use, replaced once it nacks)."""
+        self._publisher_lock = asyncio.Lock()
+        self._retired: set[asyncio.Task[None]] = set()
+        self.publishers_opened = 0
+        """Publisher channels opened: the first, and one after each nack (for tests and logs)."""
         self._closing = False
         self.connected = asyncio.Event()
 
@@ -216,24 +231,56 @@ class Broker:
         without a confirm."""
         if not self.is_open or self.topology is None or self.channel is None:
             raise BackendUnavailable(f"the message broker is unreachable ({self.status()})")
-        exchange: AbstractExchange = {
-            "requests": self.topology.requests_exchange,
-            "results": self.topology.results_exchange,
-            "dead": self.topology.dead_exchange,
-            "queue": self.channel.default_exchange,
+        exchange_name = {
+            "requests": self.topology.requests_exchange.name,
+            "results": self.topology.results_exchange.name,
+            "dead": self.topology.dead_exchange.name,
+            "queue": "",
         }[target]
+        channel = None
         try:
-            await exchange.publish(message, routing_key, mandatory=True, timeout=self.publish_timeout)
+            async with asyncio.timeout(self.publish_timeout):
+                channel = await self._publisher_channel()
+                exchange = await channel.get_exchange(exchange_name, ensure=False) if exchange_name else None
+                await (exchange or channel.default_exchange).publish(message, routing_key, mandatory=True)
         except aio_pika.exceptions.PublishError as exc:  # returned: no queue is bound for it
             raise BackendUnavailable(f"the broker could not route the message to {routing_key!r}") from exc
-        except aio_pika.exceptions.DeliveryError as exc:  # nacked: a queue refused it (full, ...)
+        except aio_pika.exceptions.DeliveryError as exc:  # nacked: a queue refused it (full, stale, ...)
+            self._retire(channel)
             raise BackendUnavailable(f"the broker refused the message ({exc})") from exc
         except (TimeoutError, aio_pika.exceptions.AMQPError, ConnectionError, RuntimeError) as exc:
             raise BackendUnavailable(f"the broker did not confirm the message ({type(exc).__name__}: {exc})") from exc
 
+    async def _publisher_channel(self) -> AbstractChannel:
+        """The channel publishes go on; opened (with confirms, unroutable messages raising) when
+        there is none or it was retired. A robust channel: restored with the connection."""
+        async with self._publisher_lock:
+            if self._publisher is None or self._publisher.is_closed:
+                assert self.connection is not None
+                self._publisher = await self.connection.channel(publisher_confirms=True, on_return_raises=True)
+                self.publishers_opened += 1
+            return self._publisher
+
+    def _retire(self, channel: AbstractChannel | None) -> None:
+        """A channel nacked a publish: the next publish opens another. It is closed once the
+        publishes still awaiting its confirms had time to get them."""
+        if channel is None or channel is not self._publisher:
+            return  # already retired by another nack
+        self._publisher = None
+        logger.info("broker: a publish was nacked; later publishes go on a new channel")
+
+        async def close_later() -> None:
+            await asyncio.sleep(self.publish_timeout)
+            with suppress(Exception):
+                await channel.close()
+
+        task = asyncio.get_running_loop().create_task(close_later())
+        self._retired.add(task)
+        task.add_done_callback(self._retired.discard)
+
     async def aclose(self) -> None:
         self._closing = True
-        for task in (self._connector, self._follower):
+        for task in (self._connector, self._follower, *self._retired):
             if task is not None:
                 task.cancel()
                 await asyncio.gather(task, return_exceptions=True)

@@ -9,7 +9,8 @@ until its result arrives; other replicas answer 404 for it until then, and every
 The replica's queue is not exclusive: it outlives a broker reconnect (an exclusive queue is deleted
 with its connection, losing the results published meanwhile, so jobs stayed ``pending`` for ever),
 the robust channel declares and consumes it again, and RabbitMQ deletes it (``x-expires``) once no
-replica has used it for ``RESULTS_QUEUE_EXPIRES_MS``.
+replica has used it for ``RESULTS_QUEUE_EXPIRES_MS``. It is a quorum queue, so that it also outlives
+the loss of a cluster node: the replica fails over to another node and finds its results there.
 """
 
 from __future__ import annotations
@@ -163,8 +164,10 @@ class JobsClient:
     async def _listen(self, broker: Broker) -> None:
         assert broker.channel is not None
         assert broker.topology is not None
+        # A quorum queue: on a cluster, a classic queue dies with its node, and the results
+        # published while this replica moves to another node would be lost to it
         queue = await broker.channel.declare_queue(
-            self.listen_queue, durable=False, arguments={"x-expires": RESULTS_QUEUE_EXPIRES_MS}
+            self.listen_queue, durable=True, arguments={"x-queue-type": "quorum", "x-expires": RESULTS_QUEUE_EXPIRES_MS}
         )
         await queue.bind(broker.topology.results_exchange, DEFAULT_REPLY_TO)
         await queue.consume(self._on_result, no_ack=True)

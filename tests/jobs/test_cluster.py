@@ -8,21 +8,24 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 import aio_pika
+import httpx
 import pytest
 
 from loadtests.harness.rabbitmq_cluster import RabbitCluster
 from service.jobs.broker import Broker
 from service.jobs.policies import gateway_policies, rabbitmqctl_commands
 from service.jobs.topology import REQUEST_KEY, Names
-from tests.jobs.conftest import class_pngs, gateway_process, wait_for_line
+from service.settings import Settings
+from tests.conftest import png_bytes, running_gateway, solid_image
+from tests.jobs.conftest import broker_ok, class_pngs, gateway_process, wait_for_line
+from tests.jobs.webhook_receiver import LOOPBACK, SECRET, receiving
 
 pytestmark = [pytest.mark.rabbitmq, pytest.mark.slow]
 
@@ -145,11 +148,11 @@ def two_workers(env: dict[str, str], logs: Path) -> Iterator[list[subprocess.Pop
 
 
 @contextmanager
-def ingest_of(env: dict[str, str], folder: Path, out: Path) -> Iterator[subprocess.Popen[str]]:
-    """``gateway ingest`` of ``folder`` into ``out``, resending after 20 s without a result; killed if
-    the test leaves it running."""
-    command = [sys.executable, "-m", "service", "ingest", str(folder), "--out", str(out), "--resend-after", "20"]
-    ingest = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+def ingest_of(env: dict[str, str], folder: Path, out: Path, log: Path) -> Iterator[subprocess.Popen[bytes]]:
+    """``gateway ingest`` of ``folder`` into ``out`` (its log in ``log``), resending after 20 s
+    without a result; killed if the test leaves it running."""
+    command = ["ingest", str(folder), "--out", str(out), "--resend-after", "20"]
+    ingest = gateway_process(command, {**env, "GATEWAY_LOG_LEVEL": "info"}, log)
     try:
         yield ingest
     finally:
@@ -157,12 +160,27 @@ def ingest_of(env: dict[str, str], folder: Path, out: Path) -> Iterator[subproce
             ingest.kill()
 
 
-def wait_for_results(ingest: subprocess.Popen[str], out: Path, count: int, timeout: float) -> None:
+def wait_for_results(ingest: subprocess.Popen[bytes], out: Path, count: int, timeout: float) -> None:
     deadline = time.monotonic() + timeout
     while result_lines(out) < count:
-        assert ingest.poll() is None, ingest.communicate()
+        assert ingest.poll() is None, f"ingest ended with {ingest.returncode}"
         assert time.monotonic() < deadline
         time.sleep(0.02)
+
+
+def finish(ingest: subprocess.Popen[bytes], log: Path) -> str:
+    """Wait for the ingest to end, check it succeeded; its log."""
+    ingest.wait(timeout=300)
+    text = log.read_text()
+    assert ingest.returncode == 0, text[-3000:]
+    return text
+
+
+def connected_node(cluster: RabbitCluster, log: Path) -> int:
+    """The node a process connected to first, from its log (``broker: connected to ...:PORT/``)."""
+    wait_for_line(log, "broker: connected to")
+    line = next(line for line in log.read_text().splitlines() if "broker: connected to" in line)
+    return node_of(cluster, int(line.rsplit(":", 1)[1].strip("/ ")))
 
 
 def assert_each_done_once(out: Path, classes: dict[Path, int]) -> None:
@@ -190,7 +208,7 @@ def test_killing_the_work_queues_leader_mid_ingest_loses_no_image(
         with two_workers(env, tmp_path) as workers:
             leader = leader_of(cluster, f"{prefix}-ingest.work")  # asked before: rabbitmqctl takes a second or two
             started = time.monotonic()
-            with ingest_of(env, tmp_path / "images", out) as ingest:
+            with ingest_of(env, tmp_path / "images", out, tmp_path / "ingest.log") as ingest:
                 wait_for_results(ingest, out, count // 3, timeout=180)
                 killed = leader
                 cluster.kill(cluster.nodes[killed])
@@ -204,8 +222,7 @@ def test_killing_the_work_queues_leader_mid_ingest_loses_no_image(
                         stall, seen, last = max(stall, now - last), lines, now
                     assert now - last < 60, "no result for 60 s after the leader's node was killed"
                     time.sleep(0.01)
-                _, stderr = ingest.communicate(timeout=300)
-                assert ingest.returncode == 0, stderr
+                log = finish(ingest, tmp_path / "ingest.log")
                 total = time.monotonic() - started
     finally:
         if killed is not None:
@@ -214,7 +231,7 @@ def test_killing_the_work_queues_leader_mid_ingest_loses_no_image(
     assert_each_done_once(out, classes)
     moved = sum(
         text.count("broker: lost")
-        for text in [stderr, *((tmp_path / f"worker-{i}.log").read_text() for i in range(len(workers)))]
+        for text in [log, *((tmp_path / f"worker-{i}.log").read_text() for i in range(len(workers)))]
     )
     print(
         f"{count} images in {total:.1f} s; longest wait for a result after the leader's node was killed "
@@ -233,7 +250,7 @@ def test_a_rolling_restart_mid_ingest_loses_no_image(
     env = ingest_env(cluster, f"{prefix}-rolling", models_dir, fake_delay="0.5")
     out = tmp_path / "out.jsonl"
     try:
-        with two_workers(env, tmp_path), ingest_of(env, tmp_path / "images", out) as ingest:
+        with two_workers(env, tmp_path), ingest_of(env, tmp_path / "images", out, tmp_path / "ingest.log") as ingest:
             wait_for_results(ingest, out, 100, timeout=120)
             mark, done_at_mark = time.monotonic(), result_lines(out)
             time.sleep(3)
@@ -245,8 +262,7 @@ def test_a_rolling_restart_mid_ingest_loses_no_image(
             restart_seconds = time.monotonic() - restart_started
             during_rate = (result_lines(out) - done_at_restart) / restart_seconds
             assert result_lines(out) < count, "the ingest ended before the restart did: give it more images"
-            _, stderr = ingest.communicate(timeout=300)
-            assert ingest.returncode == 0, stderr
+            finish(ingest, tmp_path / "ingest.log")
     finally:
         for node in cluster.nodes:
             if not cluster.running(node):
@@ -255,4 +271,167 @@ def test_a_rolling_restart_mid_ingest_loses_no_image(
     print(
         f"rolling restart of 3 nodes took {restart_seconds:.0f} s: {during_rate:.0f} img/s during it "
         f"against {before_rate:.0f} before ({during_rate / before_rate:.2f}x)"
+    )
+
+
+async def declare_quorum(url: str, name: str) -> None:
+    connection = await aio_pika.connect(url)
+    async with connection:
+        channel = await connection.channel()
+        await channel.declare_queue(name, durable=True, arguments={"x-queue-type": "quorum"})
+
+
+async def publish_confirmed(url: str, queue: str, body: bytes, timeout: float) -> str:
+    """Try to publish ``body`` to ``queue`` through the node at ``url``: "confirmed", or why not."""
+    try:
+        async with asyncio.timeout(timeout):
+            connection = await aio_pika.connect(url, timeout=timeout)
+            async with connection:
+                channel = await connection.channel(publisher_confirms=True)
+                await channel.default_exchange.publish(aio_pika.Message(body, delivery_mode=2), queue, mandatory=True)
+                return "confirmed"
+    except TimeoutError:
+        return "not confirmed in time"
+    except (aio_pika.exceptions.AMQPError, ConnectionError, OSError) as exc:
+        return f"refused: {type(exc).__name__}"
+
+
+def test_a_partitioned_node_takes_no_work_and_loses_none_when_it_heals(
+    cluster: RabbitCluster, prefix: str, tmp_path: Path, models_dir: Path
+) -> None:
+    """The node the ingest is connected to is cut off from the other two (every packet between
+    them dropped) a quarter into 2,400 images, for 30 s, then the link heals. The cut node confirms
+    no publish while it is alone (pause_minority: it then closes its connections and refuses new
+    ones); its clients move to the majority, which goes on; when the link heals the node rejoins,
+    and every image ends done once."""
+    count = 2400
+    classes = class_pngs(tmp_path / "images", count)
+    env = ingest_env(cluster, f"{prefix}-partition", models_dir, fake_delay="0.5")
+    out = tmp_path / "out.jsonl"
+    probe_queue = f"{prefix}-partition.probe"
+    asyncio.run(declare_quorum(cluster.nodes[0].url, probe_queue))
+    log = tmp_path / "ingest.log"
+    try:
+        with two_workers(env, tmp_path), ingest_of(env, tmp_path / "images", out, log) as ingest:
+            cut = cluster.nodes[connected_node(cluster, log)]
+            majority = [node for node in cluster.nodes if node is not cut]
+            wait_for_results(ingest, out, count // 4, timeout=180)
+            cluster.partition(cut)
+            cut_at = time.monotonic()
+            outcomes: list[tuple[float, str]] = []
+            seen, last, stall = result_lines(out), cut_at, 0.0
+            while time.monotonic() - cut_at < 30:
+                outcome = asyncio.run(publish_confirmed(cut.url, probe_queue, b"minority", timeout=2))
+                outcomes.append((time.monotonic() - cut_at, outcome))
+                now, lines = time.monotonic(), result_lines(out)
+                if lines > seen:
+                    stall, seen, last = max(stall, now - last), lines, now
+                time.sleep(0.5)
+            assert ingest.poll() is None, "the ingest ended during the partition: give it more images"
+            cluster.heal()
+            healed_at = time.monotonic()
+            rejoined = None
+            while rejoined is None and time.monotonic() - healed_at < 120:
+                if len(cluster.members(majority[0])) == len(cluster.nodes):
+                    rejoined = time.monotonic() - healed_at
+                time.sleep(1)
+            text = finish(ingest, log)
+    finally:
+        cluster.heal()
+    assert not [o for o in outcomes if o[1] == "confirmed"], outcomes  # nothing it could not replicate
+    refused = [t for t, o in outcomes if o.startswith("refused")]
+    assert refused, f"the cut node never paused: {outcomes}"
+    assert rejoined is not None, "the cut node did not rejoin within 120 s of the heal"
+    assert_each_done_once(out, classes)
+    print(
+        f"cut node refused clients {refused[0]:.1f} s after the cut; longest wait for a result during "
+        f"the partition {stall:.1f} s; back in the cluster {rejoined:.0f} s after the heal; the ingest "
+        f"moved {text.count('broker: lost')} times"
+    )
+
+
+async def submit_until_accepted(client: httpx.AsyncClient, key: str, values: tuple[int, ...], hook: str) -> list[str]:
+    """An idempotent submit of two images, retried with its key while the API answers 503 (as a
+    client does while the API's broker connection moves); the job ids accepted."""
+    files = [("file", (f"{key}-{v}.png", png_bytes(solid_image(v, 16)), "image/png")) for v in values]
+    headers = {"Idempotency-Key": key, "Webhook-URL": hook}
+    async with asyncio.timeout(90):
+        while True:
+            response = await client.post("/classify?mode=offline", files=files, headers=headers)
+            if response.status_code != 503:
+                break
+            await asyncio.sleep(0.2)
+    assert response.status_code == 202, response.text
+    return [job["job_id"] for job in response.json()["jobs"]]
+
+
+async def test_idempotent_submits_and_webhooks_keep_their_guarantees_across_a_node_loss(
+    cluster: RabbitCluster, prefix: str, tmp_path: Path, models_dir: Path, gateway_factory: Callable[..., Settings]
+) -> None:
+    """Two API replicas and two workers on the cluster. 30 idempotent submits (2 images each, with a
+    webhook); after the first 10, the node the first replica is connected to is SIGKILLed, and the
+    submits go on through it (a 503 is retried with the same key). Then every key is submitted
+    again on both replicas: each replays the job ids of its first acceptance, and no job is queued
+    twice. Every job's webhook arrives signed (at least once: a duplicate carries the same
+    webhook-id), every job reads ``done`` on both replicas, and nothing is dead-lettered."""
+    queue_prefix = f"{prefix}-api"
+    settings = gateway_factory(
+        broker_url=cluster.urls, queue_prefix=queue_prefix, backend="fake", webhook_retry_delays="0.2,0.4", **LOOPBACK
+    )
+    env = {
+        **ingest_env(cluster, queue_prefix, models_dir, fake_delay="0.05"),
+        "GATEWAY_WEBHOOK_SECRET": SECRET,
+        "GATEWAY_WEBHOOK_ALLOW_HTTP": "true",
+        "GATEWAY_WEBHOOK_ALLOWLIST": "127.0.0.1/32",
+        "GATEWAY_WEBHOOK_RETRY_DELAYS": "0.2,0.4",
+    }
+    killed = None
+    keys = {f"order-{i}": (i % 250, (i + 100) % 250) for i in range(30)}
+    accepted: dict[str, list[str]] = {}
+    try:
+        with two_workers(env, tmp_path):
+            async with (
+                receiving(lambda _id, _attempt: 204) as receiver,
+                running_gateway(settings) as first,
+                running_gateway(settings) as second,
+            ):
+                await broker_ok(first)
+                await broker_ok(second)
+                for i, (key, values) in enumerate(keys.items()):
+                    if i == 10:
+                        broker = first.app.state.gateway.jobs.broker
+                        killed = node_of(cluster, int(broker.url.rsplit(":", 1)[1].strip("/")))
+                        await asyncio.to_thread(cluster.kill, cluster.nodes[killed])
+                        killed_at = time.monotonic()
+                    accepted[key] = await submit_until_accepted(first, key, values, receiver.url)
+                    if i == 10:
+                        first_after = time.monotonic() - killed_at
+                replays = {
+                    key: [await submit_until_accepted(api, key, values, receiver.url) for api in (first, second)]
+                    for key, values in keys.items()
+                }
+                jobs = [job for ids in accepted.values() for job in ids]
+                await receiver.until(lambda: set(receiver.accepted) >= set(jobs), timeout=90)
+                await asyncio.sleep(1.0)  # time for any stray duplicate
+                async with asyncio.timeout(60):
+                    for job in jobs:
+                        for api in (first, second):
+                            while (await api.get(f"/jobs/{job}")).json().get("status") != "done":  # noqa: ASYNC110
+                                await asyncio.sleep(0.1)
+            live = next(node for i, node in enumerate(cluster.nodes) if i != killed)
+            rows = json.loads(cluster.ctl(live, "list_queues", "name", "messages", "--formatter", "json"))
+    finally:
+        if killed is not None:
+            cluster.start_node(cluster.nodes[killed])
+    assert all(replays[key] == [ids, ids] for key, ids in accepted.items())
+    assert len(set(jobs)) == 2 * len(keys)
+    assert set(receiver.accepted) == set(jobs)
+    assert receiver.bad_signatures == 0
+    depth = {row["name"]: row["messages"] for row in rows}
+    assert depth[f"{queue_prefix}.dead"] == 0
+    assert depth[f"{queue_prefix}.work"] == 0  # the replays queued nothing
+    duplicates = sum(receiver.accepted.values()) - len(jobs)
+    print(
+        f"first submit after the SIGKILL accepted {first_after:.1f} s after it; {len(jobs)} jobs, "
+        f"{duplicates} webhook duplicates"
     )
