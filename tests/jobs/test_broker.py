@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import asyncio
 
+import aio_pika
 import pytest
 
+from service.errors import BackendUnavailable
 from service.jobs.broker import Broker
-from service.jobs.topology import Names
-from tests.jobs.conftest import BROKER_URL
+from service.jobs.topology import REQUEST_KEY, Names
+from tests.jobs.conftest import BROKER_URL, queue_depth
 
 pytestmark = pytest.mark.rabbitmq
 
@@ -41,3 +43,30 @@ async def test_not_ok_until_its_consumers_are_set_up_and_a_failed_set_up_is_retr
         assert broker.status() == "ok"
     finally:
         await broker.aclose()
+
+
+async def test_a_nacked_publish_retires_its_channel_and_the_next_goes_on_a_new_one(prefix: str) -> None:
+    """A channel that nacked is not trusted again (on RabbitMQ 3.10 such a channel kept nacking a
+    quorum queue whose leader it had wrong): the publish fails with 503, the next publish opens a
+    new channel, and the consumers' channel is left alone."""
+    names = Names(prefix)
+    full = f"{prefix}.full"
+    broker = Broker(BROKER_URL, names, publish_timeout=5)
+    await broker.connect(timeout=10)
+    try:
+        assert broker.channel is not None
+        consumers = broker.channel
+        # a queue that refuses every message: publishes to it are nacked
+        await broker.channel.declare_queue(full, arguments={"x-max-length": 0, "x-overflow": "reject-publish"})
+        with pytest.raises(BackendUnavailable, match="refused"):
+            await broker.publish("queue", aio_pika.Message(b"refused"), full)
+        assert broker.publishers_opened == 1
+        await broker.publish("requests", aio_pika.Message(b"job", delivery_mode=2), REQUEST_KEY)
+        assert broker.publishers_opened == 2  # the nacking channel was replaced
+        await broker.publish("requests", aio_pika.Message(b"job", delivery_mode=2), REQUEST_KEY)
+        assert broker.publishers_opened == 2  # a confirmed publish keeps its channel
+        assert broker.channel is consumers
+        assert not consumers.is_closed
+        assert await queue_depth(names.work) == 2
+    finally:
+        await broker.aclose()  # the prefix fixture deletes the queues
