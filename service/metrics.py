@@ -160,6 +160,17 @@ class Metrics:
             ["reason"],
             registry=r,
         )
+        self.client_disconnects = Counter(
+            "gateway_client_disconnects_total",
+            "Online requests whose client disconnected before the answer: the request is cancelled, its "
+            "images leave the queue (and their batch, if it was not sent yet).",
+            registry=r,
+        )
+        self.abandoned_images = Counter(
+            "gateway_abandoned_images_total",
+            "Images of cancelled requests (their client went away) dropped before the backend saw them.",
+            registry=r,
+        )
         self.quota_rejections = Counter(
             "gateway_quota_rejections_total",
             "Requests refused because their API key was over a quota, by key (the first 12 hex digits of "

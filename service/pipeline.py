@@ -77,6 +77,7 @@ async def open_pipeline(
         backend_name=chosen.name,
         policy=settings.batch_policy,
         rank=partial(rank_rows, k=RANKED),  # once per batch, not once per image on the event loop
+        on_abandon=metrics.abandoned_images.inc,
     )
     metrics.bind_batcher(batcher, chosen.name)
     pool = ThreadPoolExecutor(max_workers=settings.preprocess_workers, thread_name_prefix="preprocess")

@@ -9,7 +9,8 @@
 * Admission is all-or-nothing per request and bounded by ``max_queue_size`` (``QueueFull``).
 * Cancellation-safe: a request that is cancelled or passes its deadline leaves the queue; if its
   batch is already running, its result is dropped and nobody else is affected. Futures are
-  completed only if not already done.
+  completed only if not already done. Images of a cancelled request (its client went away) that
+  were never sent to the backend are counted (``on_abandon``).
 * Every failure of a batch reaches every request in it, and the backend must return one result
   per image, finite: a row with NaN or inf fails its image with ``BackendError``.
 * Two policies decide how long a batch waits to fill while the backend is busy:
@@ -69,6 +70,8 @@ class _Item:
     enqueued: float
     trace: SpanContext | None = None
     """The request's span context when its trace is sampled."""
+    dispatched: bool = False
+    """Taken into a batch (sent to the backend)."""
 
 
 _NO_IMAGE = np.empty(0, np.uint8)
@@ -119,10 +122,12 @@ class DynamicBatcher:
         backend_name: str = "",
         policy: Policy = "fixed",
         rank: Callable[[np.ndarray], Sequence[Any]] | None = None,
+        on_abandon: Callable[[int], None] | None = None,
     ) -> None:
         """``rank``, when given, turns a batch's scores into one answer per row, once per batch
         (e.g. every row's top classes); each request then gets its rows' answers instead of the
-        score rows themselves."""
+        score rows themselves. ``on_abandon`` gets the number of images of a cancelled request that
+        never reached the backend (dropped from the queue, or before their decode)."""
         if max_batch_size < 1 or max_queue_size < 1 or max_inflight_batches < 1 or max_delay < 0:
             raise ValueError("batcher limits must be positive")
         self.policy = policy
@@ -140,6 +145,7 @@ class DynamicBatcher:
         self.max_queue_size = max_queue_size
         self.max_inflight_batches = max_inflight_batches
         self._on_batch = on_batch
+        self._on_abandon = on_abandon
         self._tracing = tracing
         self._backend_name = backend_name
         self._queue: deque[_Item] = deque()
@@ -315,6 +321,11 @@ class DynamicBatcher:
 
     def _forget(self, items: list[_Item]) -> None:
         """Drop a finished, failed or cancelled request's items that are still waiting."""
+        if self._on_abandon is not None:
+            # cancelled from outside (the request's task) before dispatch; not those cancelled below
+            abandoned = sum(1 for item in items if item.future.cancelled() and not item.dispatched)
+            if abandoned:
+                self._on_abandon(abandoned)
         for item in items:
             if not item.future.done():
                 item.future.cancel()
@@ -384,6 +395,7 @@ class DynamicBatcher:
             if item.deadline is not None and item.deadline <= now:
                 item.future.set_exception(DeadlineExceeded("the request deadline passed while queued"))
                 continue
+            item.dispatched = True
             batch.append(item)
         return batch
 

@@ -98,6 +98,9 @@ CHECKED_QUERY = [Depends(reject_unknown_query)]
 itself, on the hot path (see ``_classify_params``)."""
 
 CLASSIFY_PARAMS = ("top_k", "mode")
+CANCEL_ON_DISCONNECT = "gateway.cancel_on_disconnect"
+"""Scope key: True when the request's work may be cancelled if its client leaves (online: nobody
+would read the answer); an offline submit always finishes, so its jobs are queued whole."""
 IDEMPOTENCY_KEY = "Idempotency-Key"
 IDEMPOTENT_REPLAYED = "Idempotent-Replayed"
 WEBHOOK_URL = "Webhook-URL"
@@ -264,6 +267,7 @@ async def handle_classify(request: Request) -> Response:
     """The route's work, shared by the FastAPI route (documented in OpenAPI) and ``ClassifyFastPath``
     (what serves it: the same function without the framework's per-request layers)."""
     top_k, mode = _classify_params(request)
+    request.scope[CANCEL_ON_DISCONNECT] = mode == "online"
     gateway = _gateway(request)
     _check_room(gateway)  # full now: refuse before spending time on the body
     if _media_type(request.headers.get("content-type")) == "application/json":

@@ -1,17 +1,26 @@
-"""``POST /classify`` around FastAPI's layers, and the one way a refused request is counted and answered."""
+"""``POST /classify`` around FastAPI's layers, and the one way a refused request is counted and answered.
+
+An online request whose client disconnects is cancelled: once its body is read, a watcher waits for
+the server's ``http.disconnect`` and cancels the request's task, so its images leave the batcher's
+queue (and their batch, if it was not sent) or their URL fetches stop, and nobody computes an answer
+nobody reads (``gateway_client_disconnects_total``, ``gateway_abandoned_images_total``). Servers
+only learn of a disconnect by reading the socket: uvicorn reads while a request is handled, so a
+closed connection (or a client's half-close) is seen at once."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
 from opentelemetry import trace
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.routing import BaseRoute
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from service.errors import GatewayError, RequestTimeout, error_response
-from service.http.api import handle_classify
+from service.http.api import CANCEL_ON_DISCONNECT, handle_classify
+from service.http.middleware import CLIENT_LEFT
 from service.http.protocol import TIMED_OUT
 from service.metrics import Metrics
 
@@ -35,12 +44,21 @@ class ClassifyFastPath:
             await self.app(scope, receive, send)
             return
         scope["route"] = self.route
-        request = Request(scope, receive)
+        watch = _DisconnectWatch(scope, receive)
+        request = Request(scope, watch.receive)
         try:
             response = await handle_classify(request)
+        except asyncio.CancelledError:
+            if not watch.left():
+                raise
+            watch.forgive()
+            scope[CLIENT_LEFT] = True
+            self.metrics.client_disconnects.inc()
+            return  # nobody to answer
         except ClientDisconnect:
             timed_out = scope.get(TIMED_OUT)
             if timed_out is None:
+                scope[CLIENT_LEFT] = True
                 return  # the client left: nobody to answer
             # The protocol has answered 408 and closed; this (dropped) answer tells the metrics.
             response = self._refusal(RequestTimeout(timed_out))
@@ -49,10 +67,62 @@ class ClassifyFastPath:
         except Exception:  # outside FastAPI's error layer: answer 500 in the gateway's shape
             logger.exception("POST /classify failed")
             response = self._refusal(GatewayError("the gateway failed on this request; see its log"))
+        finally:
+            watch.stop()
         await response(scope, receive, send)
 
     def _refusal(self, exc: GatewayError) -> Response:
         return refusal(exc, self.metrics)
+
+
+class _DisconnectWatch:
+    """Cancels the request's task when its client disconnects after sending the whole body, while
+    the request is still being handled and may be cancelled (``CANCEL_ON_DISCONNECT``). One task per
+    request, started only once the body is in."""
+
+    def __init__(self, scope: Scope, receive: Receive) -> None:
+        self._scope = scope
+        self._receive = receive
+        self._task = asyncio.current_task()
+        self._watcher: asyncio.Task[None] | None = None
+        self._handling = True
+        self._left = False
+
+    async def receive(self) -> Message:
+        """The app's ``receive``: the last body chunk starts the watcher."""
+        message = await self._receive()
+        if (
+            message["type"] == "http.request"
+            and not message.get("more_body", False)
+            and self._watcher is None
+            and self._scope.get(CANCEL_ON_DISCONNECT)
+        ):
+            self._watcher = asyncio.get_running_loop().create_task(self._watch())
+        return message
+
+    async def _watch(self) -> None:
+        while (await self._receive())["type"] != "http.disconnect":
+            pass  # nothing else arrives after the body; a server may repeat empty chunks
+        # Runs only while the request's task is suspended: if it is still handling the request,
+        # the cancel lands inside the handler (``stop`` is called before anything else awaits).
+        if self._handling and self._task is not None:
+            self._left = True
+            self._task.cancel()
+
+    def left(self) -> bool:
+        """Whether the request was cancelled because its client left."""
+        return self._left
+
+    def forgive(self) -> None:
+        """The cancel was ours and is handled: the task goes on (uvicorn finishes the cycle)."""
+        if self._task is not None:
+            self._task.uncancel()
+
+    def stop(self) -> None:
+        """The handler is done (answered, refused or cancelled): watch no more."""
+        self._handling = False
+        if self._watcher is not None:
+            self._watcher.cancel()
 
 
 def refusal(exc: GatewayError, metrics: Metrics) -> Response:

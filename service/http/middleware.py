@@ -87,6 +87,12 @@ _CLIENT_ID = re.compile(rb"[A-Za-z0-9._:-]{1,128}")
 _TRACE_HEADERS = (b"traceparent", b"tracestate")
 
 
+CLIENT_LEFT = "gateway.client_left"
+"""Scope key set when the client disconnected before the answer (nothing was sent)."""
+CLIENT_CLOSED_REQUEST = 499
+"""The status recorded for such a request (nginx's "client closed request"); none is sent."""
+
+
 def new_request_id() -> str:
     """16 random hex digits. Not ``os.urandom``: its system call releases the GIL, and under load
     taking it back cost the event loop a tenth of its time (py-spy). ``random`` is reseeded in
@@ -165,6 +171,8 @@ class RequestMiddleware:
         try:
             await self.app(scope, receive, send_wrapper)
         finally:
+            if scope.get(CLIENT_LEFT):
+                status = CLIENT_CLOSED_REQUEST  # not a failure of ours: no 5xx in the metrics
             route = getattr(scope.get("route"), "path", None) or "unmatched"
             self._record(route, scope["method"], status, time.perf_counter() - start, span)
             if span is not None:
