@@ -211,7 +211,10 @@ def test_rabbitmq_is_a_three_node_cluster_spread_over_machines(tmp_path: Path) -
         for r in policy
         if r["from"][0].get("podSelector", {}).get("matchLabels", {}).get("app.kubernetes.io/name") == "rabbitmq"
     )
-    assert {p["port"] for p in peers["ports"]} == {4369, 25672}  # clustering is not cut off
+    assert {p["port"] for p in peers["ports"]} == {4369, 25672, 6000}  # clustering is not cut off
+    assert next(p for p in peers["ports"] if p["port"] == 6000)["endPort"] == 6500  # stream replication
+    monitor = by_kind(docs, "ServiceMonitor", "rabbitmq")["spec"]["endpoints"][0]
+    assert monitor["port"] == "prometheus"  # the operator's name for 15692
 
 
 def test_dockerfile_is_multi_stage_non_root_with_a_healthcheck() -> None:

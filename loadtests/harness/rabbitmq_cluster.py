@@ -19,10 +19,12 @@ configures them: a node that cannot see a majority stops serving until it can. `
 A partition is made with iptables on the loopback interface, where all the nodes' traffic flows:
 each node runs with a supplementary group of its own; connections its processes open are marked
 with that group (``CONNMARK``, from the first packet); a partition drops every packet of the
-connections made to the node's distribution port and of those it made to the other nodes' ones,
-both ways. Its AMQP port and the other nodes' links are untouched, so clients see what a client
-of a partitioned host sees: a node that is up, then (pause_minority) one that closes its
-connections and refuses new ones.
+Erlang distribution connections between the node and the others, both ways (stream replication,
+on ports 6000-6500 that cannot be told apart per node, is not cut: no partition test uses a
+stream). Its AMQP port and the other nodes' links are untouched, so clients see what a client of a
+partitioned host sees: a node that is up, then (pause_minority) one that closes its connections
+and refuses new ones. The chains and groups have fixed names, like the ports: one cluster per
+machine at a time.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ import socket
 import subprocess
 import tempfile
 import time
+from contextlib import suppress
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -107,6 +110,8 @@ class RabbitCluster:
             for i in range(size)
         ]
         self._account = pwd.getpwnam(USER)
+        self._no_partitions: str | None = None
+        """Why ``partition`` cannot work here (None: it can)."""
 
     @property
     def urls(self) -> str:
@@ -255,11 +260,20 @@ class RabbitCluster:
         self._iptables("-t", table, "-X", chain, check=False)
 
     def _mark_connections(self) -> None:
-        """Mark each connection a node opens with its group (mangle table, first packet)."""
+        """Mark each connection a node opens with its group (mangle table, first packet). Where
+        iptables is missing or refused (no CAP_NET_ADMIN), only partitions are unavailable:
+        ``partition`` raises with the reason."""
         if shutil.which("iptables") is None:
-            return  # no partitions here: ``partition`` says why
-        self._remove_chain("mangle", MARK_CHAIN)  # left by a killed run
-        self._remove_chain("filter", CUT_CHAIN)
+            self._no_partitions = "partitions need iptables"
+            return
+        try:
+            self._remove_chain("mangle", MARK_CHAIN)  # left by a killed run
+            self._remove_chain("filter", CUT_CHAIN)
+            self._add_marks()
+        except (ClusterUnavailable, subprocess.TimeoutExpired) as exc:
+            self._no_partitions = f"partitions need iptables to work here: {exc}"
+
+    def _add_marks(self) -> None:
         self._iptables("-t", "mangle", "-N", MARK_CHAIN)
         self._iptables("-t", "mangle", "-A", "OUTPUT", "-o", "lo", "-j", MARK_CHAIN)
         for node in self.nodes:
@@ -272,8 +286,8 @@ class RabbitCluster:
     def partition(self, node: Node) -> None:
         """Cut ``node`` off from the other nodes: every packet of the distribution connections
         between it and them is dropped, both ways (as a switch failing), until ``heal``."""
-        if shutil.which("iptables") is None:
-            raise ClusterUnavailable("partitions need iptables")
+        if self._no_partitions is not None:
+            raise ClusterUnavailable(self._no_partitions)
         self._iptables("-N", CUT_CHAIN, check=False)
         if self._iptables("-C", "OUTPUT", "-o", "lo", "-j", CUT_CHAIN, check=False).returncode != 0:
             self._iptables("-I", "OUTPUT", "-o", "lo", "-j", CUT_CHAIN)
@@ -293,15 +307,16 @@ class RabbitCluster:
         self._remove_chain("filter", CUT_CHAIN)
 
     def stop(self) -> None:
-        if shutil.which("iptables") is not None:
-            self._remove_chain("filter", CUT_CHAIN)
-            self._remove_chain("mangle", MARK_CHAIN)
         for node in self.nodes:
             try:
                 self.stop_node(node)
             except (RuntimeError, subprocess.TimeoutExpired):
                 self.kill(node)
             self.kill(node)
+        if self._no_partitions is None:  # after the nodes: a stuck iptables must not leave them running
+            with suppress(ClusterUnavailable, subprocess.TimeoutExpired):
+                self._remove_chain("filter", CUT_CHAIN)
+                self._remove_chain("mangle", MARK_CHAIN)
         shutil.rmtree(self.base, ignore_errors=True)
 
     def __enter__(self) -> RabbitCluster:

@@ -18,8 +18,10 @@ and consuming apart). A channel whose publish was nacked is retired and the next
 new one: after a node's loss, a channel opened on a surviving node before the new quorum queue
 leader is known there (RabbitMQ 3.10 reads the leader from a record that can be stale; later
 versions ask the election's own table) nacks every publish to that queue for as long as it lives,
-while a channel opened a moment later works. Retiring it costs one channel open per nack; closing
-the consumers' channel instead would lose its deliveries' tags.
+while a channel opened a moment later works. Retiring costs a channel open, at most once a second
+(a queue that refuses every message, ``reject-publish``, must not make a channel per nack: the
+connection's ``channel_max`` would run out and the broker close it, consumers and all); closing the
+consumers' channel instead would lose its deliveries' tags.
 """
 
 from __future__ import annotations
@@ -42,6 +44,9 @@ from service.jobs import frames
 from service.jobs.topology import Names, Topology, declare
 
 logger = logging.getLogger(__name__)
+
+RETIRE_INTERVAL = 1.0
+"""Seconds between two retirements of the publisher channel (see ``Broker._retire``)."""
 
 
 def addresses(url: str) -> list[str]:
@@ -110,6 +115,7 @@ class Broker:
         """The channel publishes go on (opened on first use, replaced once it nacks)."""
         self._publisher_lock = asyncio.Lock()
         self._retired: set[asyncio.Task[None]] = set()
+        self._retired_at = float("-inf")
         self.publishers_opened = 0
         """Publisher channels opened: the first, and one after each nack (for tests and logs)."""
         self._closing = False
@@ -255,26 +261,38 @@ class Broker:
         """The channel publishes go on; opened (with confirms, unroutable messages raising) when
         there is none or it was retired. A robust channel: restored with the connection."""
         async with self._publisher_lock:
-            if self._publisher is None or self._publisher.is_closed:
+            if self._publisher is not None and self._publisher.is_closed:
+                # closed by the server (a channel error): closed for good here too, or the robust
+                # channel would reopen itself beside its replacement and stay open unused
+                self._close_later(self._publisher, 0.0)
+                self._publisher = None
+            if self._publisher is None:
                 assert self.connection is not None
                 self._publisher = await self.connection.channel(publisher_confirms=True, on_return_raises=True)
                 self.publishers_opened += 1
             return self._publisher
 
     def _retire(self, channel: AbstractChannel | None) -> None:
-        """A channel nacked a publish: the next publish opens another. It is closed once the
-        publishes still awaiting its confirms had time to get them."""
+        """A channel nacked a publish: the next publish opens another (at most one retirement per
+        ``RETIRE_INTERVAL``, so a queue that refuses everything cannot make a channel per nack). It
+        is closed once the publishes still awaiting its confirms had time to get them."""
         if channel is None or channel is not self._publisher:
             return  # already retired by another nack
+        now = asyncio.get_running_loop().time()
+        if now - self._retired_at < RETIRE_INTERVAL:
+            return
+        self._retired_at = now
         self._publisher = None
         logger.info("broker: a publish was nacked; later publishes go on a new channel")
+        self._close_later(channel, self.publish_timeout)
 
-        async def close_later() -> None:
-            await asyncio.sleep(self.publish_timeout)
+    def _close_later(self, channel: AbstractChannel, delay: float) -> None:
+        async def close() -> None:
+            await asyncio.sleep(delay)
             with suppress(Exception):
                 await channel.close()
 
-        task = asyncio.get_running_loop().create_task(close_later())
+        task = asyncio.get_running_loop().create_task(close())
         self._retired.add(task)
         task.add_done_callback(self._retired.discard)
 

@@ -9,7 +9,7 @@ import aio_pika
 import pytest
 
 from service.errors import BackendUnavailable
-from service.jobs.broker import Broker
+from service.jobs.broker import RETIRE_INTERVAL, Broker
 from service.jobs.topology import REQUEST_KEY, Names
 from tests.jobs.conftest import BROKER_URL, queue_depth
 
@@ -68,5 +68,16 @@ async def test_a_nacked_publish_retires_its_channel_and_the_next_goes_on_a_new_o
         assert broker.channel is consumers
         assert not consumers.is_closed
         assert await queue_depth(names.work) == 2
+        # a queue that refuses everything: at most one new channel a second, never one per nack
+        # (2,047 nacks in 5 s once ran out the connection's channels and it was closed)
+        started = asyncio.get_running_loop().time()
+        for _ in range(300):
+            with pytest.raises(BackendUnavailable, match="refused"):
+                await broker.publish("queue", aio_pika.Message(b"refused"), full)
+        seconds = asyncio.get_running_loop().time() - started
+        assert broker.publishers_opened <= 2 + int(seconds / RETIRE_INTERVAL) + 1
+        assert broker.is_open
+        await broker.publish("requests", aio_pika.Message(b"job", delivery_mode=2), REQUEST_KEY)
+        assert await queue_depth(names.work) == 3
     finally:
         await broker.aclose()  # the prefix fixture deletes the queues
