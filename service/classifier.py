@@ -21,7 +21,7 @@ from service.images.budget import ByteBudget
 from service.images.imageinfo import probe
 from service.images.preprocess import PreprocessConfig, check_limits, prepare
 from service.metrics import Metrics
-from service.models.profiles import ModelProfile, top_k
+from service.models.profiles import ModelProfile, rank_rows, top_k
 from service.schemas import ModelInfo
 from service.tracing import Tracing, sampled_context, trace_id_hex
 
@@ -56,9 +56,30 @@ RANKED = 20
 """Classes the batcher ranks per image, once per batch: the most a request may ask for (top_k)."""
 
 
-def _best(row: np.ndarray | list[tuple[int, float]], k: int) -> list[tuple[int, float]]:
-    """The k best classes of a row the batcher ranked already (``rank_rows``), or of a score row."""
-    return row[:k] if isinstance(row, list) else top_k(row, k)
+@dataclass(frozen=True, slots=True)
+class Scored:
+    """One image's answer from the batcher: its best classes, ranked with its batch's, and its
+    whole score row (a view of the batch's scores, for protocols that return every class)."""
+
+    ranked: list[tuple[int, float]]
+    """The ``RANKED`` best (class index, probability), best first."""
+    scores: np.ndarray
+
+
+def rank_batch(scores: np.ndarray) -> list[Scored]:
+    """The batcher's ``rank``: every row's best classes at once (``rank_rows``), and the row."""
+    return [Scored(ranked, scores[i]) for i, ranked in enumerate(rank_rows(scores, RANKED))]
+
+
+def _best(row: Scored | np.ndarray, k: int) -> list[tuple[int, float]]:
+    """The k best classes of a row the batcher ranked already, or of a score row."""
+    if isinstance(row, Scored):
+        return row.ranked[:k] if k <= len(row.ranked) else top_k(row.scores, k)
+    return top_k(row, k)
+
+
+def _scores(row: Scored | np.ndarray) -> np.ndarray:
+    return row.scores if isinstance(row, Scored) else row
 
 
 class Classifier:
@@ -162,18 +183,26 @@ class Classifier:
         spend."""
         await asyncio.get_running_loop().run_in_executor(self.executor, self._check, images)
 
-    async def classify(self, images: list[ImageInput], *, k: int, deadline: float | None) -> list[Classification]:
+    async def _rows(self, images: list[ImageInput], deadline: float | None) -> list[Scored | np.ndarray]:
+        """Every image decoded, batched and scored: its row from the batcher."""
         parent = sampled_context() if self.tracing is not None else None
         if len(images) == 1:  # the common case, decoded and queued from the pool in one step
             prepare = partial(self._prepare_timed, images[0].data, deadline, parent)
-            rows = [await self.batcher.submit_prepared(prepare, self.executor, deadline=deadline, parent=parent)]
-        else:  # all decoded before any is queued: a bad image refuses its request whole
-            try:
-                async with asyncio.timeout_at(deadline):
-                    arrays = await self.preprocess(images, deadline, parent)
-            except TimeoutError:
-                raise DeadlineExceeded("the request deadline passed while decoding its images") from None
-            rows = await self.batcher.submit(arrays, deadline=deadline, parent=parent)
+            return [await self.batcher.submit_prepared(prepare, self.executor, deadline=deadline, parent=parent)]
+        try:  # all decoded before any is queued: a bad image refuses its request whole
+            async with asyncio.timeout_at(deadline):
+                arrays = await self.preprocess(images, deadline, parent)
+        except TimeoutError:
+            raise DeadlineExceeded("the request deadline passed while decoding its images") from None
+        return list(await self.batcher.submit(arrays, deadline=deadline, parent=parent))
+
+    async def scores(self, images: list[ImageInput], *, deadline: float | None) -> list[np.ndarray]:
+        """Every image's probabilities over all classes, through the same decode, batcher and
+        backend as ``classify``."""
+        return [_scores(row) for row in await self._rows(images, deadline)]
+
+    async def classify(self, images: list[ImageInput], *, k: int, deadline: float | None) -> list[Classification]:
+        rows = await self._rows(images, deadline)
         started = time.perf_counter()
         labels = self.profile.labels
         out = [

@@ -12,7 +12,6 @@ from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from functools import partial
 
 import cv2
 import numpy as np
@@ -22,14 +21,14 @@ from service.backends.circuit import CircuitBreaker
 from service.backends.factory import build_backend
 from service.backends.health import BackendHealth
 from service.batching.batcher import DynamicBatcher
-from service.classifier import RANKED, Classifier, Prepare, PrepareMany
+from service.classifier import Classifier, Prepare, PrepareMany, rank_batch
 from service.host.allocator import keep_image_buffers
 from service.host.gpu import start_gpu_sampler
 from service.images.budget import ByteBudget
 from service.images.preprocess import PreprocessConfig, prepare
 from service.metrics import Metrics
 from service.models.checkpoints import real_weights_hint, weights_for
-from service.models.profiles import get_profile, rank_rows
+from service.models.profiles import get_profile
 from service.settings import Settings
 from service.tracing import Tracing
 
@@ -76,7 +75,7 @@ async def open_pipeline(
         tracing=tracing,
         backend_name=chosen.name,
         policy=settings.batch_policy,
-        rank=partial(rank_rows, k=RANKED),  # once per batch, not once per image on the event loop
+        rank=rank_batch,  # once per batch, not once per image on the event loop
         on_abandon=metrics.abandoned_images.inc,
     )
     metrics.bind_batcher(batcher, chosen.name)

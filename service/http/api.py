@@ -8,6 +8,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.datastructures import UploadFile
@@ -321,6 +322,22 @@ def _spend_quota(request: Request, gateway: Gateway, images: int) -> None:
         gateway.metrics.quota_rejections.labels(key_id, "rate").inc()
         raise
     gateway.metrics.key_images.labels(key_id).inc(images)
+
+
+async def online_scores(request: Request, images: list[ImageInput]) -> list[np.ndarray]:
+    """Every image's probabilities, admitted as ``/classify`` admits an online request: room,
+    the API key's quota, the deadline (for the Open Inference Protocol's routes)."""
+    gateway = _gateway(request)
+    _check_room(gateway)
+    _spend_quota(request, gateway, len(images))
+    deadline = asyncio.get_running_loop().time() + gateway.settings.request_timeout
+    gateway.active_requests += 1
+    try:
+        rows = await gateway.classifier.scores(images, deadline=deadline)
+    finally:
+        gateway.active_requests -= 1
+    gateway.metrics.images_online.inc(len(rows))
+    return rows
 
 
 async def _classify_online(gateway: Gateway, images: list[ImageInput], top_k: int, deadline: float) -> Response:

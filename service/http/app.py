@@ -20,6 +20,7 @@ from starlette.types import ASGIApp
 from service import __version__
 from service.backends.base import Backend
 from service.errors import GatewayError, error_body, validation_detail
+from service.http import inference_protocol
 from service.http.answers import Answers
 from service.http.api import Gateway, router
 from service.http.fastpath import ClassifyFastPath, refusal
@@ -142,6 +143,7 @@ def create_app(
         telemetry={"tracing": False, "metrics": False, "logs": False},
     )
     app.include_router(router)
+    app.include_router(inference_protocol.router)
 
     @app.exception_handler(GatewayError)
     async def _gateway_error(request: Request, exc: GatewayError) -> Response:

@@ -192,7 +192,7 @@ def _end_server_span(span: Span, method: str, route: str, status: int) -> None:
     span.end()
 
 
-OPEN_PATHS = frozenset({"/healthz", "/readyz"})
+OPEN_PATHS = frozenset({"/healthz", "/readyz", "/v2/health/live", "/v2/health/ready"})
 AUTHENTICATED = "gateway.authenticated"
 """Scope key telling routes whether the caller presented a valid key (or none is needed)."""
 API_KEY = "gateway.api_key"

@@ -1,0 +1,260 @@
+"""The Open Inference Protocol (KServe v2) on the gateway's port, with the real ``tritonclient.http``
+client as an outside client (binary tensor data and JSON), and hostile requests by hand."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import struct
+from collections.abc import Callable
+from typing import Any
+
+import httpx
+import numpy as np
+import pytest
+import tritonclient.http as triton_http
+from tritonclient.utils import InferenceServerException
+
+from service.backends.fake import FakeBackend
+from service.settings import Settings
+from tests.conftest import CAT_CLASSES, png_bytes, running_gateway, solid_image
+
+MakeSettings = Callable[..., Settings]
+ESPRESSO = 967
+
+
+def _client(base_url: str) -> triton_http.InferenceServerClient:
+    return triton_http.InferenceServerClient(base_url.removeprefix("http://"), network_timeout=30)
+
+
+async def ask(base_url: str, method: str, *args: Any) -> Any:
+    """One call of the client (made, used and closed in a thread: it blocks, and gevent's
+    connections belong to the thread that made them)."""
+
+    def call() -> Any:
+        client = _client(base_url)
+        try:
+            return getattr(client, method)(*args)
+        finally:
+            client.close()
+
+    return await asyncio.to_thread(call)
+
+
+def _infer(
+    base_url: str, images: list[bytes], *, binary: bool, k: int | None = None, version: str = ""
+) -> triton_http.InferResult:
+    """``tritonclient.http``'s infer, as an application would call it (in a thread: it blocks)."""
+    data = np.array(images, dtype=np.object_)
+    tensor = triton_http.InferInput("IMAGE", [len(images)], "BYTES")
+    if binary:
+        tensor.set_data_from_numpy(data, binary_data=True)
+    else:  # JSON: the protocol has no bytes there, so each image is base64 (the gateway's rule)
+        tensor.set_data_from_numpy(np.array([base64.b64encode(i) for i in images], dtype=np.object_), binary_data=False)
+    output = triton_http.InferRequestedOutput("PROBABILITIES", binary_data=binary, class_count=k or 0)
+    client = _client(base_url)
+    try:
+        return client.infer("efficientnet-lite0", [tensor], model_version=version, outputs=[output])
+    finally:
+        client.close()
+
+
+async def test_tritonclient_classifies_real_photos_in_binary_and_json(
+    gateway_factory: MakeSettings, cat_jpeg: bytes, coffee_jpeg: bytes
+) -> None:
+    async with running_gateway(gateway_factory()) as gateway:
+        url = str(gateway.base_url)
+        assert await ask(url, "is_server_live")
+        assert await ask(url, "is_server_ready")
+        assert await ask(url, "is_model_ready", "efficientnet-lite0")
+        assert not await ask(url, "is_model_ready", "resnet50")
+        metadata = await ask(url, "get_model_metadata", "efficientnet-lite0")
+        assert metadata["inputs"] == [{"name": "IMAGE", "datatype": "BYTES", "shape": [-1]}]
+        assert metadata["outputs"] == [{"name": "PROBABILITIES", "datatype": "FP32", "shape": [-1, 1000]}]
+
+        for binary in (True, False):
+            probabilities = (await asyncio.to_thread(_infer, url, [cat_jpeg, coffee_jpeg], binary=binary)).as_numpy(
+                "PROBABILITIES"
+            )
+            assert probabilities.shape == (2, 1000)
+            assert probabilities.dtype == np.float32
+            assert probabilities.sum(axis=1) == pytest.approx([1.0, 1.0], abs=1e-3)
+            assert int(probabilities[0].argmax()) in CAT_CLASSES
+            assert int(probabilities[1].argmax()) == ESPRESSO
+
+            ranked = (await asyncio.to_thread(_infer, url, [coffee_jpeg], binary=binary, k=3)).as_numpy("PROBABILITIES")
+            assert ranked.shape == (1, 3)
+            strings = [text(element) for element in ranked[0]]
+            score, index, label = strings[0].split(":", 2)
+            assert (int(index), label) == (ESPRESSO, "espresso")
+            assert float(score) == pytest.approx(0.94, abs=0.05)
+            scores = [float(element.split(":")[0]) for element in strings]
+            assert scores == sorted(scores, reverse=True)
+
+        # the same answer as /classify, through the same decode, batcher and backend
+        classic = await gateway.post("/classify", content=coffee_jpeg, headers={"content-type": "image/jpeg"})
+        best = classic.json()["results"][0]["labels"][0]
+        versioned = await asyncio.to_thread(_infer, url, [coffee_jpeg], binary=True, version="1")
+        assert float(versioned.as_numpy("PROBABILITIES")[0][ESPRESSO]) == pytest.approx(best["score"], abs=1e-6)
+        with pytest.raises(InferenceServerException, match="no model 'efficientnet-lite0' version 2"):
+            await asyncio.to_thread(_infer, url, [coffee_jpeg], binary=True, version="2")
+
+
+def text(element: bytes | str) -> str:
+    """A BYTES element as tritonclient gives it: bytes from binary data, str from JSON."""
+    return element.decode() if isinstance(element, bytes) else element
+
+
+def _body(header: dict[str, Any], binary: bytes = b"") -> tuple[bytes, dict[str, str]]:
+    head = json.dumps(header).encode()
+    return head + binary, {
+        "Inference-Header-Content-Length": str(len(head)),
+        "content-type": "application/octet-stream",
+    }
+
+
+def _elements(*items: bytes) -> bytes:
+    return b"".join(struct.pack("<I", len(item)) + item for item in items)
+
+
+def _image_input(count: int, size: int | None = None, **extra: Any) -> dict[str, Any]:
+    tensor: dict[str, Any] = {"name": "IMAGE", "datatype": "BYTES", "shape": [count], **extra}
+    if size is not None:
+        tensor["parameters"] = {"binary_data_size": size}
+    return {"inputs": [tensor]}
+
+
+PNG = png_bytes(solid_image(7, 16))
+STRAY = json.dumps(_image_input(1, data=[base64.b64encode(PNG).decode()])).encode()
+
+
+@pytest.mark.parametrize(
+    ("header", "binary", "status", "words"),
+    [
+        ({"inputs": []}, b"", 400, "one tensor"),
+        ({"inputs": [{"name": "INPUT0", "datatype": "BYTES", "shape": [1]}]}, b"", 400, "unknown input"),
+        ({"inputs": [{"name": "IMAGE", "datatype": "FP32", "shape": [1]}]}, b"", 400, "must be BYTES"),
+        (_image_input(1, data=["not base64!"]), b"", 400, "not base64"),
+        (_image_input(2, data=[base64.b64encode(PNG).decode()]), b"", 400, "holds 1 elements"),
+        (_image_input(0, data=[]), b"", 400, "1 to 64"),
+        (_image_input(65, data=[]), b"", 400, "1 to 64"),
+        ({"inputs": [{"name": "IMAGE", "datatype": "BYTES", "shape": [1, 2]}]}, b"", 400, "shape [N] or [N,1]"),
+        ({"inputs": [{"name": "IMAGE", "datatype": "BYTES", "shape": ["1"]}]}, b"", 400, "shape [N] or [N,1]"),
+        (_image_input(1, 999), _elements(PNG), 400, "binary_data_size"),
+        (_image_input(1, 10), struct.pack("<I", 1000) + b"x" * 6, 400, "6 are left"),
+        (_image_input(1, 2), b"\x01\x00", 400, "4-byte length"),
+        (_image_input(1, len(_elements(b"not an image"))), _elements(b"not an image"), 400, "not a recognised image"),
+        (
+            {**_image_input(1, len(_elements(PNG))), "outputs": [{"name": "LOGITS"}]},
+            _elements(PNG),
+            400,
+            "unknown output",
+        ),
+        (
+            {
+                **_image_input(1, len(_elements(PNG))),
+                "outputs": [{"name": "PROBABILITIES", "parameters": {"classification": 0}}],
+            },
+            _elements(PNG),
+            400,
+            "classification",
+        ),
+        (
+            {
+                **_image_input(1, len(_elements(PNG))),
+                "outputs": [{"name": "PROBABILITIES", "parameters": {"classification": True}}],
+            },
+            _elements(PNG),
+            400,
+            "classification",
+        ),
+        ({"inputs": "IMAGE"}, b"", 400, "one tensor"),
+        ({"inputs": [{"name": "IMAGE", "datatype": "BYTES", "shape": [1], "parameters": []}]}, b"", 400, "object"),
+    ],
+    ids=[
+        "no-input",
+        "wrong-name",
+        "wrong-type",
+        "json-not-base64",
+        "shape-vs-data",
+        "zero-images",
+        "too-many",
+        "bad-shape",
+        "string-dim",
+        "size-mismatch",
+        "element-overruns",
+        "cut-length",
+        "not-an-image",
+        "unknown-output",
+        "classification-0",
+        "classification-bool",
+        "inputs-not-list",
+        "parameters-not-object",
+    ],
+)
+async def test_hostile_inference_requests_get_the_protocols_error(
+    gateway_factory: MakeSettings, header: dict[str, Any], binary: bytes, status: int, words: str
+) -> None:
+    backend = FakeBackend()
+    async with running_gateway(gateway_factory(backend="fake"), backend) as gateway:
+        content, headers = _body(header, binary)
+        response = await gateway.post("/v2/models/efficientnet-lite0/infer", content=content, headers=headers)
+        good = await gateway.post(
+            "/v2/models/efficientnet-lite0/infer",
+            content=json.dumps(_image_input(1, data=[base64.b64encode(PNG).decode()])),
+        )
+    assert response.status_code == status, response.text
+    assert set(response.json()) == {"error"}
+    assert words in response.json()["error"]
+    assert good.status_code == 200  # and nothing else was lost
+    assert good.json()["outputs"][0]["shape"] == [1, 1000]
+
+
+@pytest.mark.parametrize(
+    ("content", "headers", "words"),
+    [
+        (b"{not json", {}, "not JSON"),
+        (b"[1, 2]", {}, "JSON object"),
+        (b'{"inputs": []}', {"Inference-Header-Content-Length": "99999"}, "within the body"),
+        (b'{"inputs": []}', {"Inference-Header-Content-Length": "-1"}, "within the body"),
+        (b'{"inputs": []}', {"Inference-Header-Content-Length": "\u0663".encode()}, "within the body"),
+        (STRAY + b"trailing", {"Inference-Header-Content-Length": str(len(STRAY))}, "binary_data_size"),
+        (b"\xff\xfe", {}, "not JSON"),
+    ],
+    ids=["broken-json", "array", "header-too-long", "negative-length", "unicode-digit", "stray-bytes", "not-utf8"],
+)
+async def test_a_broken_envelope_gets_400(
+    gateway_factory: MakeSettings, content: bytes, headers: dict[str, str], words: str
+) -> None:
+    async with running_gateway(gateway_factory(backend="fake"), FakeBackend()) as gateway:
+        response = await gateway.post("/v2/models/efficientnet-lite0/infer", content=content, headers=headers)
+    assert response.status_code == 400, response.text
+    assert words in response.json()["error"]
+
+
+async def test_unknown_models_queries_and_limits(gateway_factory: MakeSettings) -> None:
+    settings = gateway_factory(backend="fake", api_keys="k-1", max_body_bytes=4096)
+    async with running_gateway(settings, FakeBackend()) as gateway:
+        open_paths = [await gateway.get(path) for path in ("/v2/health/live", "/v2/health/ready")]
+        assert [r.status_code for r in open_paths] == [200, 200]  # probes need no key
+        assert (await gateway.get("/v2/models/efficientnet-lite0")).status_code == 401
+        keyed = httpx.Headers({"X-API-Key": "k-1"})
+        missing = await gateway.get("/v2/models/nope", headers=keyed)
+        assert missing.status_code == 404
+        assert missing.json() == {
+            "error": "no model 'nope'; this gateway serves 'efficientnet-lite0' version 1",
+        }
+        query = await gateway.post(
+            "/v2/models/efficientnet-lite0/infer?top_k=3",
+            content=json.dumps(_image_input(1, data=[base64.b64encode(PNG).decode()])),
+            headers=keyed,
+        )
+        assert query.status_code == 422
+        assert "top_k" in query.json()["error"]
+        big = await gateway.post(
+            "/v2/models/efficientnet-lite0/infer", content=b"{" + b" " * 5000 + b"}", headers=keyed
+        )
+        assert big.status_code == 413
+        server = (await gateway.get("/v2", headers=keyed)).json()
+        assert server["extensions"] == ["classification", "binary_tensor_data"]
