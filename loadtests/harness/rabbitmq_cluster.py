@@ -213,6 +213,14 @@ class RabbitCluster:
         status = json.loads(self.ctl(node, "cluster_status", "--formatter", "json", timeout=30))
         return sorted(status["running_nodes"])
 
+    def diagnose(self, node: Node, lines: int = 40) -> str:
+        """What a node says of itself (cluster status, or why it cannot say), and its log's tail:
+        for a test's failure message."""
+        done = self._as_rabbitmq(node, str(CTL), "-n", node.name, "cluster_status", timeout=60)
+        logs = sorted((node.base / "log").glob("*.log"))
+        tail = logs[-1].read_text(errors="replace").splitlines()[-lines:] if logs else ["(no log)"]
+        return f"{node.name} cluster_status:\n{done.stdout}{done.stderr}\nlog tail:\n" + "\n".join(tail)
+
     def pid(self, node: Node) -> int | None:
         try:
             return int(node.pid_file.read_text().strip())
