@@ -1,27 +1,29 @@
 """``POST /classify`` around FastAPI's layers, and the one way a refused request is counted and answered.
 
-An online request whose client disconnects is cancelled: once its body is read, a watcher waits for
-the server's ``http.disconnect`` and cancels the request's task, so its images leave the batcher's
-queue (and their batch, if it was not sent) or their URL fetches stop, and nobody computes an answer
-nobody reads (``gateway_client_disconnects_total``, ``gateway_abandoned_images_total``). Servers
-only learn of a disconnect by reading the socket: uvicorn reads while a request is handled, so a
-closed connection (or a client's half-close) is seen at once."""
+An online request whose client disconnects is cancelled: the gateway's HTTP protocol
+(``service.http.protocol``) calls back when the connection is lost and the request's task is
+cancelled, so its images leave the batcher's queue (and their batch, if it was not sent) or its
+URL fetches stop, and nobody computes an answer nobody reads (``gateway_client_disconnects_total``,
+``gateway_abandoned_images_total``). uvicorn reads the socket while a request is handled, so a
+closed connection (or a client's half-close) is seen at once. A callback, not a task per request
+awaiting ``http.disconnect``: that task cost 9 % of the serving path's throughput."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from typing import Any
 
 from opentelemetry import trace
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.routing import BaseRoute
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from service.errors import GatewayError, RequestTimeout, error_response
 from service.http.api import CANCEL_ON_DISCONNECT, handle_classify
 from service.http.middleware import CLIENT_LEFT
-from service.http.protocol import TIMED_OUT
+from service.http.protocol import ON_DISCONNECT, TIMED_OUT
 from service.metrics import Metrics
 
 logger = logging.getLogger(__name__)
@@ -44,8 +46,8 @@ class ClassifyFastPath:
             await self.app(scope, receive, send)
             return
         scope["route"] = self.route
-        watch = _DisconnectWatch(scope, receive)
-        request = Request(scope, watch.receive)
+        watch = _DisconnectWatch(scope)
+        request = Request(scope, receive)
         try:
             response = await handle_classify(request)
         except asyncio.CancelledError:
@@ -76,36 +78,22 @@ class ClassifyFastPath:
 
 
 class _DisconnectWatch:
-    """Cancels the request's task when its client disconnects after sending the whole body, while
-    the request is still being handled and may be cancelled (``CANCEL_ON_DISCONNECT``). One task per
-    request, started only once the body is in."""
+    """Cancels the request's task when its client disconnects while the request is handled and
+    may be cancelled (``CANCEL_ON_DISCONNECT``, set once its mode is known): the HTTP protocol calls
+    ``ON_DISCONNECT`` when the connection is lost (no task, no wrapper around ``receive``)."""
 
-    def __init__(self, scope: Scope, receive: Receive) -> None:
+    __slots__ = ("_left", "_scope", "_task")
+
+    def __init__(self, scope: Scope) -> None:
         self._scope = scope
-        self._receive = receive
-        self._task = asyncio.current_task()
-        self._watcher: asyncio.Task[None] | None = None
-        self._handling = True
+        self._task: asyncio.Task[Any] | None = asyncio.current_task()
         self._left = False
+        scope[ON_DISCONNECT] = self._gone
 
-    async def receive(self) -> Message:
-        """The app's ``receive``: the last body chunk starts the watcher."""
-        message = await self._receive()
-        if (
-            message["type"] == "http.request"
-            and not message.get("more_body", False)
-            and self._watcher is None
-            and self._scope.get(CANCEL_ON_DISCONNECT)
-        ):
-            self._watcher = asyncio.get_running_loop().create_task(self._watch())
-        return message
-
-    async def _watch(self) -> None:
-        while (await self._receive())["type"] != "http.disconnect":
-            pass  # nothing else arrives after the body; a server may repeat empty chunks
-        # Runs only while the request's task is suspended: if it is still handling the request,
-        # the cancel lands inside the handler (``stop`` is called before anything else awaits).
-        if self._handling and self._task is not None:
+    def _gone(self) -> None:
+        """The connection is lost (the protocol calls this on the loop, while the request's task
+        is suspended inside the handler: ``stop`` disarms it before anything else can await)."""
+        if self._task is not None and self._scope.get(CANCEL_ON_DISCONNECT):
             self._left = True
             self._task.cancel()
 
@@ -120,9 +108,8 @@ class _DisconnectWatch:
 
     def stop(self) -> None:
         """The handler is done (answered, refused or cancelled): watch no more."""
-        self._handling = False
-        if self._watcher is not None:
-            self._watcher.cancel()
+        self._scope.pop(ON_DISCONNECT, None)
+        self._task = None
 
 
 def refusal(exc: GatewayError, metrics: Metrics) -> Response:

@@ -37,7 +37,7 @@ import json
 from collections.abc import Callable
 from functools import partial
 from http import HTTPStatus
-from typing import Any
+from typing import Any, cast
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
@@ -51,6 +51,10 @@ MAX_HEADERS = 256
 
 TIMED_OUT = "gateway.timed_out"
 """Scope key set (to the 408's detail) when the request's body did not arrive in time."""
+ON_DISCONNECT = "gateway.on_disconnect"
+"""Scope key an app may set to a callable: called (on the event loop, once) if the connection is
+lost before the request's answer is complete. Cheaper than a task per request awaiting
+``http.disconnect``; a server without this protocol never calls it."""
 
 
 class CoalescingTransport:
@@ -264,7 +268,12 @@ class TimeoutProtocol(HttpToolsProtocol):
         if self._unread is not None:
             self._unread.cancel()
             self._unread = None
+        cycle = self.cycle
         super().connection_lost(exc)
+        if cycle is not None and not cycle.response_complete:
+            hook = cast(dict[str, Any], cycle.scope).pop(ON_DISCONNECT, None)
+            if hook is not None:
+                hook()
 
     def _headers_too_slow(self) -> None:
         if self.cycle is not None and not self.cycle.response_complete:
