@@ -93,7 +93,8 @@ class _DisconnectWatch:
     def _gone(self) -> None:
         """The connection is lost (the protocol calls this on the loop, while the request's task
         is suspended inside the handler: ``stop`` disarms it before anything else can await)."""
-        if self._task is not None and self._scope.get(CANCEL_ON_DISCONNECT):
+        # a body too slow is the protocol's to answer (408, TIMED_OUT): the app counts it as such
+        if self._task is not None and self._scope.get(CANCEL_ON_DISCONNECT) and TIMED_OUT not in self._scope:
             self._left = True
             self._task.cancel()
 
