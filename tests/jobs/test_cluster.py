@@ -352,12 +352,13 @@ def test_a_partitioned_node_takes_no_work_and_loses_none_when_it_heals(
             back = serving_again(cluster, cut, majority[0], probe_queue, within=60)
             restarted = back is None
             if restarted:
-                # Seen once in six CI runs (RabbitMQ 3.10.8): the paused node had not resumed a
+                # Seen in 2 of 8 CI runs (RabbitMQ 3.10.8): the paused node had not resumed a
                 # minute after the heal. What an operator does then, and what the test reports.
-                warning = f"the cut node did not resume by itself; restarting its app\n{cluster.diagnose(cut)}"
+                warning = f"the cut node did not resume by itself; restarting it\n{cluster.diagnose(cut)}"
                 warnings.warn(warning, stacklevel=1)
-                cluster.ctl(cut, "stop_app")
-                cluster.ctl(cut, "start_app")
+                # its stop_app once hung for 2 minutes: restart the node itself (its data is kept)
+                cluster.kill(cut)
+                cluster.start_node(cut)
                 back = serving_again(cluster, cut, majority[0], probe_queue, within=120)
             rejoined = None if back is None else time.monotonic() - healed_at
             diagnosis = "" if rejoined is not None else cluster.diagnose(cut)
@@ -372,7 +373,7 @@ def test_a_partitioned_node_takes_no_work_and_loses_none_when_it_heals(
     print(
         f"cut node refused clients {refused[0]:.1f} s after the cut; longest wait for a result during "
         f"the partition {stall:.1f} s; serving again {rejoined:.0f} s after the heal"
-        f"{' (after restarting its app)' if restarted else ''}; the ingest "
+        f"{' (after restarting it)' if restarted else ''}; the ingest "
         f"moved {text.count('broker: lost')} times"
     )
 
