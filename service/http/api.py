@@ -16,7 +16,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from service.backends.base import Backend
 from service.backends.health import BackendHealth
-from service.classifier import Classifier, ImageInput
+from service.classifier import Classification, Classifier, ImageInput
 from service.errors import (
     BackendUnavailable,
     BadImage,
@@ -324,16 +324,22 @@ def _spend_quota(request: Request, gateway: Gateway, images: int) -> None:
     gateway.metrics.key_images.labels(key_id).inc(images)
 
 
-async def online_scores(request: Request, images: list[ImageInput]) -> list[np.ndarray]:
-    """Every image's probabilities, admitted as ``/classify`` admits an online request: room,
-    the API key's quota, the deadline (for the Open Inference Protocol's routes)."""
+async def online(
+    request: Request, images: list[ImageInput], top_k: int | None
+) -> list[np.ndarray] | list[Classification]:
+    """An online request of another protocol, admitted as ``/classify`` admits one (room, the API
+    key's quota, the deadline): the ``top_k`` classes of every image, ranked with its batch as
+    ``/classify``'s are, or with ``top_k`` None its probabilities over every class."""
     gateway = _gateway(request)
     _check_room(gateway)
     _spend_quota(request, gateway, len(images))
     deadline = asyncio.get_running_loop().time() + gateway.settings.request_timeout
     gateway.active_requests += 1
     try:
-        rows = await gateway.classifier.scores(images, deadline=deadline)
+        if top_k is None:
+            rows: list[np.ndarray] | list[Classification] = await gateway.classifier.scores(images, deadline=deadline)
+        else:
+            rows = await gateway.classifier.classify(images, k=top_k, deadline=deadline)
     finally:
         gateway.active_requests -= 1
     gateway.metrics.images_online.inc(len(rows))

@@ -25,16 +25,16 @@ import base64
 import binascii
 import json
 import struct
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 from fastapi import APIRouter, Request
 from starlette.responses import JSONResponse, Response
 
 from service import __version__
-from service.classifier import ImageInput
+from service.classifier import Classification, ImageInput
 from service.errors import BadRequest, GatewayError, NotFound
-from service.http.api import online_scores, reject_unknown_query
+from service.http.api import online, reject_unknown_query
 
 INPUT = "IMAGE"
 OUTPUT = "PROBABILITIES"
@@ -124,9 +124,8 @@ async def infer(request: Request, name: str, version: str | None = None) -> Resp
         body = await request.body()
         header, binary = _split(body, request.headers.get(HEADER_LENGTH))
         images = _images(header, binary, request.app.state.gateway.settings.max_images_per_request)
-        outputs = _requested(header, len(profile.labels))
-        scores = np.stack(await online_scores(request, images))
-        return _answer(header, profile, scores, outputs)
+        k, binary_output = _requested(header, len(profile.labels))
+        return _answer(header, profile, await online(request, images, k), binary_output)
     except GatewayError as exc:
         return protocol_error(exc)
 
@@ -243,21 +242,23 @@ def _requested(header: dict[str, Any], classes: int) -> tuple[int | None, bool]:
     return k, binary
 
 
-def _answer(header: dict[str, Any], profile: Any, scores: np.ndarray, outputs: tuple[int | None, bool]) -> Response:
-    k, binary = outputs
-    if k is None:
-        shape = list(scores.shape)
-        tensor: dict[str, Any] = {"name": OUTPUT, "datatype": "FP32", "shape": shape}
-        raw = scores.astype("<f4", copy=False).tobytes()
-        values: list[Any] = scores.ravel().tolist()
+def _answer(
+    header: dict[str, Any], profile: Any, rows: list[np.ndarray] | list[Classification], binary: bool
+) -> Response:
+    """``PROBABILITIES`` from score rows (FP32), or from ranked classes (classification: BYTES
+    ``score:index:label``, ranked by the batcher as ``/classify``'s answers are), JSON or binary."""
+    tensor: dict[str, Any]
+    if all(isinstance(row, Classification) for row in rows):
+        ranked = cast(list[Classification], rows)
+        strings = [f"{score:f}:{index}:{label}" for row in ranked for index, label, score in row.labels]
+        tensor = {"name": OUTPUT, "datatype": "BYTES", "shape": [len(ranked), len(ranked[0].labels)]}
+        raw = b"".join(struct.pack("<I", len(e)) + e for e in (s.encode() for s in strings))
+        values: list[Any] = strings
     else:
-        best = np.argsort(-scores, axis=1, kind="stable")[:, :k]
-        labels = profile.labels
-        strings = [f"{scores[r, i]:f}:{i}:{labels[i]}" for r in range(len(scores)) for i in best[r].tolist()]
-        tensor = {"name": OUTPUT, "datatype": "BYTES", "shape": [len(scores), k]}
-        encoded = [s.encode() for s in strings]
-        raw = b"".join(struct.pack("<I", len(e)) + e for e in encoded)
-        values = strings
+        scores = np.stack(cast(list[np.ndarray], rows))
+        tensor = {"name": OUTPUT, "datatype": "FP32", "shape": list(scores.shape)}
+        raw = scores.astype("<f4", copy=False).tobytes()
+        values = scores.ravel().tolist()
     answer: dict[str, Any] = {"model_name": profile.name, "model_version": str(profile.version), "outputs": [tensor]}
     if isinstance(header.get("id"), str):
         answer["id"] = header["id"]
