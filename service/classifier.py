@@ -95,7 +95,10 @@ class Classifier:
         random_weights: bool = False,
         decode: Prepare = prepare,
         decode_many: PrepareMany | None = None,
+        name: str | None = None,
+        version: str | None = None,
     ) -> None:
+        """``name`` and ``version``: what the model is served as (default: its profile's)."""
         self.profile = profile
         self.batcher = batcher
         self.executor = executor
@@ -108,7 +111,9 @@ class Classifier:
         """``preprocess.prepare`` (OpenCV), or the GPU decoder's (``service.images.gpu_decode``)."""
         self._decode_many = decode_many
         """Where set, a request's several images are decoded by one call instead of one pool task each."""
-        self.model_info = ModelInfo(name=profile.name, version=profile.version, random_weights=random_weights)
+        self.model_info = ModelInfo(
+            name=name or profile.name, version=version or profile.version, random_weights=random_weights
+        )
 
     def _prepare_timed(self, data: bytes, deadline: float | None, parent: SpanContext | None = None) -> np.ndarray:
         """Decode one image (in a pool thread), timed; under ``parent`` (a sampled request's span)

@@ -47,6 +47,12 @@ def _settings(args: argparse.Namespace) -> Settings:
 
     if settings.model not in PROFILES:  # settings know no model table: a leaf
         sys.exit(f"gateway: invalid settings:\nmodel: unknown model {settings.model!r}; known: {', '.join(PROFILES)}")
+    from service.serving.catalog import CatalogError, load_catalog
+
+    try:
+        load_catalog(settings)  # a bad models file fails here, by model, version and key
+    except CatalogError as exc:
+        sys.exit(f"gateway: invalid settings:\n{exc}")
     return settings
 
 

@@ -23,6 +23,8 @@ if TYPE_CHECKING:  # metrics is below the parts it observes: it only reads them
 # 1 ms to 10 s, roughly x2.5 per step
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+MODEL_LABELS = ["model", "version"]
+"""Labels of the per-model series: bounded by the models file (at most 32 models x 8 versions)."""
 
 
 def multiprocess_dir() -> str | None:
@@ -34,6 +36,7 @@ class Metrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry if registry is not None else CollectorRegistry()
         self.gpus_visible = 0
+        self._models: list[ModelMetrics] = []
         """GPUs NVML sees in this process (0: no GPU series are exported)."""
         r = self.registry
         self.http_requests = Counter(
@@ -51,12 +54,10 @@ class Metrics:
         )
         self.images = Counter(
             "gateway_images_classified_total",
-            "Images classified, by mode: online (HTTP) or offline (queue worker).",
-            ["mode"],
+            "Images classified, by mode (online: HTTP; offline: queue worker), model and version.",
+            ["mode", *MODEL_LABELS],
             registry=r,
         )
-        self.images_online = self.images.labels("online")
-        self.images_offline = self.images.labels("offline")
         self.postprocess_duration = Histogram(
             "gateway_postprocess_duration_seconds",
             "Top-k selection and response building per request.",
@@ -65,8 +66,8 @@ class Metrics:
         )
         self.backend_ready = Gauge(
             "gateway_backend_ready",
-            "1 when the backend (Triton, or the embedded model) is ready to serve, else 0.",
-            ["backend"],
+            "1 when a model version's backend (Triton, or the in-process model) is ready to serve, else 0.",
+            ["backend", *MODEL_LABELS],
             registry=r,
             multiprocess_mode="livemin",  # with several workers: ready only if every live one is
         )
@@ -78,35 +79,42 @@ class Metrics:
         )
         self.queue_wait = Histogram(
             "gateway_queue_wait_seconds",
-            "Time an image waited in the batcher before its batch left.",
+            "Time an image waited in the batcher before its batch left, by model and version.",
+            MODEL_LABELS,
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
         self.backend_duration = Histogram(
             "gateway_backend_duration_seconds",
-            "Backend call latency per batch, by backend.",
-            ["backend"],
+            "Backend call latency per batch, by backend, model and version.",
+            ["backend", *MODEL_LABELS],
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
         self.backend_errors = Counter(
             "gateway_backend_errors_total",
-            "Failed backend calls, by backend and error code.",
-            ["backend", "error"],
+            "Failed backend calls, by backend, error code, model and version.",
+            ["backend", "error", *MODEL_LABELS],
             registry=r,
         )
         self.batch_size = Histogram(
             "gateway_batch_size",
-            "Images per backend batch.",
+            "Images per backend batch, by model and version.",
+            MODEL_LABELS,
             buckets=BATCH_BUCKETS,
             registry=r,
         )
         self.queue_depth = Gauge(
-            "gateway_batcher_queue_depth", "Images waiting in the batcher.", registry=r, multiprocess_mode="livesum"
+            "gateway_batcher_queue_depth",
+            "Images waiting in a model version's batcher.",
+            MODEL_LABELS,
+            registry=r,
+            multiprocess_mode="livesum",
         )
         self.inflight_batches = Gauge(
             "gateway_batcher_inflight_batches",
-            "Batches currently in the backend.",
+            "Batches currently in a model version's backend.",
+            MODEL_LABELS,
             registry=r,
             multiprocess_mode="livesum",
         )
@@ -132,25 +140,28 @@ class Metrics:
             "gateway_batch_model_seconds",
             "Adaptive batching: the backend's batch time learned as a*n + b; term=per_image is a, "
             "term=per_batch is b (absent with the fixed policy, NaN until learned).",
-            ["term"],
+            ["term", *MODEL_LABELS],
             registry=r,
             multiprocess_mode="livemax",
         )
         self.batch_target = Gauge(
             "gateway_batch_target_size",
             "Images the batcher last waited for while the backend was busy (fixed: max_batch_size).",
+            MODEL_LABELS,
             registry=r,
             multiprocess_mode="livesum",
         )
         self.arrival_rate = Gauge(
             "gateway_batcher_arrival_rate",
             "Images per second admitted to the batcher, as the adaptive policy estimates it.",
+            MODEL_LABELS,
             registry=r,
             multiprocess_mode="livesum",
         )
         self.batch_prediction = Histogram(
             "gateway_batch_prediction_ratio",
             "Adaptive batching: each batch's actual backend seconds / the model's prediction (1 is exact).",
+            MODEL_LABELS,
             buckets=(0.25, 0.5, 0.67, 0.8, 0.9, 1.0, 1.1, 1.25, 1.5, 2.0, 4.0),
             registry=r,
         )
@@ -253,29 +264,19 @@ class Metrics:
         ):
             self.rejections.labels(reason)
 
-    def bind_batcher(self, batcher: DynamicBatcher, backend: str) -> None:
-        """Remember the batcher whose gauges ``sample`` copies (set_function gauges do not work in
-        multiprocess mode, so they are sampled instead)."""
-        self._batcher = batcher
-        self.backend_duration.labels(backend)
-        self._backend = backend
-        self.sample()
+    def model(self, name: str, version: str, backend: str) -> ModelMetrics:
+        """The series of one served model version, bound once (``labels()`` takes a lock)."""
+        served = ModelMetrics(self, name, version, backend)
+        self._models.append(served)
+        return served
 
     def bind_decode_budget(self, budget: ByteBudget) -> None:
         self._budget = budget
         self.sample()
 
     def sample(self) -> None:
-        batcher = getattr(self, "_batcher", None)
-        if batcher is not None:
-            self.queue_depth.set(batcher.queue_depth)
-            self.inflight_batches.set(batcher.inflight_batches)
-            self.batch_target.set(batcher.target)
-            if batcher.model is not None:
-                fit = batcher.model.fit
-                self.batch_model.labels("per_image").set(fit.a if fit else float("nan"))
-                self.batch_model.labels("per_batch").set(fit.b if fit else float("nan"))
-                self.arrival_rate.set(batcher.rate)
+        for served in self._models:
+            served.sample()
         budget = getattr(self, "_budget", None)
         if budget is not None:
             self.decode_bytes_reserved.set(budget.reserved)
@@ -296,17 +297,58 @@ class Metrics:
         ProcessCollector(registry=registry)  # the answering worker's own process
         return encoder(registry), content_type
 
+
+class ModelMetrics:
+    """One model version's series: its images, batches, backend calls and batcher gauges."""
+
+    def __init__(self, metrics: Metrics, model: str, version: str, backend: str) -> None:
+        self.backend = backend
+        labels = (model, version)
+        self.images_online = metrics.images.labels("online", *labels)
+        self.images_offline = metrics.images.labels("offline", *labels)
+        self.ready = metrics.backend_ready.labels(backend, *labels)
+        self._batch_size = metrics.batch_size.labels(*labels)
+        self._prediction = metrics.batch_prediction.labels(*labels)
+        self._backend_duration = metrics.backend_duration.labels(backend, *labels)
+        self._backend_errors = metrics.backend_errors
+        self._labels = labels
+        self._queue_wait = metrics.queue_wait.labels(*labels)
+        self._queue_depth = metrics.queue_depth.labels(*labels)
+        self._inflight = metrics.inflight_batches.labels(*labels)
+        self._target = metrics.batch_target.labels(*labels)
+        self._per_image = metrics.batch_model.labels("per_image", *labels)
+        self._per_batch = metrics.batch_model.labels("per_batch", *labels)
+        self._rate = metrics.arrival_rate.labels(*labels)
+        self._batcher: DynamicBatcher | None = None
+
+    def bind(self, batcher: DynamicBatcher) -> None:
+        """The batcher whose gauges ``sample`` copies (set_function gauges do not work in
+        multiprocess mode, so they are sampled instead)."""
+        self._batcher = batcher
+        self.sample()
+
+    def sample(self) -> None:
+        batcher = self._batcher
+        if batcher is None:
+            return
+        self._queue_depth.set(batcher.queue_depth)
+        self._inflight.set(batcher.inflight_batches)
+        self._target.set(batcher.target)
+        if batcher.model is not None:
+            fit = batcher.model.fit
+            self._per_image.set(fit.a if fit else float("nan"))
+            self._per_batch.set(fit.b if fit else float("nan"))
+            self._rate.set(batcher.rate)
+
     def observe_batch(self, report: BatchReport) -> None:
-        self.batch_size.observe(report.size)
+        self._batch_size.observe(report.size)
         if report.predicted_seconds and report.error is None:
-            self.batch_prediction.observe(report.backend_seconds / report.predicted_seconds)
+            self._prediction.observe(report.backend_seconds / report.predicted_seconds)
         # exemplars: each image's trace id when sampled; the batch's span is in the first one's trace
         trace_ids = report.trace_ids or [None] * len(report.queue_waits)
         first = next((t for t in trace_ids if t is not None), None)
-        self.backend_duration.labels(self._backend).observe(
-            report.backend_seconds, {"trace_id": first} if first is not None else None
-        )
+        self._backend_duration.observe(report.backend_seconds, {"trace_id": first} if first is not None else None)
         for wait, trace_id in zip(report.queue_waits, trace_ids, strict=True):
-            self.queue_wait.observe(wait, {"trace_id": trace_id} if trace_id is not None else None)
+            self._queue_wait.observe(wait, {"trace_id": trace_id} if trace_id is not None else None)
         if report.error is not None:
-            self.backend_errors.labels(self._backend, report.error).inc()
+            self._backend_errors.labels(self.backend, report.error, *self._labels).inc()

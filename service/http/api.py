@@ -14,16 +14,13 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.datastructures import UploadFile
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from service.backends.base import Backend
-from service.backends.health import BackendHealth
-from service.classifier import Classification, Classifier, ImageInput
+from service.classifier import Classification, ImageInput
 from service.errors import (
     BackendUnavailable,
     BadImage,
     BadRequest,
     InvalidParameters,
     NotFound,
-    QueueFull,
     QuotaExceeded,
     UnsupportedMediaType,
 )
@@ -46,6 +43,7 @@ from service.schemas import (
     JobStatus,
     Readiness,
 )
+from service.serving.served import ServedModels, ServedVersion
 from service.settings import Settings
 from service.ssrf import check_destination, parse_allowlist
 
@@ -71,22 +69,18 @@ class Gateway:
     """Everything a request handler needs, built once per app."""
 
     settings: Settings
-    backend: Backend
-    classifier: Classifier
+    models: ServedModels
     metrics: Metrics
-    health: BackendHealth
-    answers: Answers
-    """Renders the online answers."""
+    answers: dict[int, Answers]
+    """Renders each model version's online answers, by ``id`` of its ``ServedVersion``."""
     jobs: JobsClient | None = None
     quotas: Quotas | None = None
     fetcher: Fetcher | None = None
     """Fetches images given by URL (None: URL inputs are off)."""
     closing: bool = False
-    active_requests: int = 0
-    """/classify requests being handled now (admission control)."""
 
 
-def _gateway(request: Request) -> Gateway:
+def gateway_of(request: Request) -> Gateway:
     """The app's state, built once by its composition root (``service.http.app``)."""
     gateway = request.app.state.gateway
     assert isinstance(gateway, Gateway)
@@ -108,7 +102,7 @@ WEBHOOK_URL = "Webhook-URL"
 MAX_WEBHOOK_URL = 2048
 _IDEMPOTENCY_KEY = re.compile(r"[\x21-\x7e]{1,255}")
 _INTEGER = re.compile(r"[+-]?[0-9]+")
-_QUERY_DOC: list[dict[str, Any]] = [
+QUERY_DOC: list[dict[str, Any]] = [
     {
         "name": "top_k",
         "in": "query",
@@ -247,7 +241,7 @@ async def _read_images(request: Request, max_images: int) -> list[ImageInput]:
             },
         },
     },
-    openapi_extra={"requestBody": CLASSIFY_BODY, "parameters": _QUERY_DOC},
+    openapi_extra={"requestBody": CLASSIFY_BODY, "parameters": QUERY_DOC},
     summary="Classify one or more images",
     description=(
         "Send images as multipart/form-data `file` parts (several are batched together) or as a raw "
@@ -264,45 +258,53 @@ async def classify(request: Request) -> Response:
     return await handle_classify(request)
 
 
-async def handle_classify(request: Request) -> Response:
-    """The route's work, shared by the FastAPI route (documented in OpenAPI) and ``ClassifyFastPath``
-    (what serves it: the same function without the framework's per-request layers)."""
+async def handle_classify(request: Request, model: str | None = None, version: str | None = None) -> Response:
+    """The route's work, shared by the FastAPI routes (documented in OpenAPI) and ``ClassifyFastPath``
+    (what serves them: the same function without the framework's per-request layers). ``model``
+    and ``version`` come from the path (None: the default model; its version by traffic)."""
     top_k, mode = _classify_params(request)
     request.scope[CANCEL_ON_DISCONNECT] = mode == "online"
-    gateway = _gateway(request)
-    _check_room(gateway)  # full now: refuse before spending time on the body
+    gateway = gateway_of(request)
+    served = choose(request, gateway, model, version)
+    admission = gateway.models.admission
+    admission.check(served.model)  # full now: refuse before spending time on the body
     if _media_type(request.headers.get("content-type")) == "application/json":
         urls = await _read_urls(request, gateway)
         _spend_quota(request, gateway, len(urls))  # before fetching: the fetches are the cost
         assert gateway.fetcher is not None  # _read_urls refuses URLs where fetching is off
         async with gateway.fetcher.images(urls) as fetched:
-            _check_room(gateway)
-            return await _admitted(request, gateway, fetched, top_k, mode)
+            admission.check(served.model)
+            return await _admitted(request, gateway, served, fetched, top_k, mode)
     # The body is read before taking a slot: a slow sender never holds one (its time is bounded by
     # GATEWAY_BODY_TIMEOUT, its memory by the body budget in BodyLimitMiddleware).
     images = await _read_images(request, gateway.settings.max_images_per_request)
-    _check_room(gateway)
+    admission.check(served.model)
     _spend_quota(request, gateway, len(images))
-    return await _admitted(request, gateway, images, top_k, mode)
+    return await _admitted(request, gateway, served, images, top_k, mode)
 
 
-def _check_room(gateway: Gateway) -> None:
-    limit = gateway.settings.max_concurrent_requests
-    if gateway.active_requests >= limit:
-        raise QueueFull(f"{limit} requests are already being handled; retry later")
+def choose(request: Request, gateway: Gateway, model: str | None, version: str | None) -> ServedVersion:
+    """The model version a request names, or (without a version) one its model's traffic weights pick."""
+    chosen = gateway.models.default if model is None else gateway.models.get(model)
+    if version is not None:
+        return chosen.version(version)
+    return chosen.pick(request.scope.get(API_KEY))
 
 
-async def _admitted(request: Request, gateway: Gateway, images: list[ImageInput], top_k: int, mode: str) -> Response:
+async def _admitted(
+    request: Request, gateway: Gateway, served: ServedVersion, images: list[ImageInput], top_k: int, mode: str
+) -> Response:
     deadline = asyncio.get_running_loop().time() + gateway.settings.request_timeout
-    gateway.active_requests += 1
+    admission = gateway.models.admission
+    admission.enter(served.model)
     try:
         if mode == "offline":
-            return await _classify_offline(request, images, top_k)
+            return await _classify_offline(request, served, images, top_k)
         if WEBHOOK_URL in request.headers:
             raise BadRequest(f"{WEBHOOK_URL} is for mode=offline: an online answer is the result itself")
-        return await _classify_online(gateway, images, top_k, deadline)
+        return await _classify_online(gateway, served, images, top_k, deadline)
     finally:
-        gateway.active_requests -= 1
+        admission.leave(served.model)
 
 
 async def _read_urls(request: Request, gateway: Gateway) -> list[str]:
@@ -325,42 +327,52 @@ def _spend_quota(request: Request, gateway: Gateway, images: int) -> None:
 
 
 async def online(
-    request: Request, images: list[ImageInput], top_k: int | None
+    request: Request, served: ServedVersion, images: list[ImageInput], top_k: int | None
 ) -> list[np.ndarray] | list[Classification]:
-    """An online request of another protocol, admitted as ``/classify`` admits one (room, the API
-    key's quota, the deadline): the ``top_k`` classes of every image, ranked with its batch as
-    ``/classify``'s are, or with ``top_k`` None its probabilities over every class."""
-    gateway = _gateway(request)
-    _check_room(gateway)
+    """An online request of another protocol for ``served``, admitted as ``/classify`` admits one
+    (room, the API key's quota, the deadline): the ``top_k`` classes of every image, ranked with
+    its batch as ``/classify``'s are, or with ``top_k`` None its probabilities over every class."""
+    gateway = gateway_of(request)
+    admission = gateway.models.admission
+    admission.check(served.model)
     _spend_quota(request, gateway, len(images))
     deadline = asyncio.get_running_loop().time() + gateway.settings.request_timeout
-    gateway.active_requests += 1
+    admission.enter(served.model)
     try:
+        classifier = served.classifier
         if top_k is None:
-            rows: list[np.ndarray] | list[Classification] = await gateway.classifier.scores(images, deadline=deadline)
+            rows: list[np.ndarray] | list[Classification] = await classifier.scores(images, deadline=deadline)
         else:
-            rows = await gateway.classifier.classify(images, k=top_k, deadline=deadline)
+            rows = await classifier.classify(images, k=top_k, deadline=deadline)
     finally:
-        gateway.active_requests -= 1
-    gateway.metrics.images_online.inc(len(rows))
+        admission.leave(served.model)
+    served.metrics.images_online.inc(len(rows))
     return rows
 
 
-async def _classify_online(gateway: Gateway, images: list[ImageInput], top_k: int, deadline: float) -> Response:
-    classifier: Classifier = gateway.classifier
-    results = await classifier.classify(images, k=top_k, deadline=deadline)
-    gateway.metrics.images_online.inc(len(results))
-    return Response(gateway.answers.render(results), media_type="application/json")
+async def _classify_online(
+    gateway: Gateway, served: ServedVersion, images: list[ImageInput], top_k: int, deadline: float
+) -> Response:
+    results = await served.classifier.classify(images, k=top_k, deadline=deadline)
+    served.metrics.images_online.inc(len(results))
+    return Response(gateway.answers[id(served)].render(results), media_type="application/json")
 
 
-async def _classify_offline(request: Request, images: list[ImageInput], top_k: int) -> JSONResponse:
+async def _classify_offline(
+    request: Request, served: ServedVersion, images: list[ImageInput], top_k: int
+) -> JSONResponse:
     """Validate every image cheaply (type, header, dimensions), then publish each as a job."""
-    gateway = _gateway(request)
+    gateway = gateway_of(request)
     if gateway.jobs is None:  # a property of this deployment, not a passing fault: retrying cannot help
         raise BadRequest("mode=offline is not available: this gateway has no message broker (GATEWAY_BROKER_URL)")
     key = _idempotency_key(request)
     webhook = await _webhook_url(request, gateway.settings)
-    await gateway.classifier.validate(images)
+    if served is not gateway.models.default.versions.get(served.version):
+        raise BadRequest(
+            f"mode=offline serves the default model ({gateway.models.default.name!r}) only for now; "
+            f"{served.model!r} version {served.version} answers online"
+        )
+    await served.classifier.validate(images)
     offline = [OfflineImage(i.data, i.content_type or "application/octet-stream", i.filename) for i in images]
     owner = request.scope.get(API_KEY) or ""
     submitted = await gateway.jobs.submit(offline, top_k, owner=owner, key=key, webhook=webhook)
@@ -408,7 +420,7 @@ async def _webhook_url(request: Request, settings: Settings) -> str | None:
     summary="State of an offline job: pending, done (with labels) or failed (with the reason)",
 )
 async def job_status(request: Request, job_id: str) -> JobStatus:
-    gateway = _gateway(request)
+    gateway = gateway_of(request)
     owner = request.scope.get(API_KEY) or ""
     state = gateway.jobs.job(job_id, owner) if gateway.jobs is not None else None
     if state is None:  # also another key's job: the same answer, so that its existence is not told
@@ -443,10 +455,11 @@ async def job_status(request: Request, job_id: str) -> JobStatus:
     responses={503: {"model": ErrorBody, "description": "A restart is due (the shared engine is gone too long)."}},
 )
 async def healthz(request: Request) -> dict[str, str]:
-    check = getattr(_gateway(request).backend, "liveness", None)
-    problem = check() if check is not None else None
-    if problem is not None:
-        raise BackendUnavailable(problem)
+    for served in gateway_of(request).models.versions():
+        check = getattr(served.backend, "liveness", None)
+        problem = check() if check is not None else None
+        if problem is not None:
+            raise BackendUnavailable(problem)
     return {"status": "ok"}
 
 
@@ -454,35 +467,50 @@ async def healthz(request: Request) -> dict[str, str]:
     "/readyz",
     dependencies=CHECKED_QUERY,
     response_model=Readiness,
-    responses={503: {"model": Readiness, "description": "Something is not ready; checks say what."}},
-    summary="Readiness: the model is loaded and the backend can serve",
+    responses={503: {"model": Readiness, "description": "Nothing can be served; checks say what is not ready."}},
+    summary="Readiness: a model is loaded and its backend can serve (each model's state in checks)",
+    description=(
+        "Ready (200) while at least one model can answer: a failing model is named in `checks` (and its "
+        "own readiness is `GET /v2/models/{name}/ready`), but it does not take the models that work out of "
+        "service, which removing the pod from its Service would. 503 when no model can answer, while "
+        "shutting down, or while the idempotency stream is read."
+    ),
 )
 async def readyz(request: Request) -> JSONResponse:
-    gateway = _gateway(request)
-    problem = gateway.health.problem  # the background check's latest answer: no backend call here
-    checks = {"backend": f"{gateway.backend.name}: {problem or 'ok'}"}
-    runtime = getattr(gateway.backend, "detail", None)
-    if runtime:  # informational: what runs the model, and any fallback it took (e.g. no bf16 kernels)
-        checks["runtime"] = runtime
+    gateway = gateway_of(request)
+    models = gateway.models
+    versions = models.versions()
+    checks: dict[str, str] = {}
+    for served in versions:
+        # the background check's latest answer: no backend call here
+        where = "" if len(versions) == 1 else f" {served.model}/{served.version}"
+        checks[f"backend{where}"] = f"{served.backend.name}: {served.problem or 'ok'}"
+        runtime = getattr(served.backend, "detail", None)
+        if runtime:  # informational: what runs the model, and any fallback it took (e.g. no bf16 kernels)
+            checks[f"runtime{where}"] = runtime
+        info = served.classifier.model_info
+        profile = served.classifier.profile.name
+        checks[f"weights{where}"] = (
+            f"RANDOM: {info.name}'s answers are meaningless; {real_weights_hint(profile)}"
+            if info.random_weights
+            else "ok"
+        )
+    failing = [model.name for model in models.models.values() if model.problem is not None]
+    if len(versions) > 1:
+        checks["models"] = f"not ready: {', '.join(failing)}" if failing else "ok"
     checks["batcher"] = "shutting down" if gateway.closing else "ok"
-    model = gateway.classifier.model_info
-    checks["weights"] = (
-        f"RANDOM: {model.name}'s answers are meaningless; {real_weights_hint(model.name)}"
-        if model.random_weights
-        else "ok"
-    )
     gpus = gateway.metrics.gpus_visible
     checks["gpu"] = f"ok: {gpus} visible" if gpus else "none visible: no GPU metrics from this process"
     behind = False
     if gateway.jobs is not None:  # informational: online requests do not need the broker
         checks["broker"] = gateway.jobs.status()
         checks["idempotency"], behind = gateway.jobs.claims_status()  # not ready while it reads the claims
-    ready = problem is None and not gateway.closing and not behind
+    ready = len(failing) < len(models.models) and not gateway.closing and not behind
     if not request.scope.get(AUTHENTICATED, True):  # details name internal endpoints: keys holders only
         checks = {
             name: "ok" if value.endswith("ok") else "not ready"
             for name, value in checks.items()
-            if name not in ("gpu", "runtime", "weights")
+            if not name.startswith(("gpu", "runtime", "weights"))
         }
     body = Readiness(ready=ready, checks=checks)
     return JSONResponse(body.model_dump(), status_code=200 if ready else 503)
@@ -495,5 +523,5 @@ async def readyz(request: Request) -> JSONResponse:
     dependencies=CHECKED_QUERY,
 )
 async def metrics(request: Request) -> Response:
-    body, content_type = _gateway(request).metrics.exposition(request.headers.get("accept", ""))
+    body, content_type = gateway_of(request).metrics.exposition(request.headers.get("accept", ""))
     return Response(body, media_type=content_type)

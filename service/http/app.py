@@ -20,7 +20,7 @@ from starlette.types import ASGIApp
 from service import __version__
 from service.backends.base import Backend
 from service.errors import GatewayError, error_body, validation_detail
-from service.http import inference_protocol
+from service.http import inference_protocol, model_routes
 from service.http.answers import Answers
 from service.http.api import Gateway, router
 from service.http.fastpath import ClassifyFastPath, refusal
@@ -29,8 +29,8 @@ from service.http.middleware import OPEN_PATHS, ApiKeyMiddleware, BodyLimitMiddl
 from service.http.quotas import Quotas
 from service.jobs.client import JobsClient
 from service.metrics import Metrics, multiprocess_dir
-from service.models.profiles import get_profile
-from service.pipeline import open_pipeline
+from service.serving.catalog import load_catalog
+from service.serving.pipeline import open_models
 from service.settings import Settings
 from service.ssrf import parse_allowlist
 from service.tracing import Tracing
@@ -58,7 +58,7 @@ def create_app(
 ) -> FastAPI:
     """Build the gateway. ``backend`` and ``registry`` may be injected (tests); by default the
     backend comes from the settings and the registry is new."""
-    profile = get_profile(settings.model)
+    catalog = load_catalog(settings)
     metrics = Metrics(registry)
     tracing = Tracing.from_settings(settings, role="gateway")
     keys = settings.load_api_keys()
@@ -75,7 +75,7 @@ def create_app(
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         try:
-            async with open_pipeline(settings, metrics, backend, tracing) as pipeline:
+            async with open_models(settings, metrics, backend, tracing, catalog) as models:
                 jobs = (
                     JobsClient(settings, metrics, tracing, owners={key.id: key.secret for key in keys})
                     if settings.broker_url
@@ -95,14 +95,14 @@ def create_app(
                     if settings.url_inputs
                     else None
                 )
-                classifier = pipeline.classifier
                 gateway = Gateway(
                     settings=settings,
-                    backend=pipeline.backend,
-                    classifier=classifier,
+                    models=models,
                     metrics=metrics,
-                    health=pipeline.health,
-                    answers=Answers(classifier.model_info, classifier.profile.labels),
+                    answers={
+                        id(served): Answers(served.classifier.model_info, served.classifier.profile.labels)
+                        for served in models.versions()
+                    },
                     jobs=jobs,
                     quotas=quotas,
                     fetcher=fetcher,
@@ -112,10 +112,9 @@ def create_app(
                 # keep it out of the collector's full passes, which otherwise rescan it under load.
                 gc.freeze()
                 logger.info(
-                    "gateway ready: model %s v%s on the %s backend",
-                    profile.name,
-                    profile.version,
-                    pipeline.backend.name,
+                    "gateway ready: %s (default %s)",
+                    ", ".join(f"{v.model}/{v.version} on {v.backend.name}" for v in models.versions()),
+                    models.default.name,
                 )
                 try:
                     yield
@@ -143,6 +142,7 @@ def create_app(
         telemetry={"tracing": False, "metrics": False, "logs": False},
     )
     app.include_router(router)
+    app.include_router(model_routes.router)
     app.include_router(inference_protocol.router)
 
     @app.exception_handler(GatewayError)
@@ -159,11 +159,15 @@ def create_app(
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
         return JSONResponse(error_body(code, str(exc.detail)), status_code=exc.status_code, headers=exc.headers)
 
-    classify_route = next(r for r in router.routes if getattr(r, "path", None) == "/classify")
+    fast_routes = {
+        path: route
+        for route in (*router.routes, *model_routes.router.routes)
+        if (path := getattr(route, "path", "")).endswith("/classify")
+    }
     open_paths = OPEN_PATHS | ({"/metrics"} if settings.metrics_public else set())
 
     def edge(inner: ASGIApp) -> ASGIApp:
-        app: ASGIApp = ClassifyFastPath(inner, route=classify_route, metrics=metrics)
+        app: ASGIApp = ClassifyFastPath(inner, routes=fast_routes, metrics=metrics)
         app = BodyLimitMiddleware(
             app,
             max_bytes=settings.max_body_bytes,

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 from typing import Any
 
 from opentelemetry import trace
@@ -29,27 +30,43 @@ from service.metrics import Metrics
 logger = logging.getLogger(__name__)
 
 
-class ClassifyFastPath:
-    """``POST /classify`` straight to ``handle_classify``, around FastAPI's routing, dependency and
-    exception layers (a third of the event loop's time per request on the serving-path benchmark).
-    It sits inside the gateway's own middleware (body bounds, keys, metrics), renders errors exactly
-    as the app's handlers do, and tags the scope with the documented route for the metrics and
-    the server span."""
+MODEL_CLASSIFY = re.compile(r"/v1/models/([^/]+)/(?:versions/([^/]+)/)?classify")
+"""``/v1/models/{name}/classify`` and ``/v1/models/{name}/versions/{version}/classify``."""
 
-    def __init__(self, app: ASGIApp, route: BaseRoute, metrics: Metrics) -> None:
+
+class ClassifyFastPath:
+    """``POST /classify`` and the models' classify routes straight to ``handle_classify``, around
+    FastAPI's routing, dependency and exception layers (a third of the event loop's time per
+    request on the serving-path benchmark). It sits inside the gateway's own middleware (body
+    bounds, keys, metrics), renders errors exactly as the app's handlers do, and tags the scope
+    with the documented route for the metrics and the server span."""
+
+    def __init__(self, app: ASGIApp, routes: dict[str, BaseRoute], metrics: Metrics) -> None:
+        """``routes``: the documented routes by path template (``/classify`` and the models' two)."""
         self.app = app
-        self.route = route
+        self.routes = routes
         self.metrics = metrics
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"] != "/classify" or scope["method"] != "POST":
+        if scope["type"] != "http" or scope["method"] != "POST":
             await self.app(scope, receive, send)
             return
-        scope["route"] = self.route
+        path = scope["path"]
+        if path == "/classify":
+            model = version = None
+            scope["route"] = self.routes["/classify"]
+        elif path.startswith("/v1/models/") and (match := MODEL_CLASSIFY.fullmatch(path)):
+            model, version = match.groups()
+            scope["route"] = self.routes[
+                "/v1/models/{name}/classify" if version is None else "/v1/models/{name}/versions/{version}/classify"
+            ]
+        else:
+            await self.app(scope, receive, send)
+            return
         watch = _DisconnectWatch(scope)
         request = Request(scope, receive)
         try:
-            response = await handle_classify(request)
+            response = await handle_classify(request, model, version)
         except asyncio.CancelledError:
             if not watch.left():
                 raise
@@ -67,7 +84,7 @@ class ClassifyFastPath:
         except GatewayError as exc:
             response = self._refusal(exc)
         except Exception:  # outside FastAPI's error layer: answer 500 in the gateway's shape
-            logger.exception("POST /classify failed")
+            logger.exception("POST %s failed", path)
             response = self._refusal(GatewayError("the gateway failed on this request; see its log"))
         finally:
             watch.stop()

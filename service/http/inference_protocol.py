@@ -33,8 +33,9 @@ from starlette.responses import JSONResponse, Response
 
 from service import __version__
 from service.classifier import Classification, ImageInput
-from service.errors import BadRequest, GatewayError, NotFound
-from service.http.api import online, reject_unknown_query
+from service.errors import BadRequest, GatewayError
+from service.http.api import choose, gateway_of, online, reject_unknown_query
+from service.serving.served import ServedModel, ServedVersion
 
 INPUT = "IMAGE"
 OUTPUT = "PROBABILITIES"
@@ -49,20 +50,21 @@ def protocol_error(exc: GatewayError) -> JSONResponse:
     return JSONResponse({"error": exc.detail}, status_code=exc.status_code, headers=exc.headers)
 
 
-def _model(request: Request, name: str, version: str | None) -> Any:
-    """The served model's profile, when ``name`` (and ``version``, if given) are it."""
-    profile = request.app.state.gateway.classifier.profile
-    if name != profile.name or (version is not None and version != str(profile.version)):
-        wanted = repr(name) if version is None else f"{name!r} version {version}"
-        raise NotFound(f"no model {wanted}; this gateway serves {profile.name!r} version {profile.version}")
-    return profile
+def _model(request: Request, name: str) -> ServedModel:
+    return gateway_of(request).models.get(name)
+
+
+def _version(request: Request, name: str, version: str | None) -> ServedVersion:
+    """The named version, or (none named) the one the model's traffic weights pick for this request."""
+    return choose(request, gateway_of(request), name, version)
 
 
 def _serving(request: Request) -> bool:
-    """Ready for inference: the backend's last check passed and the gateway is not shutting down
-    (the broker and the idempotency stream, which /readyz also weighs, are not on this path)."""
-    gateway = request.app.state.gateway
-    return gateway.health.problem is None and not gateway.closing
+    """Ready for inference: a model can answer and the gateway is not shutting down (the broker and
+    the idempotency stream, which /readyz also weighs, are not on this path)."""
+    gateway = gateway_of(request)
+    models = gateway.models.models.values()
+    return not gateway.closing and any(model.problem is None for model in models)
 
 
 @router.get("/v2")
@@ -85,20 +87,21 @@ async def ready(request: Request) -> JSONResponse:
 @router.get("/v2/models/{name}/versions/{version}")
 async def model_metadata(request: Request, name: str, version: str | None = None) -> Response:
     try:
-        profile = _model(request, name, version)
+        model = _model(request, name)
+        versions = list(model.versions.values()) if version is None else [model.version(version)]
     except GatewayError as exc:
         return protocol_error(exc)
-    gateway = request.app.state.gateway
+    first = versions[0]  # a model's versions may differ in backend, not in what they take and give
     return JSONResponse(
         {
-            "name": profile.name,
-            "versions": [str(profile.version)],
-            "platform": f"inference-gateway/{gateway.backend.name}",
+            "name": model.name,
+            "versions": [served.version for served in versions],
+            "platform": f"inference-gateway/{first.backend.name}",
             "inputs": [{"name": INPUT, "datatype": "BYTES", "shape": [-1]}],
-            "outputs": [{"name": OUTPUT, "datatype": "FP32", "shape": [-1, len(profile.labels)]}],
+            "outputs": [{"name": OUTPUT, "datatype": "FP32", "shape": [-1, len(first.classifier.profile.labels)]}],
             "parameters": {
-                "image_size": profile.image_size,
-                "max_images_per_request": gateway.settings.max_images_per_request,
+                "image_size": first.classifier.profile.image_size,
+                "max_images_per_request": gateway_of(request).settings.max_images_per_request,
             },
         }
     )
@@ -107,11 +110,13 @@ async def model_metadata(request: Request, name: str, version: str | None = None
 @router.get("/v2/models/{name}/ready")
 @router.get("/v2/models/{name}/versions/{version}/ready")
 async def model_ready(request: Request, name: str, version: str | None = None) -> Response:
+    """A model is ready when a version taking traffic is; a version when its backend is."""
     try:
-        _model(request, name, version)
+        model = _model(request, name)
+        problem = model.problem if version is None else model.version(version).problem
     except GatewayError as exc:
         return protocol_error(exc)
-    is_ready = _serving(request)
+    is_ready = problem is None and not gateway_of(request).closing
     return JSONResponse({"name": name, "ready": is_ready}, status_code=200 if is_ready else 503)
 
 
@@ -120,12 +125,12 @@ async def model_ready(request: Request, name: str, version: str | None = None) -
 async def infer(request: Request, name: str, version: str | None = None) -> Response:
     try:
         await reject_unknown_query(request)
-        profile = _model(request, name, version)
+        served = _version(request, name, version)
         body = await request.body()
         header, binary = _split(body, request.headers.get(HEADER_LENGTH))
-        images = _images(header, binary, request.app.state.gateway.settings.max_images_per_request)
-        k, binary_output = _requested(header, len(profile.labels))
-        return _answer(header, profile, await online(request, images, k), binary_output)
+        images = _images(header, binary, gateway_of(request).settings.max_images_per_request)
+        k, binary_output = _requested(header, len(served.classifier.profile.labels))
+        return _answer(header, served, await online(request, served, images, k), binary_output)
     except GatewayError as exc:
         return protocol_error(exc)
 
@@ -243,7 +248,7 @@ def _requested(header: dict[str, Any], classes: int) -> tuple[int | None, bool]:
 
 
 def _answer(
-    header: dict[str, Any], profile: Any, rows: list[np.ndarray] | list[Classification], binary: bool
+    header: dict[str, Any], served: ServedVersion, rows: list[np.ndarray] | list[Classification], binary: bool
 ) -> Response:
     """``PROBABILITIES`` from score rows (FP32), or from ranked classes (classification: BYTES
     ``score:index:label``, ranked by the batcher as ``/classify``'s answers are), JSON or binary."""
@@ -259,7 +264,7 @@ def _answer(
         tensor = {"name": OUTPUT, "datatype": "FP32", "shape": list(scores.shape)}
         raw = scores.astype("<f4", copy=False).tobytes()
         values = scores.ravel().tolist()
-    answer: dict[str, Any] = {"model_name": profile.name, "model_version": str(profile.version), "outputs": [tensor]}
+    answer: dict[str, Any] = {"model_name": served.model, "model_version": served.version, "outputs": [tensor]}
     if isinstance(header.get("id"), str):
         answer["id"] = header["id"]
     if not binary:

@@ -64,7 +64,7 @@ from opentelemetry.trace import StatusCode
 from prometheus_client import start_http_server
 
 from service.backends.base import Backend
-from service.classifier import Classifier, ImageInput
+from service.classifier import ImageInput
 from service.errors import (
     BackendUnavailable,
     BadImage,
@@ -97,8 +97,10 @@ from service.jobs.topology import REQUEST_KEY, Names, migrate_legacy
 from service.jobs.webhooks import WebhookSender, delivery_message
 from service.logs import JOB_ID
 from service.metrics import Metrics
-from service.pipeline import open_pipeline
 from service.schemas import Label
+from service.serving.catalog import load_catalog
+from service.serving.pipeline import open_models
+from service.serving.served import ServedModel
 from service.settings import Settings
 from service.tracing import Tracing, current_headers
 
@@ -182,14 +184,15 @@ class Worker:
     def __init__(
         self,
         settings: Settings,
-        classifier: Classifier,
+        model: ServedModel,
         broker: Broker,
         metrics: Metrics,
         tracing: Tracing | None = None,
     ) -> None:
         self.settings = settings
         self.tracing = tracing
-        self.classifier = classifier
+        self.model = model
+        """The model it serves (its versions by traffic weight): the gateway's default."""
         self.broker = broker
         self.metrics = metrics
         self.name = f"{socket.gethostname()}-{os.getpid()}"
@@ -346,8 +349,9 @@ class Worker:
         job_id = message.message_id or new_job_id()
         reply_to = message.reply_to or DEFAULT_REPLY_TO
         filename = _filename(headers)
+        served = self.model.pick(None)
         base = JobResult(
-            job_id=job_id, status="done", filename=filename, model=self.classifier.model_info, worker=self.name
+            job_id=job_id, status="done", filename=filename, model=served.classifier.model_info, worker=self.name
         )
         if (published := published_at(message)) is not None:
             base.timings["queued"] = max(0.0, time.time() - published)
@@ -368,11 +372,11 @@ class Worker:
                     "(a crashing codec or model input?)"
                 )
             deadline = asyncio.get_running_loop().time() + self.settings.request_timeout
-            (classified,) = await self.classifier.classify(
+            (classified,) = await served.classifier.classify(
                 [ImageInput(message.body, filename)], k=top_k, deadline=deadline
             )
             base.labels = [Label(index=i, label=lab, score=s) for i, lab, s in classified.labels]
-            self.metrics.images_offline.inc()
+            served.metrics.images_offline.inc()
             base.timings["processing"] = time.perf_counter() - started
             _outcome("done")
             await self._publish_result(base, reply_to, message)
@@ -488,9 +492,10 @@ async def run_worker(settings: Settings, stop: asyncio.Event | None = None, back
         prefetch=settings.prefetch,
     )
     tracing = Tracing.from_settings(settings, role="worker")
-    async with open_pipeline(settings, metrics, backend, tracing) as pipeline:
+    catalog = load_catalog(settings)
+    async with open_models(settings, metrics, backend, tracing, catalog.only(catalog.default)) as models:
         await broker.connect()
-        worker = Worker(settings, pipeline.classifier, broker, metrics, tracing)
+        worker = Worker(settings, models.default, broker, metrics, tracing)
         await worker.start()
         webhooks = WebhookSender(settings, broker, metrics) if settings.webhook_secret is not None else None
         if webhooks is not None:

@@ -213,7 +213,9 @@ def held_in_engine(pool: ThreadPoolExecutor, url: str, engine: psutil.Process, j
         httpx.post, f"{url}/classify", content=jpeg, headers={"content-type": "image/jpeg"}, timeout=90
     )
     poll(
-        lambda: "gateway_batcher_inflight_batches 1.0" in httpx.get(f"{url}/metrics").text,
+        lambda: (
+            'gateway_batcher_inflight_batches{model="resnet50",version="1"} 1.0' in httpx.get(f"{url}/metrics").text
+        ),
         30,
         "the request's batch in the engine",
     )

@@ -135,7 +135,7 @@ async def test_a_gateway_serves_the_torch_backend(gateway_factory, sample_jpegs:
 
 
 async def test_the_torch_backend_refuses_other_models(gateway_factory) -> None:  # type: ignore[no-untyped-def]
-    from service.pipeline import build_backend
+    from service.backends.factory import build_backend
 
     settings = gateway_factory(backend="torch", model="trivial", torch_device="cpu")
     with pytest.raises(ValueError, match="serves resnet50"):

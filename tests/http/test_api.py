@@ -169,7 +169,8 @@ async def test_queue_full_is_429_with_retry_after(gateway_factory: MakeSettings)
         files = [("file", (f"{i}.png", png_of_class(i), "image/png")) for i in range(2)]
         queued = asyncio.create_task(client.post("/classify", files=files))
         async with asyncio.timeout(10):  # black-box: wait until the server itself reports 2 queued
-            while "gateway_batcher_queue_depth 2.0" not in (await client.get("/metrics")).text:  # noqa: ASYNC110
+            depth = 'gateway_batcher_queue_depth{model="efficientnet-lite0",version="1"} 2.0'
+            while depth not in (await client.get("/metrics")).text:  # noqa: ASYNC110
                 await asyncio.sleep(0.01)
         rejected = await client.post("/classify", content=png_of_class(3), headers={"content-type": "image/png"})
         assert error_of(rejected) == (429, "queue_full")
@@ -214,9 +215,9 @@ async def test_metrics_count_requests_batches_and_rejections(gateway_factory: Ma
     assert 'gateway_http_requests_total{method="POST",route="/classify",status="200"} 3.0' in text
     assert 'gateway_http_requests_total{method="POST",route="/classify",status="400"} 1.0' in text
     assert 'gateway_rejections_total{reason="bad_image"} 1.0' in text
-    assert 'gateway_images_classified_total{mode="online"} 3.0' in text
-    assert "gateway_batch_size_sum 3.0" in text
-    assert 'gateway_backend_duration_seconds_count{backend="fake"} 3.0' in text
+    assert 'gateway_images_classified_total{mode="online",model="efficientnet-lite0",version="1"} 3.0' in text
+    assert 'gateway_batch_size_sum{model="efficientnet-lite0",version="1"} 3.0' in text
+    assert 'gateway_backend_duration_seconds_count{backend="fake",model="efficientnet-lite0",version="1"} 3.0' in text
     assert "gateway_preprocess_duration_seconds_count 4.0" in text
     duration = "gateway_http_request_duration_seconds_count"
     assert f'{duration}{{route="/classify",status_class="2xx"}} 3.0' in text

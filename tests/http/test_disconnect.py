@@ -40,7 +40,7 @@ async def test_a_client_that_leaves_mid_wait_takes_its_image_out_of_the_queue(
         second = asyncio.create_task(client.post("/classify", content=png_bytes(solid_image(8, 32)), **post))
         gateway = client.app.state.gateway
         async with asyncio.timeout(10):
-            while gateway.classifier.batcher.queue_depth < 1:  # noqa: ASYNC110
+            while gateway.models.default.versions["1"].classifier.batcher.queue_depth < 1:  # noqa: ASYNC110
                 await asyncio.sleep(0.01)
         curl = await asyncio.create_subprocess_exec(
             "curl", "-s", "-o", "/dev/null", "-w", "%{http_code}", "--max-time", "1",
@@ -52,7 +52,7 @@ async def test_a_client_that_leaves_mid_wait_takes_its_image_out_of_the_queue(
         async with asyncio.timeout(10):
             while counter((await client.get("/metrics")).text, "gateway_client_disconnects_total") < 1:  # noqa: ASYNC110
                 await asyncio.sleep(0.02)
-        assert gateway.classifier.batcher.queue_depth == 1  # B still waits; C has left
+        assert gateway.models.default.versions["1"].classifier.batcher.queue_depth == 1  # B still waits; C has left
         assert backend.batches == [1]  # A's batch is still held
         backend.gate.set()
         answers = [await first, await second]

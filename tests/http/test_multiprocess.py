@@ -50,9 +50,11 @@ async def test_two_workers_are_counted_once_each(tmp_path: Path) -> None:
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=60)
     for text in scrapes:  # whichever worker answered, the totals are over all workers
-        assert value(text, 'gateway_images_classified_total{mode="online"}') == 40
+        assert (
+            value(text, 'gateway_images_classified_total{mode="online",model="efficientnet-lite0",version="1"}') == 40
+        )
         assert value(text, 'gateway_http_requests_total{method="POST",route="/classify",status="200"}') == 40
-        assert value(text, "gateway_batch_size_sum") == 40
+        assert value(text, 'gateway_batch_size_sum{model="efficientnet-lite0",version="1"}') == 40
     pids = {m.group(1) for f in metrics_dir.iterdir() if (m := re.match(r"counter_(\d+)\.db", f.name))}
     assert len(pids) >= 2, f"only {pids} served: the test did not exercise several workers"
 

@@ -18,7 +18,7 @@ from tests.conftest import png_bytes, solid_image
 
 async def _queued(session: aiohttp.ClientSession) -> float:
     async with session.get("/metrics") as r:
-        match = re.search(r"^gateway_batcher_queue_depth (\S+)$", await r.text(), re.M)
+        match = re.search(r"^gateway_batcher_queue_depth\{[^}]*\} (\S+)$", await r.text(), re.M)
     return float(match.group(1)) if match else 0.0
 
 

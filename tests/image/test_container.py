@@ -169,7 +169,7 @@ def test_a_real_photo_gets_its_label(gateway: Container, cat_jpeg: bytes) -> Non
 def test_metrics_count_what_was_served(gateway: Container, cat_jpeg: bytes) -> None:
     def images_classified() -> float:
         text = httpx.get(gateway.url + "/metrics", timeout=5).text
-        count = re.search(r'^gateway_images_classified_total\{mode="online"\} (\S+)$', text, re.M)
+        count = re.search(r'^gateway_images_classified_total\{mode="online",[^}]*\} (\S+)$', text, re.M)
         return float(count.group(1)) if count else 0.0
 
     before = images_classified()
@@ -225,7 +225,7 @@ def test_an_offline_job_is_classified_by_the_worker_container(
         index, label = top_label(answer)
         assert index in CAT_CLASSES, f"the worker labelled the cat {label!r}"
         worker_metrics = httpx.get(worker.url + "/metrics", timeout=5).text
-        offline = re.search(r'^gateway_images_classified_total\{mode="offline"\} (\S+)$', worker_metrics, re.M)
+        offline = re.search(r'^gateway_images_classified_total\{mode="offline",[^}]*\} (\S+)$', worker_metrics, re.M)
         assert offline, worker_metrics[:2000]
         assert float(offline.group(1)) == 1  # this worker classified it
     finally:
@@ -285,7 +285,7 @@ async def _terminate_under_load(
 
         async def queued() -> float:
             text = (await client.get("/metrics")).text
-            match = re.search(r"^gateway_batcher_queue_depth (\S+)$", text, re.M)
+            match = re.search(r"^gateway_batcher_queue_depth\{[^}]*\} (\S+)$", text, re.M)
             return float(match.group(1)) if match else 0.0
 
         tasks = [asyncio.create_task(classify()) for _ in range(requests)]

@@ -401,7 +401,7 @@ async def test_worker_exports_its_metrics_on_its_own_port(gateway_factory: MakeS
         text = (await client.get(f"http://127.0.0.1:{port}/metrics")).text
     stop.set()
     await worker
-    assert 'gateway_images_classified_total{mode="offline"} 5.0' in text
+    assert 'gateway_images_classified_total{mode="offline",model="efficientnet-lite0",version="1"} 5.0' in text
     assert 'gateway_queue_messages_total{event="acked"} 5.0' in text
     assert 'gateway_queue_messages_total{event="results_published"} 5.0' in text
     assert "gateway_batch_size_count" in text

@@ -1,0 +1,261 @@
+"""What the gateway serves: its models, each with versions, read from the settings and the models file.
+
+Without ``GATEWAY_MODELS`` or ``GATEWAY_MODELS_FILE`` the gateway serves one model, ``GATEWAY_MODEL``,
+as it always has. ``GATEWAY_MODELS=efficientnet-lite0,trivial`` serves several models named after
+their profiles, one version each, all on the gateway's settings. A models file (TOML) names them and
+gives each its own backend and batcher settings, versions and shares::
+
+    default = "products"              # what /classify serves (default: the first model)
+
+    [models.products]
+    profile = "efficientnet-lite0"    # the graph: efficientnet-lite0, resnet50, trivial
+    share = 3                         # weight in the fair sharing of admission and decoding
+    max_batch_size = 32               # any per-model setting (PER_MODEL_SETTINGS)
+
+    [models.products.versions.1]
+    traffic = 90                      # weighted routing between versions (canaries)
+    [models.products.versions.2]
+    profile = "resnet50"
+    traffic = 10
+
+Every value is checked at start with the setting's own rules, and an error names the model, the
+version and the key. A reload (``reload_traffic``) may change traffic weights and nothing else.
+"""
+
+from __future__ import annotations
+
+import re
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated, Any
+
+from pydantic import TypeAdapter, ValidationError
+
+from service.models.profiles import ModelProfile, get_profile
+from service.settings import Settings
+
+NAME = re.compile(r"[a-z0-9][a-z0-9_.-]{0,63}")
+"""A model's name: lower case, digits and ``_.-``, at most 64 characters (a URL path segment and a
+metric label value as it is)."""
+VERSION = re.compile(r"[0-9]{1,9}")
+"""A version: a positive integer, as Triton's and the Open Inference Protocol's versions are."""
+MAX_MODELS = 32
+MAX_VERSIONS = 8
+"""Bounds that keep metrics' label sets (model x version) and the per-model machinery small."""
+MAX_FILE_BYTES = 1024 * 1024
+
+PER_MODEL_SETTINGS = (
+    "backend",
+    "model_weights",
+    "fake_delay",
+    "openvino_precision",
+    "torch_device",
+    "torch_precision",
+    "triton_url",
+    "triton_protocol",
+    "triton_model",
+    "triton_model_version",
+    "triton_shared_memory",
+    "max_batch_size",
+    "max_delay",
+    "batch_policy",
+    "max_inflight_batches",
+    "max_queue_size",
+    "embedded_threads",
+    "breaker_threshold",
+    "breaker_cooldown",
+)
+"""Settings a model or a version may set for itself; the rest (decode pool, byte budget, admission,
+timeouts) belong to the whole gateway."""
+MODEL_KEYS = {"profile", "share", "sticky", "versions", *PER_MODEL_SETTINGS}
+VERSION_KEYS = {"profile", "traffic", *PER_MODEL_SETTINGS}
+
+
+@dataclass(frozen=True)
+class VersionSpec:
+    version: str
+    profile: ModelProfile
+    settings: Settings
+    """The gateway's settings with this version's own (backend, batcher...) applied."""
+    traffic: float
+    """Relative weight of this version in its model's unversioned requests (0: only by its version's route)."""
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    name: str
+    versions: tuple[VersionSpec, ...]
+    share: float
+    """Weight in the fair sharing of admission and the decode pool between models."""
+    sticky: bool
+    """Route each API key to the same version (by a hash of key and model), not each request at random."""
+
+    def version(self, version: str) -> VersionSpec | None:
+        return next((v for v in self.versions if v.version == version), None)
+
+
+@dataclass(frozen=True)
+class Catalog:
+    models: tuple[ModelSpec, ...]
+    default: str
+    """The model ``/classify`` and the queue worker serve."""
+
+    def model(self, name: str) -> ModelSpec | None:
+        return next((m for m in self.models if m.name == name), None)
+
+    def only(self, name: str) -> Catalog:
+        """This catalog with one of its models alone (what a queue worker serves)."""
+        return Catalog(tuple(m for m in self.models if m.name == name), name)
+
+
+class CatalogError(ValueError):
+    """The models setting or file is wrong: the message says where."""
+
+
+def load_catalog(settings: Settings) -> Catalog:
+    """The models this gateway serves, from ``models_file``, ``models`` or ``model`` (in that order)."""
+    if settings.models_file is not None:
+        return parse_catalog(read_models_file(settings.models_file), settings, str(settings.models_file))
+    names = [part.strip() for part in settings.models.split(",") if part.strip()] or [settings.model]
+    table = {"models": {name: {"profile": name} for name in names}}
+    if len(set(names)) != len(names):
+        raise CatalogError(f"models: {settings.models!r} names a model twice")
+    return parse_catalog(table, settings, "GATEWAY_MODELS")
+
+
+def read_models_file(path: Path) -> dict[str, Any]:
+    try:
+        with path.open("rb") as file:
+            if not path.is_file():
+                raise CatalogError(f"{path} is not a regular file")
+            data = file.read(MAX_FILE_BYTES + 1)
+    except OSError as exc:
+        raise CatalogError(f"models file {path}: {exc.strerror}") from None
+    if len(data) > MAX_FILE_BYTES:
+        raise CatalogError(f"models file {path} is over {MAX_FILE_BYTES} bytes")
+    try:
+        return tomllib.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
+        raise CatalogError(f"models file {path} is not valid TOML: {exc}") from None
+
+
+def parse_catalog(table: dict[str, Any], settings: Settings, where: str) -> Catalog:
+    unknown = set(table) - {"default", "models"}
+    if unknown:
+        raise CatalogError(f"{where}: unknown key(s) {sorted(unknown)}; expected default and [models.NAME] tables")
+    models_table = table.get("models")
+    if not isinstance(models_table, dict) or not models_table:
+        raise CatalogError(f"{where}: no [models.NAME] table")
+    if len(models_table) > MAX_MODELS:
+        raise CatalogError(f"{where}: {len(models_table)} models; at most {MAX_MODELS}")
+    models = tuple(_model(name, entry, settings, where) for name, entry in models_table.items())
+    default = table.get("default", models[0].name)
+    if not isinstance(default, str) or default not in models_table:
+        raise CatalogError(f"{where}: default {default!r} is not one of the models ({', '.join(models_table)})")
+    return Catalog(models, default)
+
+
+def _model(name: str, entry: Any, settings: Settings, where: str) -> ModelSpec:
+    here = f"{where}: model {name!r}"
+    if not NAME.fullmatch(name):
+        raise CatalogError(f"{here}: a name is 1-64 of a-z 0-9 _ . - (starting with a letter or digit)")
+    if not isinstance(entry, dict):
+        raise CatalogError(f"{here}: expected a table")
+    _known(entry, MODEL_KEYS, here)
+    share = _number(entry.get("share", 1), f"{here}: share", positive=True)
+    sticky = entry.get("sticky", False)
+    if not isinstance(sticky, bool):
+        raise CatalogError(f"{here}: sticky must be true or false")
+    common = {key: entry[key] for key in PER_MODEL_SETTINGS if key in entry}
+    profile_name = entry.get("profile", name)
+    versions_table = entry.get("versions")
+    if versions_table is None:
+        versions_table = {get_profile_named(profile_name, here).version: {}}
+    if not isinstance(versions_table, dict) or not versions_table:
+        raise CatalogError(f"{here}: versions must be a table of [models.{name}.versions.N] tables")
+    if len(versions_table) > MAX_VERSIONS:
+        raise CatalogError(f"{here}: {len(versions_table)} versions; at most {MAX_VERSIONS}")
+    versions = []
+    for version, version_entry in versions_table.items():
+        there = f"{here} version {version!r}"
+        if not VERSION.fullmatch(version) or int(version) < 1:
+            raise CatalogError(f"{there}: a version is a positive integer")
+        if not isinstance(version_entry, dict):
+            raise CatalogError(f"{there}: expected a table")
+        _known(version_entry, VERSION_KEYS, there)
+        own = {key: version_entry[key] for key in PER_MODEL_SETTINGS if key in version_entry}
+        profile = get_profile_named(version_entry.get("profile", profile_name), there)
+        traffic = _number(version_entry.get("traffic", 1), f"{there}: traffic", positive=False)
+        versions.append(
+            VersionSpec(version, profile, _settings(settings, profile, version, common | own, there), traffic)
+        )
+    if not any(v.traffic > 0 for v in versions):
+        raise CatalogError(f"{here}: every version has traffic 0; at least one must take requests")
+    return ModelSpec(name, tuple(sorted(versions, key=lambda v: int(v.version))), share, sticky)
+
+
+def get_profile_named(name: Any, where: str) -> ModelProfile:
+    if not isinstance(name, str):
+        raise CatalogError(f"{where}: profile must be a string")
+    try:
+        return get_profile(name)
+    except ValueError as exc:
+        raise CatalogError(f"{where}: {exc}") from None
+
+
+def _known(entry: dict[str, Any], allowed: set[str], where: str) -> None:
+    unknown = sorted(set(entry) - allowed)
+    if unknown:
+        raise CatalogError(f"{where}: unknown key(s) {unknown}; allowed: {', '.join(sorted(allowed))}")
+
+
+def _number(value: Any, where: str, *, positive: bool) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value <= 1_000_000:
+        raise CatalogError(f"{where} must be a number from 0 to 1000000")
+    if positive and value <= 0:
+        raise CatalogError(f"{where} must be above 0")
+    return float(value)
+
+
+def _settings(settings: Settings, profile: ModelProfile, version: str, own: dict[str, Any], where: str) -> Settings:
+    """The gateway's settings with a version's own, each checked by its field's type and bounds."""
+    checked: dict[str, Any] = {"model": profile.name}
+    for key, value in own.items():
+        try:
+            checked[key] = _adapter(key).validate_python(value)
+        except ValidationError as exc:
+            problem = "; ".join(error["msg"] for error in exc.errors())
+            raise CatalogError(f"{where}: {key}: {problem}") from None
+    if (checked.get("backend") or settings.backend) == "triton" and "triton_model_version" not in checked:
+        checked["triton_model_version"] = version  # Triton serves the version the catalog names
+    merged = settings.model_copy(update=checked)
+    if merged.max_queue_size < merged.max_images_per_request:
+        raise CatalogError(f"{where}: max_queue_size must be at least max_images_per_request")
+    return merged
+
+
+_ADAPTERS: dict[str, TypeAdapter[Any]] = {}
+
+
+def _adapter(key: str) -> TypeAdapter[Any]:
+    if key not in _ADAPTERS:
+        field = Settings.model_fields[key]
+        kind = Annotated[field.annotation, *field.metadata] if field.metadata else field.annotation
+        _ADAPTERS[key] = TypeAdapter(kind)  # type: ignore[arg-type]
+    return _ADAPTERS[key]
+
+
+def reload_traffic(catalog: Catalog, table: dict[str, Any], settings: Settings, where: str) -> Catalog:
+    """``catalog`` with the traffic weights (and shares, sticky) of a reloaded models file; anything
+    else changed (a model, version, profile or setting added, removed or altered) is refused: that
+    needs a restart, which loads and warms the new backends."""
+    fresh = parse_catalog(table, settings, where)
+    if [(m.name, [(v.version, v.profile, v.settings) for v in m.versions]) for m in fresh.models] != [
+        (m.name, [(v.version, v.profile, v.settings) for v in m.versions]) for m in catalog.models
+    ] or fresh.default != catalog.default:
+        raise CatalogError(
+            f"{where}: only traffic, share and sticky change without a restart; models, versions and their "
+            "settings are as at start"
+        )
+    return fresh

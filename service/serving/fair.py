@@ -1,0 +1,168 @@
+"""Fair sharing between models: of admission (requests in progress) and of the decode threads.
+
+Each model has a weight, its ``share``. A flooded model must not starve the others, and a quiet
+gateway must not leave a busy model idle: both schemes guarantee every model its part of the
+resource and let a model borrow what the others leave unused.
+
+* ``Admission``: of ``limit`` requests in progress, model m is guaranteed
+  ``limit x share_m / sum(shares)``; beyond that it may take a free slot only if the slots the
+  other models are guaranteed and not using stay free.
+* ``FairPool``: decode tasks wait in one lane per model and go to the thread pool, at most one
+  per thread, in weighted fair order (start-time fair queueing: the lane whose next task has the
+  least virtual start time goes first, each task advancing its lane by ``1 / share``). A lane
+  idle for a while restarts at the current virtual time: idling earns no credit to burst with.
+  The pool's own FIFO queue never fills, so one model's backlog cannot stand between another
+  model's image and a thread.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from collections.abc import Callable, Mapping
+from concurrent.futures import Executor, Future, ThreadPoolExecutor
+from typing import Any, ParamSpec, TypeVar
+
+from service.errors import QueueFull
+
+P = ParamSpec("P")
+T = TypeVar("T")
+
+
+class Admission:
+    """Requests in progress, per model, within one limit shared by weight (see the module's text)."""
+
+    def __init__(self, limit: int, shares: Mapping[str, float]) -> None:
+        self.limit = limit
+        self.active = dict.fromkeys(shares, 0)
+        self.total = 0
+        self.guaranteed: dict[str, int] = {}
+        self.reshare(shares)
+
+    def reshare(self, shares: Mapping[str, float]) -> None:
+        """New weights for the same models (a reloaded models file)."""
+        total = sum(shares.values())
+        guaranteed = {name: max(1, int(self.limit * share / total)) for name, share in shares.items()}
+        if sum(guaranteed.values()) > self.limit:  # more models than slots: nothing guaranteed, all shared
+            guaranteed = dict.fromkeys(shares, 0)
+        self.guaranteed = guaranteed
+
+    def room(self, model: str) -> bool:
+        """Whether ``model`` may start one more request now."""
+        if self.total >= self.limit:
+            return False
+        if self.active[model] < self.guaranteed[model]:
+            return True
+        unused = sum(
+            max(0, guaranteed - self.active[name]) for name, guaranteed in self.guaranteed.items() if name != model
+        )
+        return self.total + unused < self.limit
+
+    def check(self, model: str) -> None:
+        if not self.room(model):
+            if self.total >= self.limit:
+                raise QueueFull(f"{self.limit} requests are already being handled; retry later")
+            raise QueueFull(
+                f"model {model!r} has {self.active[model]} requests in progress, its share and all it may "
+                "borrow from the other models now; retry later"
+            )
+
+    def enter(self, model: str) -> None:
+        self.active[model] += 1
+        self.total += 1
+
+    def leave(self, model: str) -> None:
+        self.active[model] -= 1
+        self.total -= 1
+
+
+class FairPool:
+    """A thread pool shared by weight between lanes (one per model): see the module's text."""
+
+    def __init__(self, pool: ThreadPoolExecutor, threads: int) -> None:
+        self._pool = pool
+        self._threads = threads
+        self._running = 0
+        self._lock = threading.Lock()
+        self._lanes: list[Lane] = []
+        self._now = 0.0
+        """Virtual time: the start tag of the task dispatched last."""
+
+    def lane(self, share: float) -> Lane:
+        lane = Lane(self, share)
+        self._lanes.append(lane)
+        return lane
+
+    def _enqueue(self, lane: Lane, task: _Task) -> None:
+        with self._lock:
+            if not lane.tasks:
+                lane.start = max(lane.start, self._now)
+            lane.tasks.append(task)
+            ready = self._take()
+        self._run(ready)
+
+    def _take(self) -> list[_Task]:
+        """Under the lock: the tasks that may go to the pool now, in fair order."""
+        ready = []
+        while self._running < self._threads:
+            waiting = [lane for lane in self._lanes if lane.tasks]
+            if not waiting:
+                break
+            lane = min(waiting, key=lambda candidate: candidate.start)
+            self._now = lane.start
+            lane.start += 1.0 / lane.share
+            ready.append(lane.tasks.popleft())
+            self._running += 1
+        return ready
+
+    def _run(self, ready: list[_Task]) -> None:
+        for task in ready:
+            self._pool.submit(self._call, task)
+
+    def _call(self, task: _Task) -> None:
+        try:
+            task()
+        finally:
+            with self._lock:
+                self._running -= 1
+                ready = self._take()
+            self._run(ready)
+
+
+class _Task:
+    __slots__ = ("args", "fn", "future", "kwargs")
+
+    def __init__(self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        self.future: Future[Any] = Future()
+        self.fn = fn
+        self.args = args
+        self.kwargs = kwargs
+
+    def __call__(self) -> None:
+        if not self.future.set_running_or_notify_cancel():
+            return  # cancelled while it waited in its lane (its request was cancelled)
+        try:
+            result = self.fn(*self.args, **self.kwargs)
+        except BaseException as exc:
+            self.future.set_exception(exc)
+        else:
+            self.future.set_result(result)
+
+
+class Lane(Executor):
+    """One model's way into a ``FairPool``: an ``Executor`` (``loop.run_in_executor`` takes it)."""
+
+    def __init__(self, pool: FairPool, share: float) -> None:
+        self._fair = pool
+        self.share = share
+        self.start = 0.0
+        """Virtual start time of this lane's next task."""
+        self.tasks: deque[_Task] = deque()
+
+    def submit(self, fn: Callable[P, T], /, *args: P.args, **kwargs: P.kwargs) -> Future[T]:
+        task = _Task(fn, args, kwargs)
+        self._fair._enqueue(self, task)
+        return task.future
+
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        """The shared pool is shut down by its owner, not by a lane."""

@@ -1,0 +1,181 @@
+"""The models both entry points serve, started: per model version a backend, batcher and
+classifier; one decode pool and byte budget shared by them all.
+
+The HTTP app's lifespan and the queue worker each open them with ``open_models`` and close them in
+the right order (stop intake, drain the batchers, close the backends, stop the pool).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from concurrent.futures import Executor, ThreadPoolExecutor
+from contextlib import asynccontextmanager
+
+import cv2
+import numpy as np
+
+from service.backends.base import Backend
+from service.backends.circuit import CircuitBreaker
+from service.backends.factory import build_backend
+from service.backends.health import BackendHealth
+from service.batching.batcher import DynamicBatcher
+from service.classifier import Classifier, Prepare, PrepareMany, rank_batch
+from service.host.allocator import keep_image_buffers
+from service.host.gpu import start_gpu_sampler
+from service.images.budget import ByteBudget
+from service.images.preprocess import PreprocessConfig, prepare
+from service.metrics import Metrics
+from service.models.checkpoints import real_weights_hint, weights_for
+from service.serving.catalog import Catalog, VersionSpec, load_catalog
+from service.serving.fair import Admission, FairPool, Lane
+from service.serving.served import ServedModel, ServedModels, ServedVersion
+from service.settings import Settings
+from service.tracing import Tracing
+
+logger = logging.getLogger(__name__)
+
+
+@asynccontextmanager
+async def open_models(
+    settings: Settings,
+    metrics: Metrics,
+    backend: Backend | None = None,
+    tracing: Tracing | None = None,
+    catalog: Catalog | None = None,
+) -> AsyncIterator[ServedModels]:
+    """Start every model version of the catalog (by default the settings'): one decode pool and
+    byte budget shared fairly between the models, and per version its backend, batcher and
+    readiness check; on exit drain and close them in order. ``backend`` (tests) replaces the
+    default model's backend when the catalog serves one version."""
+    catalog = catalog if catalog is not None else load_catalog(settings)
+    keep_image_buffers()  # this process churns through image-sized buffers from here on
+    decode: Prepare = prepare  # before anything starts: a missing GPU decoder fails here, with nothing to undo
+    decode_many: PrepareMany | None = None
+    if settings.decoder == "nvjpeg":
+        from service.images.gpu_decode import NvJpegDecoder
+
+        gpu_decoder = NvJpegDecoder(settings.torch_device, lambda reason: metrics.decode_fallbacks.labels(reason).inc())
+        decode, decode_many = gpu_decoder.prepare, gpu_decoder.prepare_many
+        logger.info("decoder: JPEGs on %s (nvJPEG), other images on the CPU (OpenCV)", settings.torch_device)
+    cv2.setNumThreads(1)  # parallelism comes from the preprocessing pool, one image per thread
+    pool = ThreadPoolExecutor(max_workers=settings.preprocess_workers, thread_name_prefix="preprocess")
+    fair = FairPool(pool, settings.preprocess_workers) if len(catalog.models) > 1 else None
+    budget = ByteBudget(settings.max_decode_bytes_effective, on_wait=metrics.decode_budget_waits.inc)
+    metrics.bind_decode_budget(budget)
+    gpu = start_gpu_sampler(metrics.registry)
+    metrics.gpus_visible = gpu.count if gpu is not None else 0
+    lone = len(catalog.models) == 1 and len(catalog.models[0].versions) == 1
+    started: list[ServedVersion] = []
+    watchers: list[asyncio.Task[None]] = [asyncio.create_task(_sample(metrics), name="sampler")]
+    try:
+        models: dict[str, ServedModel] = {}
+        for spec in catalog.models:
+            executor: Executor = fair.lane(spec.share) if fair is not None else pool
+            versions = {}
+            for version in spec.versions:
+                served = await _start_version(
+                    spec.name,
+                    version,
+                    metrics,
+                    tracing,
+                    backend if lone else None,
+                    executor,
+                    budget,
+                    decode,
+                    decode_many,
+                )
+                started.append(served)
+                versions[version.version] = served
+                watchers.append(
+                    asyncio.create_task(served.health.run(), name=f"readiness {spec.name}/{version.version}")
+                )
+            models[spec.name] = ServedModel(spec, versions, lane=executor if isinstance(executor, Lane) else None)
+        admission = Admission(settings.max_concurrent_requests, {spec.name: spec.share for spec in catalog.models})
+        yield ServedModels(catalog, models, admission)
+    finally:
+        for watcher in watchers:
+            watcher.cancel()
+        await asyncio.gather(*watchers, return_exceptions=True)  # no readiness call left in flight
+        if gpu is not None:
+            gpu.stop()
+        await asyncio.gather(
+            *(_stop_version(served, settings.request_timeout) for served in started), return_exceptions=True
+        )
+        pool.shutdown(wait=True, cancel_futures=True)
+
+
+async def _start_version(
+    name: str,
+    spec: VersionSpec,
+    metrics: Metrics,
+    tracing: Tracing | None,
+    backend: Backend | None,
+    executor: Executor,
+    budget: ByteBudget,
+    decode: Prepare,
+    decode_many: PrepareMany | None,
+) -> ServedVersion:
+    """One model version's backend (started), batcher, readiness check and classifier."""
+    settings, profile = spec.settings, spec.profile
+    chosen = backend if backend is not None else await build_backend(settings, profile)
+    if settings.breaker_threshold:
+        probe = np.zeros((1, profile.image_size, profile.image_size, 3), np.uint8)
+        chosen = CircuitBreaker(
+            chosen, threshold=settings.breaker_threshold, cooldown=settings.breaker_cooldown, probe=probe
+        )
+    await chosen.start()
+    served_metrics = metrics.model(name, spec.version, chosen.name)
+    batcher = DynamicBatcher(
+        chosen.infer,
+        max_batch_size=settings.max_batch_size,
+        max_delay=settings.max_delay,
+        max_queue_size=settings.max_queue_size,
+        max_inflight_batches=settings.max_inflight_batches,
+        on_batch=served_metrics.observe_batch,
+        tracing=tracing,
+        backend_name=chosen.name,
+        policy=settings.batch_policy,
+        rank=rank_batch,  # once per batch, not once per image on the event loop
+        on_abandon=metrics.abandoned_images.inc,
+    )
+    served_metrics.bind(batcher)
+    batcher.start()
+    health = BackendHealth(chosen, served_metrics, settings.readiness_interval, name=f"{name}/{spec.version}")
+    await health.refresh()
+    logger.info("model %s version %s ready: %s on the %s backend", name, spec.version, profile.name, chosen.name)
+    random_weights = profile.random_without_weights and weights_for(settings, profile.name) is None
+    if random_weights:
+        logger.warning(
+            "model %s has RANDOM weights: its answers are meaningless (every answer says random_weights: true); %s",
+            profile.name,
+            real_weights_hint(profile.name),
+        )
+    classifier = Classifier(
+        profile,
+        batcher,
+        executor,
+        metrics,
+        PreprocessConfig(profile.image_size, profile.crop_fraction, settings.max_image_bytes),
+        budget,
+        tracing,
+        random_weights=random_weights,
+        decode=decode,
+        decode_many=decode_many,
+        name=name,
+        version=spec.version,
+    )
+    return ServedVersion(name, spec, classifier, chosen, health, served_metrics)
+
+
+async def _stop_version(served: ServedVersion, drain_timeout: float) -> None:
+    await served.classifier.batcher.aclose(drain_timeout=drain_timeout)
+    await served.backend.aclose()
+
+
+async def _sample(metrics: Metrics) -> None:
+    """Keep the batcher's gauges current whether or not anyone scrapes."""
+    while True:
+        metrics.sample()
+        await asyncio.sleep(1.0)

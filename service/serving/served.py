@@ -1,0 +1,116 @@
+"""The models a process serves, running: each version's classifier, backend and readiness, and
+the choice of a version for a request (weighted by traffic, optionally sticky per API key)."""
+
+from __future__ import annotations
+
+import bisect
+import hashlib
+import itertools
+import random
+from dataclasses import dataclass, field
+
+from service.backends.base import Backend
+from service.backends.health import BackendHealth
+from service.classifier import Classifier
+from service.errors import NotFound
+from service.metrics import ModelMetrics
+from service.serving.catalog import Catalog, ModelSpec, VersionSpec
+from service.serving.fair import Admission, Lane
+
+
+@dataclass
+class ServedVersion:
+    model: str
+    spec: VersionSpec
+    classifier: Classifier
+    backend: Backend
+    health: BackendHealth
+    metrics: ModelMetrics
+
+    @property
+    def version(self) -> str:
+        return self.spec.version
+
+    @property
+    def problem(self) -> str | None:
+        """None when its backend was ready at the last check, else why not."""
+        return self.health.problem
+
+
+@dataclass
+class ServedModel:
+    spec: ModelSpec
+    versions: dict[str, ServedVersion]
+    lane: Lane | None = None
+    """Its lane of the shared decode pool (None: the only model, it has the pool)."""
+    _bounds: list[float] = field(default_factory=list)
+    _by_bound: list[ServedVersion] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.route(self.spec)
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    def route(self, spec: ModelSpec) -> None:
+        """Take the traffic weights (and sticky) of ``spec``, this model's entry of a reloaded catalog."""
+        taking = [self.versions[v.version] for v in spec.versions if v.traffic > 0]
+        weights = [v.traffic for v in spec.versions if v.traffic > 0]
+        total = sum(weights)
+        bounds = [bound / total for bound in itertools.accumulate(weights)]
+        self.spec, self._bounds, self._by_bound = spec, bounds, taking  # swapped whole: no lock needed
+        if self.lane is not None:
+            self.lane.share = spec.share
+
+    def pick(self, key: str | None) -> ServedVersion:
+        """A version for an unversioned request: by traffic weight, at random, or with ``sticky``
+        the same for every request of an API key (while the weights stay as they are)."""
+        if len(self._by_bound) == 1:
+            return self._by_bound[0]
+        if self.spec.sticky and key is not None:
+            digest = hashlib.blake2b(f"{self.name}\0{key}".encode(), digest_size=8).digest()
+            point = int.from_bytes(digest, "big") / 2**64
+        else:
+            point = random.random()  # routing, not security
+        return self._by_bound[min(bisect.bisect_right(self._bounds, point), len(self._by_bound) - 1)]
+
+    def version(self, version: str) -> ServedVersion:
+        served = self.versions.get(version)
+        if served is None:
+            shown = repr(version) if len(version) <= 16 else f"(a version of {len(version)} characters)"
+            raise NotFound(f"model {self.name!r} has no version {shown}; it has {', '.join(self.versions)}")
+        return served
+
+    @property
+    def problem(self) -> str | None:
+        """None when a version taking traffic is ready (the model can answer), else why not."""
+        problems = [f"version {v.version}: {v.problem}" for v in self._by_bound if v.problem is not None]
+        return "; ".join(problems) if len(problems) == len(self._by_bound) else None
+
+
+class ServedModels:
+    """Every model served here, by name, with the default (``/classify``'s) and the fair admission."""
+
+    def __init__(self, catalog: Catalog, models: dict[str, ServedModel], admission: Admission) -> None:
+        self.catalog = catalog
+        self.models = models
+        self.default = models[catalog.default]
+        self.admission = admission
+
+    def get(self, name: str) -> ServedModel:
+        model = self.models.get(name)
+        if model is None:
+            shown = repr(name) if len(name) <= 64 else f"(a name of {len(name)} characters)"
+            raise NotFound(f"no model {shown}; this gateway serves {', '.join(self.models)}")
+        return model
+
+    def versions(self) -> list[ServedVersion]:
+        return [version for model in self.models.values() for version in model.versions.values()]
+
+    def retarget(self, catalog: Catalog) -> None:
+        """Apply a reloaded catalog's traffic weights and sticky flags (its models are these)."""
+        for spec in catalog.models:
+            self.models[spec.name].route(spec)
+        self.admission.reshare({spec.name: spec.share for spec in catalog.models})
+        self.catalog = catalog

@@ -1,0 +1,175 @@
+"""Several models behind one gateway: each answers by name and version, on real models (embedded
+EfficientNet-Lite0 beside the trivial model), with its own metrics; one failing model leaves the
+others in service; traffic splits between versions as weighted; tritonclient reaches both."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from collections import Counter
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import tritonclient.http as triton_http
+
+from service.settings import Settings
+from tests.conftest import running_gateway
+
+MakeSettings = Callable[..., Settings]
+
+ESPRESSO = 967
+TWO_MODELS = "efficientnet-lite0,trivial"
+
+
+def _labels(response: object) -> tuple[str, str, str]:
+    body = response.json()  # type: ignore[attr-defined]
+    return body["model"]["name"], body["model"]["version"], body["results"][0]["labels"][0]["label"]
+
+
+async def test_two_real_models_answer_by_name_with_their_own_metrics(
+    gateway_factory: MakeSettings, coffee_jpeg: bytes
+) -> None:
+    jpeg = {"content-type": "image/jpeg"}
+    async with running_gateway(gateway_factory(models=TWO_MODELS)) as client:
+        listed = (await client.get("/v1/models")).json()["models"]
+        assert [(m["name"], m["default"], m["ready"]) for m in listed] == [
+            ("efficientnet-lite0", True, True),
+            ("trivial", False, True),
+        ]
+        assert listed[1]["versions"] == [
+            {
+                "version": "1",
+                "profile": "trivial",
+                "backend": "embedded",
+                "traffic": 1.0,
+                "ready": True,
+                "state": "ready",
+            }
+        ]
+        named = await client.post("/v1/models/efficientnet-lite0/classify", content=coffee_jpeg, headers=jpeg)
+        assert _labels(named) == ("efficientnet-lite0", "1", "espresso")
+        default = await client.post("/classify", content=coffee_jpeg, headers=jpeg)
+        assert _labels(default) == ("efficientnet-lite0", "1", "espresso")
+        trivial = await client.post("/v1/models/trivial/versions/1/classify?top_k=2", content=coffee_jpeg, headers=jpeg)
+        assert trivial.status_code == 200
+        assert trivial.json()["model"] == {"name": "trivial", "version": "1", "random_weights": True}
+        assert len(trivial.json()["results"][0]["labels"]) == 2
+
+        metadata = (await client.get("/v1/models/trivial")).json()
+        version = metadata["versions"][0]
+        assert (version["image_size"], version["precision"], len(version["labels"])) == (224, "fp32", 1000)
+        assert version["batching"]["max_batch_size"] == 16
+
+        for path, detail in (
+            ("/v1/models/nope/classify", "no model 'nope'; this gateway serves efficientnet-lite0, trivial"),
+            ("/v1/models/trivial/versions/7/classify", "model 'trivial' has no version '7'; it has 1"),
+            ("/v1/models/" + "x" * 300 + "/classify", "no model (a name of 300 characters)"),
+        ):
+            missing = await client.post(path, content=coffee_jpeg, headers=jpeg)
+            assert missing.status_code == 404, path
+            assert missing.json()["error"] == "not_found"
+            assert missing.json()["detail"].startswith(detail)
+        assert (await client.get("/v1/models/nope")).status_code == 404
+
+        text = (await client.get("/metrics")).text
+    counted = dict(
+        re.findall(r'^gateway_images_classified_total\{mode="online",model="([^"]+)",version="1"\} (\S+)$', text, re.M)
+    )
+    assert counted == {"efficientnet-lite0": "2.0", "trivial": "1.0"}
+    assert 'gateway_http_requests_total{method="POST",route="/v1/models/{name}/classify",status="404"}' in text
+
+
+def _infer(url: str, model: str, image: bytes) -> triton_http.InferResult:
+    client = triton_http.InferenceServerClient(url)
+    try:
+        tensor = triton_http.InferInput("IMAGE", [1], "BYTES")
+        tensor.set_data_from_numpy(np.array([image], dtype=np.object_))
+        wanted = triton_http.InferRequestedOutput("PROBABILITIES", class_count=1)
+        return client.infer(model, [tensor], outputs=[wanted])
+    finally:
+        client.close()
+
+
+async def test_tritonclient_reaches_both_models(gateway_factory: MakeSettings, coffee_jpeg: bytes) -> None:
+    async with running_gateway(gateway_factory(models=TWO_MODELS)) as client:
+        url = str(client.base_url).removeprefix("http://")
+        real = await asyncio.to_thread(_infer, url, "efficientnet-lite0", coffee_jpeg)
+        trivial = await asyncio.to_thread(_infer, url, "trivial", coffee_jpeg)
+    assert real.get_response()["model_name"] == "efficientnet-lite0"
+    assert real.as_numpy("PROBABILITIES")[0][0].decode().split(":")[1:] == [str(ESPRESSO), "espresso"]
+    assert trivial.get_response()["model_name"] == "trivial"
+    assert trivial.as_numpy("PROBABILITIES").shape == (1, 1)
+
+
+def _write(path: Path, text: str) -> Path:
+    path.write_text(text)
+    return path
+
+
+async def test_a_failing_model_leaves_the_others_in_service(
+    gateway_factory: MakeSettings, tmp_path: Path, coffee_jpeg: bytes
+) -> None:
+    """One model's backend (a Triton nobody runs) is down: /readyz stays 200 and names it, its own
+    readiness is 503, its requests fail with the backend's error, and the other model answers."""
+    models = _write(
+        tmp_path / "models.toml",
+        """
+        default = "good"
+        [models.good]
+        profile = "trivial"
+        [models.broken]
+        profile = "trivial"
+        backend = "triton"
+        triton_url = "127.0.0.1:9"
+        breaker_threshold = 0
+        """,
+    )
+    jpeg = {"content-type": "image/jpeg"}
+    async with running_gateway(gateway_factory(models_file=models, readiness_interval=0.2)) as client:
+        readyz = await client.get("/readyz")
+        assert readyz.status_code == 200, readyz.text
+        assert readyz.json()["checks"]["models"] == "not ready: broken"
+        assert "unreachable" in readyz.json()["checks"]["backend broken/1"]
+        assert (await client.get("/v2/models/broken/ready")).status_code == 503
+        assert (await client.get("/v2/models/good/ready")).status_code == 200
+        listed = {m["name"]: m["ready"] for m in (await client.get("/v1/models")).json()["models"]}
+        assert listed == {"good": True, "broken": False}
+        failed = await client.post("/v1/models/broken/classify", content=coffee_jpeg, headers=jpeg)
+        assert failed.status_code in (500, 503), failed.text
+        assert failed.json()["error"] in ("backend_error", "backend_unavailable")
+        good = await client.post("/v1/models/good/classify", content=coffee_jpeg, headers=jpeg)
+        assert good.status_code == 200
+
+
+async def test_traffic_splits_between_versions_as_weighted(
+    gateway_factory: MakeSettings, tmp_path: Path, coffee_jpeg: bytes
+) -> None:
+    """A 90/10 canary: of 600 unversioned requests about 60 reach version 2 (binomial: 99.99 % of
+    runs fall in 30-95); each version's own route always reaches it."""
+    models = _write(
+        tmp_path / "models.toml",
+        """
+        [models.shop]
+        profile = "trivial"
+        backend = "fake"
+        [models.shop.versions.1]
+        traffic = 90
+        [models.shop.versions.2]
+        traffic = 10
+        """,
+    )
+    jpeg = {"content-type": "image/jpeg"}
+    async with running_gateway(gateway_factory(models_file=models)) as client:
+        answers = []
+        for _ in range(12):  # 50 at a time: within the gateway's admission (64 in progress)
+            answers += await asyncio.gather(
+                *(client.post("/v1/models/shop/classify", content=coffee_jpeg, headers=jpeg) for _ in range(50))
+            )
+        versions = Counter(r.json()["model"]["version"] for r in answers)
+        pinned = await client.post("/v1/models/shop/versions/2/classify", content=coffee_jpeg, headers=jpeg)
+        listed = (await client.get("/v1/models")).json()["models"][0]["versions"]
+    assert 30 <= versions["2"] <= 95, versions
+    assert versions["1"] + versions["2"] == 600
+    assert pinned.json()["model"]["version"] == "2"
+    assert [v["traffic"] for v in listed] == [0.9, 0.1]
