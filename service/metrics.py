@@ -171,6 +171,13 @@ class Metrics:
             ["reason"],
             registry=r,
         )
+        self.model_reloads = Counter(
+            "gateway_model_reloads_total",
+            "Changes of the models file (GATEWAY_MODELS_FILE) seen: applied (new traffic weights, shares) "
+            "or refused (anything else changed, or the file is invalid: the running weights stay).",
+            ["outcome"],
+            registry=r,
+        )
         self.client_disconnects = Counter(
             "gateway_client_disconnects_total",
             "Online requests whose client disconnected before the answer: the request is cancelled, its "

@@ -264,11 +264,15 @@ class Settings(BaseSettings):
     models: str = ""
     """Several models served at once, comma-separated profile names (e.g. ``efficientnet-lite0,trivial``),
     each under its own name with one version, its own backend and batcher on the settings here; the
-    first is the default (``/classify``). Empty: ``model`` alone. See docs/models.md."""
+    first is the default (``/classify``). Empty: ``model`` alone. See docs/routing.md."""
     models_file: Path | None = None
     """A TOML file naming the models served, each with its profile, versions, traffic weights, share
-    and its own backend and batcher settings (see docs/models.md); overrides ``models``. Traffic
+    and its own backend and batcher settings (see docs/routing.md); overrides ``models``. Traffic
     weights and shares are re-read when the file changes."""
+    fair_sharing: bool = True
+    """With several models, share ``max_concurrent_requests`` and the decode threads between them by
+    their ``share`` (a flooded model cannot starve the others; see docs/routing.md). Off: first come,
+    first served across models (for comparison)."""
     model_weights: Path | None = None
     """Weights file for the model (a PyTorch state_dict, legacy or zip format); default: the checkpoint
     ``gateway models fetch`` kept in ``models_dir``, else the packaged weights for EfficientNet-Lite0
@@ -515,10 +519,11 @@ class Settings(BaseSettings):
                 raise ValueError(f"{where} has no host, or a space or control character in it")
         return ",".join(parts)
 
-    @field_validator("webhook_secret", mode="before")
+    @field_validator("webhook_secret", "models_file", mode="before")
     @classmethod
     def _unset_when_empty(cls, value: object) -> object:
-        """``GATEWAY_WEBHOOK_SECRET=`` (compose's default for an unset variable) means no webhooks."""
+        """``GATEWAY_WEBHOOK_SECRET=`` (compose's default for an unset variable) means no webhooks;
+        ``GATEWAY_MODELS_FILE=`` means no models file."""
         return None if isinstance(value, str) and not value.strip() else value
 
     @model_validator(mode="after")
@@ -585,22 +590,28 @@ MAX_KEYS_FILE_BYTES = 64 * 1024 * 1024
 def read_keys_file(path: Path) -> str:
     """The text of ``api_keys_file``: a regular file (not a FIFO, a device or a directory, which
     would block the start or fill the memory) of at most MAX_KEYS_FILE_BYTES of UTF-8."""
+    return read_regular_file(path, MAX_KEYS_FILE_BYTES, "api_keys_file")
+
+
+def read_regular_file(path: Path, limit: int, what: str) -> str:
+    """The UTF-8 text of a regular file of at most ``limit`` bytes, named ``what`` in the errors:
+    a FIFO, a device or a directory is refused without blocking (a FIFO's open does not wait)."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)  # a FIFO's open does not wait
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError as exc:
-        raise ValueError(f"api_keys_file: {exc.strerror}: {path}") from None
+        raise ValueError(f"{what}: {exc.strerror}: {path}") from None
     try:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise ValueError(f"api_keys_file: {path} is not a regular file")
-        data = _read_at_most(fd, MAX_KEYS_FILE_BYTES + 1)
+            raise ValueError(f"{what}: {path} is not a regular file")
+        data = _read_at_most(fd, limit + 1)
     finally:
         os.close(fd)
-    if len(data) > MAX_KEYS_FILE_BYTES:
-        raise ValueError(f"api_keys_file: {path} is over {MAX_KEYS_FILE_BYTES} bytes")
+    if len(data) > limit:
+        raise ValueError(f"{what}: {path} is over {limit} bytes")
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as exc:
-        raise ValueError(f"api_keys_file: {path} is not UTF-8 (byte {exc.start})") from None
+        raise ValueError(f"{what}: {path} is not UTF-8 (byte {exc.start})") from None
 
 
 def _read_at_most(fd: int, limit: int) -> bytes:

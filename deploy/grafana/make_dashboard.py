@@ -15,6 +15,8 @@ from typing import Any
 
 DATASOURCE = {"type": "prometheus", "uid": "prometheus"}
 CLASSIFY = 'route="/classify"'
+MODEL = 'model=~"$model"'
+"""The dashboard's model selector, on every per-model series."""
 
 
 def quantiles(metric: str, selector: str = "", by: str = "") -> list[tuple[str, str]]:
@@ -28,14 +30,55 @@ def quantiles(metric: str, selector: str = "", by: str = "") -> list[tuple[str, 
     ]
 
 
+BY_VERSION = "model, version"
 ROWS: list[tuple[str, list[dict[str, Any]]]] = [
+    (
+        "Models and versions (a canary is judged here)",
+        [
+            {
+                "title": "Images/s by model and version",
+                "unit": "short",
+                "targets": [
+                    (
+                        "{{model}}/{{version}}",
+                        f"sum by ({BY_VERSION}) (rate(gateway_images_classified_total{{{MODEL}}}[1m]))",
+                    )
+                ],
+            },
+            {
+                "title": "Backend call p95 and batcher wait p95 by version",
+                "unit": "s",
+                "targets": [
+                    (
+                        f"{stage} {{{{model}}}}/{{{{version}}}}",
+                        f"histogram_quantile(0.95, sum by (le, {BY_VERSION}) (rate({metric}_bucket{{{MODEL}}}[5m])))",
+                    )
+                    for stage, metric in (
+                        ("backend", "gateway_backend_duration_seconds"),
+                        ("wait", "gateway_queue_wait_seconds"),
+                    )
+                ],
+            },
+            {
+                "title": "Failed backend calls/s by version",
+                "unit": "short",
+                "targets": [
+                    (
+                        "{{model}}/{{version}} {{error}}",
+                        f"sum by ({BY_VERSION}, error) (rate(gateway_backend_errors_total{{{MODEL}}}[5m]))",
+                    ),
+                    ("ready {{model}}/{{version}}", f"min by ({BY_VERSION}) (gateway_backend_ready{{{MODEL}}})"),
+                ],
+            },
+        ],
+    ),
     (
         "Throughput",
         [
             {
                 "title": "Images/s by mode",
                 "unit": "short",
-                "targets": [("{{mode}}", "sum by (mode) (rate(gateway_images_classified_total[1m]))")],
+                "targets": [("{{mode}}", f"sum by (mode) (rate(gateway_images_classified_total{{{MODEL}}}[1m]))")],
             },
             {
                 "title": "/classify answers/s by status",
@@ -92,13 +135,17 @@ ROWS: list[tuple[str, list[dict[str, Any]]]] = [
             {
                 "title": "Batch size distribution (gateway)",
                 "type": "heatmap",
-                "targets": [("{{le}}", "sum by (le) (increase(gateway_batch_size_bucket[1m]))")],
+                "targets": [("{{le}}", f"sum by (le) (increase(gateway_batch_size_bucket{{{MODEL}}}[1m]))")],
             },
             {
                 "title": "Mean batch size",
                 "unit": "short",
                 "targets": [
-                    ("gateway", "sum(rate(gateway_batch_size_sum[5m])) / sum(rate(gateway_batch_size_count[5m]))"),
+                    (
+                        "gateway {{model}}/{{version}}",
+                        f"sum by (model, version) (rate(gateway_batch_size_sum{{{MODEL}}}[5m])) "
+                        f"/ sum by (model, version) (rate(gateway_batch_size_count{{{MODEL}}}[5m]))",
+                    ),
                     (
                         "triton {{model}}",
                         "sum by (model) (rate(nv_inference_count[5m])) "
@@ -110,8 +157,11 @@ ROWS: list[tuple[str, list[dict[str, Any]]]] = [
                 "title": "Batcher queue and in-flight batches",
                 "unit": "short",
                 "targets": [
-                    ("queued images {{instance}}", "gateway_batcher_queue_depth"),
-                    ("in-flight batches {{instance}}", "gateway_batcher_inflight_batches"),
+                    ("queued images {{model}}/{{version}} {{instance}}", f"gateway_batcher_queue_depth{{{MODEL}}}"),
+                    (
+                        "in-flight batches {{model}}/{{version}} {{instance}}",
+                        f"gateway_batcher_inflight_batches{{{MODEL}}}",
+                    ),
                     ("Triton pending {{model}}", "sum by (model) (nv_inference_pending_request_count)"),
                 ],
             },
@@ -302,7 +352,23 @@ def build() -> dict[str, Any]:
         "editable": True,
         "refresh": "10s",
         "time": {"from": "now-30m", "to": "now"},
-        "templating": {"list": []},
+        "templating": {
+            "list": [
+                {
+                    "name": "model",
+                    "label": "model",
+                    "type": "query",
+                    "datasource": DATASOURCE,
+                    "definition": "label_values(gateway_images_classified_total, model)",
+                    "query": {"query": "label_values(gateway_images_classified_total, model)", "refId": "models"},
+                    "refresh": 2,
+                    "includeAll": True,
+                    "multi": True,
+                    "allValue": ".*",
+                    "current": {"text": "All", "value": "$__all"},
+                }
+            ]
+        },
         "annotations": {"list": []},
         "panels": panels,
     }

@@ -266,6 +266,11 @@ async def handle_classify(request: Request, model: str | None = None, version: s
     request.scope[CANCEL_ON_DISCONNECT] = mode == "online"
     gateway = gateway_of(request)
     served = choose(request, gateway, model, version)
+    if mode == "offline" and (version is not None or served.model != gateway.models.default.name):
+        raise BadRequest(  # before the body and the quota: nothing is spent on a request refused anyway
+            f"mode=offline serves the default model ({gateway.models.default.name!r}), its version chosen by the "
+            "workers; name no model or version, or classify online"
+        )
     admission = gateway.models.admission
     admission.check(served.model)  # full now: refuse before spending time on the body
     if _media_type(request.headers.get("content-type")) == "application/json":
@@ -367,11 +372,6 @@ async def _classify_offline(
         raise BadRequest("mode=offline is not available: this gateway has no message broker (GATEWAY_BROKER_URL)")
     key = _idempotency_key(request)
     webhook = await _webhook_url(request, gateway.settings)
-    if served is not gateway.models.default.versions.get(served.version):
-        raise BadRequest(
-            f"mode=offline serves the default model ({gateway.models.default.name!r}) only for now; "
-            f"{served.model!r} version {served.version} answers online"
-        )
     await served.classifier.validate(images)
     offline = [OfflineImage(i.data, i.content_type or "application/octet-stream", i.filename) for i in images]
     owner = request.scope.get(API_KEY) or ""
@@ -506,12 +506,12 @@ async def readyz(request: Request) -> JSONResponse:
         checks["broker"] = gateway.jobs.status()
         checks["idempotency"], behind = gateway.jobs.claims_status()  # not ready while it reads the claims
     ready = len(failing) < len(models.models) and not gateway.closing and not behind
-    if not request.scope.get(AUTHENTICATED, True):  # details name internal endpoints: keys holders only
-        checks = {
-            name: "ok" if value.endswith("ok") else "not ready"
-            for name, value in checks.items()
-            if not name.startswith(("gpu", "runtime", "weights"))
-        }
+    if not request.scope.get(AUTHENTICATED, True):  # details name internal endpoints and models: keys holders only
+        shown = {name: value for name, value in checks.items() if not name.startswith(("gpu", "runtime", "weights"))}
+        checks = {name.split(" ", 1)[0]: "ok" for name in shown}
+        for name, value in shown.items():
+            if not value.endswith("ok"):
+                checks[name.split(" ", 1)[0]] = "not ready"
     body = Readiness(ready=ready, checks=checks)
     return JSONResponse(body.model_dump(), status_code=200 if ready else 503)
 

@@ -31,6 +31,7 @@ from service.jobs.client import JobsClient
 from service.metrics import Metrics, multiprocess_dir
 from service.serving.catalog import load_catalog
 from service.serving.pipeline import open_models
+from service.serving.reload import stamp, watch_models_file
 from service.settings import Settings
 from service.ssrf import parse_allowlist
 from service.tracing import Tracing
@@ -58,6 +59,7 @@ def create_app(
 ) -> FastAPI:
     """Build the gateway. ``backend`` and ``registry`` may be injected (tests); by default the
     backend comes from the settings and the registry is new."""
+    seen = stamp(settings.models_file) if settings.models_file is not None else None
     catalog = load_catalog(settings)
     metrics = Metrics(registry)
     tracing = Tracing.from_settings(settings, role="gateway")
@@ -108,6 +110,11 @@ def create_app(
                     fetcher=fetcher,
                 )
                 app.state.gateway = gateway
+                watcher = (
+                    asyncio.create_task(watch_models_file(settings.models_file, models, settings, metrics, seen))
+                    if settings.models_file is not None
+                    else None
+                )
                 # What exists now (modules, the model, the label tables) lives as long as the process:
                 # keep it out of the collector's full passes, which otherwise rescan it under load.
                 gc.freeze()
@@ -120,6 +127,8 @@ def create_app(
                     yield
                 finally:
                     gateway.closing = True
+                    if watcher is not None:
+                        watcher.cancel()
                     if jobs is not None:
                         await jobs.aclose()
                     if fetcher is not None:

@@ -119,10 +119,6 @@ async def model_metadata(request: Request, name: str) -> ModelMetadata:
     return ModelMetadata(**summary.model_dump(exclude={"versions"}), versions=versions)
 
 
-def _path(*names: str) -> list[dict[str, object]]:
-    return [{"name": name, "in": "path", "required": True, "schema": {"type": "string"}} for name in names]
-
-
 CLASSIFY_RESPONSES: dict[int | str, dict[str, Any]] = {
     **ERRORS,
     **NOT_FOUND,
@@ -134,7 +130,7 @@ CLASSIFY_RESPONSES: dict[int | str, dict[str, Any]] = {
     "/v1/models/{name}/classify",
     response_model=ClassifyResponse,
     responses=CLASSIFY_RESPONSES,
-    openapi_extra={"requestBody": CLASSIFY_BODY, "parameters": _path("name") + QUERY_DOC},
+    openapi_extra={"requestBody": CLASSIFY_BODY, "parameters": QUERY_DOC},  # after FastAPI's path parameters
     summary="Classify images with a named model",
     description=CLASSIFY_DOC,
 )
@@ -146,7 +142,7 @@ async def classify_model(request: Request, name: str) -> Response:
     "/v1/models/{name}/versions/{version}/classify",
     response_model=ClassifyResponse,
     responses=CLASSIFY_RESPONSES,
-    openapi_extra={"requestBody": CLASSIFY_BODY, "parameters": _path("name", "version") + QUERY_DOC},
+    openapi_extra={"requestBody": CLASSIFY_BODY, "parameters": QUERY_DOC},
     summary="Classify images with a named model version",
     description=CLASSIFY_DOC,
 )

@@ -485,15 +485,18 @@ async def run_worker(settings: Settings, stop: asyncio.Event | None = None, back
     metrics = Metrics()
     if settings.worker_metrics_port:
         start_http_server(settings.worker_metrics_port, addr=settings.host, registry=metrics.registry)
+    served = load_catalog(settings)
+    catalog = served.only(served.default)
+    # the messages it holds wait in the default model's batchers: as many as the smallest holds
+    prefetch = min(version.settings.prefetch for version in catalog.models[0].versions)
     broker = Broker(
         settings.broker_url,
         Names(settings.queue_prefix),
         publish_timeout=settings.publish_timeout,
-        prefetch=settings.prefetch,
+        prefetch=prefetch,
     )
     tracing = Tracing.from_settings(settings, role="worker")
-    catalog = load_catalog(settings)
-    async with open_models(settings, metrics, backend, tracing, catalog.only(catalog.default)) as models:
+    async with open_models(settings, metrics, backend, tracing, catalog) as models:
         await broker.connect()
         worker = Worker(settings, models.default, broker, metrics, tracing)
         await worker.start()

@@ -19,7 +19,8 @@ gives each its own backend and batcher settings, versions and shares::
     traffic = 10
 
 Every value is checked at start with the setting's own rules, and an error names the model, the
-version and the key. A reload (``reload_traffic``) may change traffic weights and nothing else.
+version and the key. A reload (``reload_traffic``) may change traffic weights, shares and sticky
+flags, and nothing else.
 """
 
 from __future__ import annotations
@@ -30,20 +31,22 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any
 
-from pydantic import TypeAdapter, ValidationError
+from pydantic import ConfigDict, TypeAdapter, ValidationError
 
 from service.models.profiles import ModelProfile, get_profile
-from service.settings import Settings
+from service.settings import MAX_INT, Settings, read_regular_file
 
 NAME = re.compile(r"[a-z0-9][a-z0-9_.-]{0,63}")
 """A model's name: lower case, digits and ``_.-``, at most 64 characters (a URL path segment and a
 metric label value as it is)."""
-VERSION = re.compile(r"[0-9]{1,9}")
+VERSION = re.compile(r"[1-9][0-9]{0,8}")
 """A version: a positive integer, as Triton's and the Open Inference Protocol's versions are."""
 MAX_MODELS = 32
 MAX_VERSIONS = 8
 """Bounds that keep metrics' label sets (model x version) and the per-model machinery small."""
 MAX_FILE_BYTES = 1024 * 1024
+MIN_SHARE = 0.001
+"""Smallest share: a share's inverse is how far its lane's virtual time moves per decode."""
 
 PER_MODEL_SETTINGS = (
     "backend",
@@ -114,33 +117,36 @@ class CatalogError(ValueError):
 
 
 def load_catalog(settings: Settings) -> Catalog:
-    """The models this gateway serves, from ``models_file``, ``models`` or ``model`` (in that order)."""
+    """The models this gateway serves, from ``models_file``, ``models`` or ``model`` (in that order).
+
+    ``model`` alone is served on the gateway's settings as they are (its weights, Triton model and
+    version). A model of ``models`` or of the file takes only what the file gives it of those:
+    the gateway-wide ``model_weights``, ``triton_model`` and ``triton_model_version`` name one
+    model's files, not every model's."""
     if settings.models_file is not None:
         return parse_catalog(read_models_file(settings.models_file), settings, str(settings.models_file))
-    names = [part.strip() for part in settings.models.split(",") if part.strip()] or [settings.model]
-    table = {"models": {name: {"profile": name} for name in names}}
+    if not settings.models.strip():
+        table = {"models": {settings.model: {"profile": settings.model}}}
+        return parse_catalog(table, settings, "GATEWAY_MODEL", inherit=True)
+    names = [part.strip() for part in settings.models.split(",") if part.strip()]
     if len(set(names)) != len(names):
         raise CatalogError(f"models: {settings.models!r} names a model twice")
-    return parse_catalog(table, settings, "GATEWAY_MODELS")
+    return parse_catalog({"models": {name: {"profile": name} for name in names}}, settings, "GATEWAY_MODELS")
 
 
 def read_models_file(path: Path) -> dict[str, Any]:
     try:
-        with path.open("rb") as file:
-            if not path.is_file():
-                raise CatalogError(f"{path} is not a regular file")
-            data = file.read(MAX_FILE_BYTES + 1)
-    except OSError as exc:
-        raise CatalogError(f"models file {path}: {exc.strerror}") from None
-    if len(data) > MAX_FILE_BYTES:
-        raise CatalogError(f"models file {path} is over {MAX_FILE_BYTES} bytes")
+        text = read_regular_file(path, MAX_FILE_BYTES, "models file")
+    except ValueError as exc:
+        raise CatalogError(str(exc)) from None
     try:
-        return tomllib.loads(data.decode("utf-8"))
-    except (UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
-        raise CatalogError(f"models file {path} is not valid TOML: {exc}") from None
+        return tomllib.loads(text)
+    except (tomllib.TOMLDecodeError, RecursionError) as exc:  # deep nesting: RecursionError
+        raise CatalogError(f"models file {path} is not valid TOML: {exc or 'nested too deep'}") from None
 
 
-def parse_catalog(table: dict[str, Any], settings: Settings, where: str) -> Catalog:
+def parse_catalog(table: dict[str, Any], settings: Settings, where: str, *, inherit: bool = False) -> Catalog:
+    """``inherit``: the gateway's one model, on the gateway's settings as they are (see ``load_catalog``)."""
     unknown = set(table) - {"default", "models"}
     if unknown:
         raise CatalogError(f"{where}: unknown key(s) {sorted(unknown)}; expected default and [models.NAME] tables")
@@ -149,27 +155,36 @@ def parse_catalog(table: dict[str, Any], settings: Settings, where: str) -> Cata
         raise CatalogError(f"{where}: no [models.NAME] table")
     if len(models_table) > MAX_MODELS:
         raise CatalogError(f"{where}: {len(models_table)} models; at most {MAX_MODELS}")
-    models = tuple(_model(name, entry, settings, where) for name, entry in models_table.items())
+    models = tuple(_model(name, entry, settings, where, inherit) for name, entry in models_table.items())
+    versions = [version for model in models for version in model.versions]
+    if len(versions) > 1 and any(
+        v.settings.backend == "torch" and v.settings.torch_engine == "shared" for v in versions
+    ):
+        raise CatalogError(
+            f"{where}: the shared torch engine (GATEWAY_TORCH_ENGINE=shared) serves one model version; "
+            "give several models torch_engine per-worker, or another backend"
+        )
     default = table.get("default", models[0].name)
     if not isinstance(default, str) or default not in models_table:
         raise CatalogError(f"{where}: default {default!r} is not one of the models ({', '.join(models_table)})")
     return Catalog(models, default)
 
 
-def _model(name: str, entry: Any, settings: Settings, where: str) -> ModelSpec:
+def _model(name: str, entry: Any, settings: Settings, where: str, inherit: bool) -> ModelSpec:
     here = f"{where}: model {name!r}"
     if not NAME.fullmatch(name):
         raise CatalogError(f"{here}: a name is 1-64 of a-z 0-9 _ . - (starting with a letter or digit)")
     if not isinstance(entry, dict):
         raise CatalogError(f"{here}: expected a table")
     _known(entry, MODEL_KEYS, here)
-    share = _number(entry.get("share", 1), f"{here}: share", positive=True)
+    share = _number(entry.get("share", 1), f"{here}: share", least=MIN_SHARE)
     sticky = entry.get("sticky", False)
     if not isinstance(sticky, bool):
         raise CatalogError(f"{here}: sticky must be true or false")
     common = {key: entry[key] for key in PER_MODEL_SETTINGS if key in entry}
     profile_name = entry.get("profile", name)
     versions_table = entry.get("versions")
+    explicit = versions_table is not None
     if versions_table is None:
         versions_table = {get_profile_named(profile_name, here).version: {}}
     if not isinstance(versions_table, dict) or not versions_table:
@@ -179,17 +194,21 @@ def _model(name: str, entry: Any, settings: Settings, where: str) -> ModelSpec:
     versions = []
     for version, version_entry in versions_table.items():
         there = f"{here} version {version!r}"
-        if not VERSION.fullmatch(version) or int(version) < 1:
-            raise CatalogError(f"{there}: a version is a positive integer")
+        if not VERSION.fullmatch(version):
+            raise CatalogError(f"{there}: a version is a positive integer, without leading zeros")
         if not isinstance(version_entry, dict):
             raise CatalogError(f"{there}: expected a table")
         _known(version_entry, VERSION_KEYS, there)
         own = {key: version_entry[key] for key in PER_MODEL_SETTINGS if key in version_entry}
         profile = get_profile_named(version_entry.get("profile", profile_name), there)
-        traffic = _number(version_entry.get("traffic", 1), f"{there}: traffic", positive=False)
-        versions.append(
-            VersionSpec(version, profile, _settings(settings, profile, version, common | own, there), traffic)
+        traffic = _number(version_entry.get("traffic", 1), f"{there}: traffic", least=0.0)
+        defaults: dict[str, Any] = (
+            {}
+            if inherit
+            else {"model_weights": None, "triton_model": name, "triton_model_version": version if explicit else ""}
         )
+        merged = _settings(settings, profile, defaults | common | own, there)
+        versions.append(VersionSpec(version, profile, merged, traffic))
     if not any(v.traffic > 0 for v in versions):
         raise CatalogError(f"{here}: every version has traffic 0; at least one must take requests")
     return ModelSpec(name, tuple(sorted(versions, key=lambda v: int(v.version))), share, sticky)
@@ -210,28 +229,33 @@ def _known(entry: dict[str, Any], allowed: set[str], where: str) -> None:
         raise CatalogError(f"{where}: unknown key(s) {unknown}; allowed: {', '.join(sorted(allowed))}")
 
 
-def _number(value: Any, where: str, *, positive: bool) -> float:
+def _number(value: Any, where: str, *, least: float) -> float:
+    """A weight: a finite number from ``least`` (0: none; above 0: at least that) to 1,000,000."""
     if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value <= 1_000_000:
-        raise CatalogError(f"{where} must be a number from 0 to 1000000")
-    if positive and value <= 0:
-        raise CatalogError(f"{where} must be above 0")
+        raise CatalogError(f"{where} must be a number from {least:g} to 1000000")
+    if least and value < least:
+        raise CatalogError(f"{where} must be at least {least:g}")
     return float(value)
 
 
-def _settings(settings: Settings, profile: ModelProfile, version: str, own: dict[str, Any], where: str) -> Settings:
-    """The gateway's settings with a version's own, each checked by its field's type and bounds."""
+def _settings(settings: Settings, profile: ModelProfile, own: dict[str, Any], where: str) -> Settings:
+    """The gateway's settings with a version's own, each checked as the setting itself is (its
+    type, bounds, no inf or nan, within 64 bits) and the cross-checks that concern it."""
     checked: dict[str, Any] = {"model": profile.name}
     for key, value in own.items():
         try:
-            checked[key] = _adapter(key).validate_python(value)
+            checked[key] = _adapter(key).validate_python(value) if value is not None else None
         except ValidationError as exc:
             problem = "; ".join(error["msg"] for error in exc.errors())
             raise CatalogError(f"{where}: {key}: {problem}") from None
-    if (checked.get("backend") or settings.backend) == "triton" and "triton_model_version" not in checked:
-        checked["triton_model_version"] = version  # Triton serves the version the catalog names
+        number = checked[key]
+        if isinstance(number, int) and not isinstance(number, bool) and abs(number) > MAX_INT:
+            raise CatalogError(f"{where}: {key}: {number} is too large (at most 2**63 - 1)")
     merged = settings.model_copy(update=checked)
     if merged.max_queue_size < merged.max_images_per_request:
         raise CatalogError(f"{where}: max_queue_size must be at least max_images_per_request")
+    if merged.worker_prefetch > merged.max_queue_size:
+        raise CatalogError(f"{where}: max_queue_size must be at least worker_prefetch (a worker's batcher holds them)")
     return merged
 
 
@@ -242,8 +266,14 @@ def _adapter(key: str) -> TypeAdapter[Any]:
     if key not in _ADAPTERS:
         field = Settings.model_fields[key]
         kind = Annotated[field.annotation, *field.metadata] if field.metadata else field.annotation
-        _ADAPTERS[key] = TypeAdapter(kind)  # type: ignore[arg-type]
+        config = ConfigDict(allow_inf_nan=False)  # as the settings refuse them
+        _ADAPTERS[key] = TypeAdapter(kind, config=config)  # type: ignore[arg-type]
     return _ADAPTERS[key]
+
+
+def _served(catalog: Catalog) -> dict[str, list[tuple[str, ModelProfile, Settings]]]:
+    """What a catalog starts: per model, its versions' profiles and settings (not their weights)."""
+    return {m.name: [(v.version, v.profile, v.settings) for v in m.versions] for m in catalog.models}
 
 
 def reload_traffic(catalog: Catalog, table: dict[str, Any], settings: Settings, where: str) -> Catalog:
@@ -251,9 +281,7 @@ def reload_traffic(catalog: Catalog, table: dict[str, Any], settings: Settings, 
     else changed (a model, version, profile or setting added, removed or altered) is refused: that
     needs a restart, which loads and warms the new backends."""
     fresh = parse_catalog(table, settings, where)
-    if [(m.name, [(v.version, v.profile, v.settings) for v in m.versions]) for m in fresh.models] != [
-        (m.name, [(v.version, v.profile, v.settings) for v in m.versions]) for m in catalog.models
-    ] or fresh.default != catalog.default:
+    if _served(fresh) != _served(catalog) or fresh.default != catalog.default:
         raise CatalogError(
             f"{where}: only traffic, share and sticky change without a restart; models, versions and their "
             "settings are as at start"

@@ -5,8 +5,11 @@ gateway must not leave a busy model idle: both schemes guarantee every model its
 resource and let a model borrow what the others leave unused.
 
 * ``Admission``: of ``limit`` requests in progress, model m is guaranteed
-  ``limit x share_m / sum(shares)``; beyond that it may take a free slot only if the slots the
-  other models are guaranteed and not using stay free.
+  ``g_m = limit x share_m / sum(shares)``; beyond that it may borrow free slots, but always leaves
+  each other model j a reserve of ``min(g_j - active_j, max(1, g_j / 4))`` free slots. j's next
+  requests take those at once, and the slots the borrower frees as its requests finish go back to
+  j until j has its guarantee: a busy model alone may use all but a quarter of the others'
+  guarantees, and a model flooded at any rate cannot keep another from its share.
 * ``FairPool``: decode tasks wait in one lane per model and go to the thread pool, at most one
   per thread, in weighted fair order (start-time fair queueing: the lane whose next task has the
   least virtual start time goes first, each task advancing its lane by ``1 / share``). A lane
@@ -32,8 +35,12 @@ T = TypeVar("T")
 class Admission:
     """Requests in progress, per model, within one limit shared by weight (see the module's text)."""
 
-    def __init__(self, limit: int, shares: Mapping[str, float]) -> None:
+    reserve: dict[str, int]
+
+    def __init__(self, limit: int, shares: Mapping[str, float], fair: bool = True) -> None:
+        """``fair`` False: one limit, first come first served (nothing guaranteed, nothing kept)."""
         self.limit = limit
+        self.fair = fair
         self.active = dict.fromkeys(shares, 0)
         self.total = 0
         self.guaranteed: dict[str, int] = {}
@@ -43,9 +50,11 @@ class Admission:
         """New weights for the same models (a reloaded models file)."""
         total = sum(shares.values())
         guaranteed = {name: max(1, int(self.limit * share / total)) for name, share in shares.items()}
-        if sum(guaranteed.values()) > self.limit:  # more models than slots: nothing guaranteed, all shared
+        if sum(guaranteed.values()) > self.limit or not self.fair:  # more models than slots: all shared
             guaranteed = dict.fromkeys(shares, 0)
         self.guaranteed = guaranteed
+        self.reserve = {name: max(1, g // 4) if g else 0 for name, g in guaranteed.items()}
+        """Free slots kept for each model below its guarantee, whoever borrows."""
 
     def room(self, model: str) -> bool:
         """Whether ``model`` may start one more request now."""
@@ -53,10 +62,12 @@ class Admission:
             return False
         if self.active[model] < self.guaranteed[model]:
             return True
-        unused = sum(
-            max(0, guaranteed - self.active[name]) for name, guaranteed in self.guaranteed.items() if name != model
+        kept = sum(
+            min(max(0, guaranteed - self.active[name]), self.reserve[name])
+            for name, guaranteed in self.guaranteed.items()
+            if name != model
         )
-        return self.total + unused < self.limit
+        return self.total + kept < self.limit
 
     def check(self, model: str) -> None:
         if not self.room(model):
@@ -116,8 +127,24 @@ class FairPool:
         return ready
 
     def _run(self, ready: list[_Task]) -> None:
-        for task in ready:
-            self._pool.submit(self._call, task)
+        for i, task in enumerate(ready):
+            try:
+                self._pool.submit(self._call, task)
+            except RuntimeError:  # the pool is shut down: these never run
+                with self._lock:
+                    self._running -= len(ready) - i
+                for lost in ready[i:]:
+                    lost.future.cancel()
+                return
+
+    def close(self) -> None:
+        """Cancel what waits in the lanes (before the pool shuts down: nothing runs it after)."""
+        with self._lock:
+            waiting = [task for lane in self._lanes for task in lane.tasks]
+            for lane in self._lanes:
+                lane.tasks.clear()
+        for task in waiting:
+            task.future.cancel()
 
     def _call(self, task: _Task) -> None:
         try:

@@ -61,7 +61,7 @@ async def open_models(
         logger.info("decoder: JPEGs on %s (nvJPEG), other images on the CPU (OpenCV)", settings.torch_device)
     cv2.setNumThreads(1)  # parallelism comes from the preprocessing pool, one image per thread
     pool = ThreadPoolExecutor(max_workers=settings.preprocess_workers, thread_name_prefix="preprocess")
-    fair = FairPool(pool, settings.preprocess_workers) if len(catalog.models) > 1 else None
+    fair = FairPool(pool, settings.preprocess_workers) if len(catalog.models) > 1 and settings.fair_sharing else None
     budget = ByteBudget(settings.max_decode_bytes_effective, on_wait=metrics.decode_budget_waits.inc)
     metrics.bind_decode_budget(budget)
     gpu = start_gpu_sampler(metrics.registry)
@@ -92,7 +92,8 @@ async def open_models(
                     asyncio.create_task(served.health.run(), name=f"readiness {spec.name}/{version.version}")
                 )
             models[spec.name] = ServedModel(spec, versions, lane=executor if isinstance(executor, Lane) else None)
-        admission = Admission(settings.max_concurrent_requests, {spec.name: spec.share for spec in catalog.models})
+        shares = {spec.name: spec.share for spec in catalog.models}
+        admission = Admission(settings.max_concurrent_requests, shares, fair=settings.fair_sharing)
         yield ServedModels(catalog, models, admission)
     finally:
         for watcher in watchers:
@@ -103,6 +104,8 @@ async def open_models(
         await asyncio.gather(
             *(_stop_version(served, settings.request_timeout) for served in started), return_exceptions=True
         )
+        if fair is not None:
+            fair.close()
         pool.shutdown(wait=True, cancel_futures=True)
 
 

@@ -45,6 +45,7 @@ class ServedModel:
     """Its lane of the shared decode pool (None: the only model, it has the pool)."""
     _bounds: list[float] = field(default_factory=list)
     _by_bound: list[ServedVersion] = field(default_factory=list)
+    _weights: list[float] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.route(self.spec)
@@ -59,21 +60,39 @@ class ServedModel:
         weights = [v.traffic for v in spec.versions if v.traffic > 0]
         total = sum(weights)
         bounds = [bound / total for bound in itertools.accumulate(weights)]
-        self.spec, self._bounds, self._by_bound = spec, bounds, taking  # swapped whole: no lock needed
+        # on the event loop, like ``pick``: no request sees one without the other
+        self.spec, self._bounds, self._by_bound, self._weights = spec, bounds, taking, weights
         if self.lane is not None:
             self.lane.share = spec.share
 
     def pick(self, key: str | None) -> ServedVersion:
         """A version for an unversioned request: by traffic weight, at random, or with ``sticky``
-        the same for every request of an API key (while the weights stay as they are)."""
-        if len(self._by_bound) == 1:
-            return self._by_bound[0]
+        the same for every request of an API key (while the weights stay as they are). A version
+        whose backend is not ready is passed over while another taking traffic is ready: the
+        model is ready as long as one is, so its requests go there."""
+        taking = self._by_bound
+        if len(taking) == 1:
+            return taking[0]
         if self.spec.sticky and key is not None:
             digest = hashlib.blake2b(f"{self.name}\0{key}".encode(), digest_size=8).digest()
             point = int.from_bytes(digest, "big") / 2**64
         else:
             point = random.random()  # routing, not security
-        return self._by_bound[min(bisect.bisect_right(self._bounds, point), len(self._by_bound) - 1)]
+        chosen = taking[min(bisect.bisect_right(self._bounds, point), len(taking) - 1)]
+        if chosen.problem is None:
+            return chosen
+        ready = [
+            (served, weight) for served, weight in zip(taking, self._weights, strict=True) if served.problem is None
+        ]
+        if not ready:
+            return chosen  # none is: its own error says why
+        total = sum(weight for _, weight in ready)
+        at = point * total
+        for served, weight in ready:
+            at -= weight
+            if at < 0:
+                return served
+        return ready[-1][0]
 
     def version(self, version: str) -> ServedVersion:
         served = self.versions.get(version)

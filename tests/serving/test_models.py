@@ -173,3 +173,102 @@ async def test_traffic_splits_between_versions_as_weighted(
     assert versions["1"] + versions["2"] == 600
     assert pinned.json()["model"]["version"] == "2"
     assert [v["traffic"] for v in listed] == [0.9, 0.1]
+
+
+async def test_sticky_keys_keep_their_version_and_a_reload_moves_the_traffic(
+    gateway_factory: MakeSettings, tmp_path: Path, coffee_jpeg: bytes
+) -> None:
+    """With ``sticky``, every request of an API key reaches one version (and the keys spread over
+    both); rewriting the file's weights to 0/100 moves every key to version 2 without a restart,
+    and a change of anything else is refused, leaving the weights as they were."""
+    text = """
+        [models.shop]
+        profile = "trivial"
+        backend = "fake"
+        sticky = true
+        [models.shop.versions.1]
+        traffic = {one}
+        [models.shop.versions.2]
+        traffic = {two}
+        """
+    models = _write(tmp_path / "models.toml", text.format(one=50, two=50))
+    keys = [f"key-{i:02d}-secret-value" for i in range(20)]
+    settings = gateway_factory(models_file=models, api_keys=",".join(keys))
+    jpeg = {"content-type": "image/jpeg"}
+
+    async def versions_of(key: str) -> set[str]:
+        answers = [
+            await client.post("/v1/models/shop/classify", content=coffee_jpeg, headers={**jpeg, "x-api-key": key})
+            for _ in range(4)
+        ]
+        return {answer.json()["model"]["version"] for answer in answers}
+
+    async with running_gateway(settings) as client:
+        seen = [await versions_of(key) for key in keys]
+        assert all(len(versions) == 1 for versions in seen), seen
+        assert {next(iter(versions)) for versions in seen} == {"1", "2"}
+
+        _write(models, text.format(one=0, two=100))
+        async with asyncio.timeout(15):
+            while (await versions_of(keys[0])) != {"2"} or (await versions_of(keys[1])) != {"2"}:  # noqa: ASYNC110
+                await asyncio.sleep(0.2)
+        assert {version for key in keys for version in await versions_of(key)} == {"2"}
+
+        _write(models, text.format(one=0, two=100).replace('backend = "fake"', 'backend = "embedded"'))
+        async with asyncio.timeout(15):
+            refused = 'gateway_model_reloads_total{outcome="refused"} 1.0'
+            while refused not in (await client.get("/metrics", headers={"x-api-key": keys[0]})).text:  # noqa: ASYNC110
+                await asyncio.sleep(0.2)
+        assert (await versions_of(keys[2])) == {"2"}
+        listed = (await client.get("/v1/models", headers={"x-api-key": keys[0]})).json()["models"][0]
+    assert [v["traffic"] for v in listed["versions"]] == [0.0, 1.0]
+    assert listed["sticky"] is True
+
+
+async def test_a_version_that_is_down_is_passed_over_while_another_serves(
+    gateway_factory: MakeSettings, tmp_path: Path, coffee_jpeg: bytes
+) -> None:
+    """Version 1 (traffic 90) on a Triton nobody runs, version 2 (10) up: the model is ready and
+    every unversioned request reaches version 2; version 1's own route says why it cannot. Without
+    a key, /readyz names no model; offline requests for a model other than the default are
+    refused before anything is read or spent."""
+    models = _write(
+        tmp_path / "models.toml",
+        """
+        [models.shop]
+        profile = "trivial"
+        breaker_threshold = 0
+        [models.shop.versions.1]
+        traffic = 90
+        backend = "triton"
+        triton_url = "127.0.0.1:9"
+        [models.shop.versions.2]
+        traffic = 10
+        backend = "fake"
+        [models.other]
+        profile = "trivial"
+        backend = "fake"
+        """,
+    )
+    key = {"x-api-key": "a-key-of-some-length"}
+    jpeg = {"content-type": "image/jpeg", **key}
+    settings = gateway_factory(models_file=models, readiness_interval=0.2, api_keys=key["x-api-key"])
+    async with running_gateway(settings) as client:
+        answers = [await client.post("/v1/models/shop/classify", content=coffee_jpeg, headers=jpeg) for _ in range(30)]
+        assert {(a.status_code, a.json()["model"]["version"]) for a in answers} == {(200, "2")}
+        pinned = await client.post("/v1/models/shop/versions/1/classify", content=coffee_jpeg, headers=jpeg)
+        assert pinned.status_code in (500, 503), pinned.text
+        assert (await client.get("/v2/models/shop/ready", headers=key)).status_code == 200
+        assert (await client.get("/v2/models/shop/versions/1/ready", headers=key)).status_code == 503
+
+        anonymous = await client.get("/readyz")
+        assert anonymous.status_code == 200
+        assert "shop" not in anonymous.text, anonymous.text
+        assert "other" not in anonymous.text, anonymous.text
+        assert anonymous.json()["checks"]["backend"] == "not ready"
+        assert "backend shop/1" in (await client.get("/readyz", headers=key)).json()["checks"]
+
+        for path in ("/v1/models/other/classify", "/v1/models/shop/versions/2/classify"):
+            offline = await client.post(f"{path}?mode=offline", content=coffee_jpeg, headers=jpeg)
+            assert offline.status_code == 400
+            assert "mode=offline serves the default model ('shop')" in offline.json()["detail"]

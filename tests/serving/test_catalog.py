@@ -1,0 +1,213 @@
+"""The models setting and file: what they serve, and every wrong entry refused at start with the
+model, the version and the key named; a reload that changes only weights is applied, any other
+change refused."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from service.serving.catalog import CatalogError, load_catalog, read_models_file, reload_traffic
+from service.settings import Settings
+
+TWO = """
+default = "shop"
+[models.shop]
+profile = "efficientnet-lite0"
+share = 3
+max_batch_size = 32
+[models.shop.versions.1]
+traffic = 90
+[models.shop.versions.2]
+profile = "resnet50"
+traffic = 10
+max_delay = 0.002
+[models.moderation]
+profile = "trivial"
+backend = "fake"
+"""
+
+
+SHOP = "[models.shop]\nprofile = 'trivial'\n"
+
+
+def _file(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "models.toml"
+    path.write_text(text)
+    return path
+
+
+def test_a_models_file_gives_each_version_its_settings(tmp_path: Path) -> None:
+    catalog = load_catalog(Settings(models_file=_file(tmp_path, TWO), max_delay=0.01))
+    assert catalog.default == "shop"
+    shop, moderation = catalog.models
+    assert (shop.share, [v.version for v in shop.versions]) == (3.0, ["1", "2"])
+    one, two = shop.versions
+    assert (one.profile.name, one.settings.max_batch_size, one.settings.max_delay, one.traffic) == (
+        "efficientnet-lite0",
+        32,
+        0.01,
+        90.0,
+    )
+    assert (two.profile.name, two.settings.max_batch_size, two.settings.max_delay) == ("resnet50", 32, 0.002)
+    assert (moderation.versions[0].settings.backend, moderation.share) == ("fake", 1.0)
+
+
+def test_without_a_file_the_models_setting_or_the_model_serves() -> None:
+    assert [m.name for m in load_catalog(Settings(models="trivial, resnet50")).models] == ["trivial", "resnet50"]
+    alone = load_catalog(Settings(model="trivial"))
+    assert (alone.default, [v.version for v in alone.models[0].versions]) == ("trivial", ["1"])
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("[models.A]\n", "model 'A': a name is 1-64 of a-z 0-9"),
+        ('[models."../x"]\n', "a name is 1-64"),
+        ("[models.shop]\nprofile = 'vgg'\n", "unknown model 'vgg'"),
+        ("[models.shop]\nprofile = 3\n", "profile must be a string"),
+        (f"{SHOP}max_batch_size = 0\n", "model 'shop' version '1': max_batch_size: Input should be greater"),
+        (f"{SHOP}max_batch_size = 'many'\n", "max_batch_size: Input should be a valid integer"),
+        (f"{SHOP}backend = 'tensorflow'\n", "backend: Input should be 'embedded'"),
+        (f"{SHOP}max_delay = inf\n", "max_delay: Input should be a finite number"),
+        (f"{SHOP}max_queue_size = 1\n", "max_queue_size must be at least max_images_per_request"),
+        ("[models.shop]\nrequest_timeout = 1\n", "unknown key(s) ['request_timeout']"),
+        ("[models.shop]\nshare = 0\n", "share must be at least 0.001"),
+        ("[models.shop]\nshare = -1\n", "share must be a number from 0"),
+        ("[models.shop]\nshare = true\n", "share must be a number"),
+        ("[models.shop]\nshare = nan\n", "share must be a number"),
+        ("[models.shop]\nsticky = 'yes'\n", "sticky must be true or false"),
+        ("[models.shop.versions.0]\n", "version '0': a version is a positive integer"),
+        ("[models.shop.versions.01]\n", "version '01': a version is a positive integer"),
+        ("[models.shop.versions.v2]\n", "a version is a positive integer"),
+        (f"{SHOP}[models.shop.versions.1]\ntraffic = 0\n", "every version has traffic 0"),
+        ("[models.shop.versions.1]\nbogus = 1\n", "version '1': unknown key(s) ['bogus']"),
+        ("[models.shop]\nversions = 3\n", "versions must be a table"),
+        (f"default = 'other'\n{SHOP}", "default 'other' is not one of the models (shop)"),
+        ("models = 1\n", "no [models.NAME] table"),
+        ("nonsense = 1\n[models.shop]\n", "unknown key(s) ['nonsense']"),
+        ("\n".join(f"[models.m{i}]\nprofile = 'trivial'" for i in range(33)), "33 models; at most 32"),
+        ("[models.shop]\n" + "".join(f"[models.shop.versions.{i}]\n" for i in range(1, 10)), "9 versions; at most 8"),
+    ],
+)
+def test_a_wrong_models_file_is_refused_naming_where(tmp_path: Path, text: str, message: str) -> None:
+    with pytest.raises(CatalogError, match=message.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")):
+        load_catalog(Settings(models_file=_file(tmp_path, text)))
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [(b"[models\n", "is not valid TOML"), (b"\xff\xfe", "is not UTF-8"), (b"#" * (1024 * 1024 + 1), "over")],
+)
+def test_an_unreadable_models_file_is_refused(tmp_path: Path, content: bytes, message: str) -> None:
+    path = tmp_path / "models.toml"
+    path.write_bytes(content)
+    with pytest.raises(CatalogError, match=message):
+        read_models_file(path)
+    with pytest.raises(CatalogError, match="No such file"):
+        read_models_file(tmp_path / "missing.toml")
+    with pytest.raises(CatalogError, match=r"is not a regular file|Is a directory"):
+        read_models_file(tmp_path)
+
+
+def test_the_models_setting_names_each_model_once() -> None:
+    with pytest.raises(CatalogError, match="names a model twice"):
+        load_catalog(Settings(models="trivial,trivial"))
+
+
+def test_a_reload_changes_weights_only(tmp_path: Path) -> None:
+    settings = Settings(models_file=_file(tmp_path, TWO))
+    catalog = load_catalog(settings)
+    table = read_models_file(settings.models_file)  # type: ignore[arg-type]
+    table["models"]["shop"]["versions"]["2"]["traffic"] = 50
+    table["models"]["shop"]["share"] = 1
+    reloaded = reload_traffic(catalog, table, settings, "reload")
+    assert [v.traffic for v in reloaded.models[0].versions] == [90.0, 50.0]
+    assert reloaded.models[0].share == 1.0
+    table["models"]["shop"]["max_batch_size"] = 8
+    with pytest.raises(CatalogError, match="only traffic, share and sticky change without a restart"):
+        reload_traffic(catalog, table, settings, "reload")
+    table["models"]["shop"]["max_batch_size"] = 32
+    del table["models"]["moderation"]
+    with pytest.raises(CatalogError, match="only traffic"):
+        reload_traffic(catalog, table, settings, "reload")
+
+
+def test_gateway_serve_refuses_a_bad_models_file_by_name(tmp_path: Path) -> None:
+    path = _file(tmp_path, f"{SHOP}max_batch_size = 0\n")
+    result = subprocess.run(
+        [sys.executable, "-m", "service", "serve", "--models-file", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 1
+    assert "model 'shop' version '1': max_batch_size: Input should be greater than or equal to 1" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_the_one_model_keeps_the_gateways_settings_and_a_catalogs_models_take_only_their_own(
+    tmp_path: Path,
+) -> None:
+    """``GATEWAY_MODEL`` alone is served as before (its Triton version, its weights file); a model
+    of ``GATEWAY_MODELS`` or of the file does not inherit another model's weights or Triton name."""
+    weights = tmp_path / "resnet.pt"
+    alone = Settings(
+        model="resnet50", backend="triton", triton_model_version="3", triton_model="rn", model_weights=weights
+    )
+    version = load_catalog(alone).models[0].versions[0].settings
+    assert (version.triton_model_version, version.triton_model, version.model_weights) == ("3", "rn", weights)
+    several = load_catalog(alone.model_copy(update={"models": "resnet50,trivial"}))
+    for model in several.models:
+        settings = model.versions[0].settings
+        assert (settings.model_weights, settings.triton_model, settings.triton_model_version) == (None, model.name, "")
+    text = f"{SHOP}[models.shop.versions.2]\nmodel_weights = '{weights}'\n"
+    (two,) = load_catalog(Settings(models_file=_file(tmp_path, text), backend="triton")).models[0].versions
+    assert (two.settings.model_weights, two.settings.triton_model, two.settings.triton_model_version) == (
+        weights,
+        "shop",
+        "2",
+    )
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        (f"{SHOP}breaker_cooldown = inf\n", "breaker_cooldown: Input should be a finite number"),
+        (f"{SHOP}fake_delay = nan\n", "fake_delay: Input should be a finite number"),
+        (f"{SHOP}embedded_threads = {2**70}\n", "embedded_threads"),
+        (f"{SHOP}share = 1e-9\n", "share must be at least 0.001"),
+        (f"{SHOP}backend = 'torch'\n[models.other]\nprofile = 'trivial'\n", "shared torch engine"),
+    ],
+)
+def test_per_model_values_get_the_settings_own_checks(tmp_path: Path, text: str, message: str) -> None:
+    settings = Settings(models_file=_file(tmp_path, text), torch_engine="shared")
+    with pytest.raises(CatalogError, match=message):
+        load_catalog(settings)
+
+
+def test_an_empty_models_file_setting_means_none() -> None:
+    assert Settings(models_file="").models_file is None  # type: ignore[arg-type]
+
+
+def test_a_fifo_or_deep_nesting_is_refused_without_hanging(tmp_path: Path) -> None:
+    fifo = tmp_path / "fifo.toml"
+    os.mkfifo(fifo)
+    with pytest.raises(CatalogError, match="is not a regular file"):
+        read_models_file(fifo)
+    deep = _file(tmp_path, "x = " + "[" * 5000 + "]" * 5000 + "\n")
+    with pytest.raises(CatalogError, match="is not valid TOML"):
+        read_models_file(deep)
+
+
+def test_a_reload_may_reorder_the_models(tmp_path: Path) -> None:
+    settings = Settings(models_file=_file(tmp_path, TWO))
+    catalog = load_catalog(settings)
+    shop, moderation = TWO.split("[models.moderation]")
+    head, shop = shop.split("\n[models.shop]")
+    reordered = read_models_file(_file(tmp_path, f"{head}\n[models.moderation]{moderation}\n[models.shop]{shop}"))
+    assert [m.name for m in reload_traffic(catalog, reordered, settings, "reload").models] == ["moderation", "shop"]
