@@ -162,3 +162,13 @@ def validation_detail(errors: Sequence[Mapping[str, Any]]) -> str:
         loc = ".".join(str(p) for p in err.get("loc", ()) if p not in ("query", "body", "path", "header"))
         parts.append(f"{loc}: {err.get('msg')}" if loc else str(err.get("msg")))
     return "; ".join(parts) or "invalid request"
+
+
+class ModelNotLoaded(BackendUnavailable):
+    """A model version could not be loaded in time, or not at all now (its memory is held by
+    models in use): retry after a moment."""
+
+    error = "model_not_loaded"
+
+    def __init__(self, detail: str, *, retry_after: int = 1) -> None:
+        super().__init__(detail, headers={"Retry-After": str(retry_after)})

@@ -178,6 +178,32 @@ class Metrics:
             ["outcome"],
             registry=r,
         )
+        self.model_loads = Counter(
+            "gateway_model_loads_total",
+            "Loads of model versions on first use (GATEWAY_MODEL_MEMORY_BUDGET), by outcome: loaded, failed, "
+            "refused (its memory held by models in use).",
+            [*MODEL_LABELS, "outcome"],
+            registry=r,
+        )
+        self.model_unloads = Counter(
+            "gateway_model_unloads_total",
+            "Model versions unloaded to make room in GATEWAY_MODEL_MEMORY_BUDGET (least recently used first).",
+            MODEL_LABELS,
+            registry=r,
+        )
+        self.model_memory = Gauge(
+            "gateway_model_memory_bytes",
+            "Memory a loaded in-process model version holds in the budget (0: not loaded).",
+            MODEL_LABELS,
+            registry=r,
+            multiprocess_mode="livesum",
+        )
+        self.model_memory_budget = Gauge(
+            "gateway_model_memory_budget_bytes",
+            "GATEWAY_MODEL_MEMORY_BUDGET (0: no budget, every model loaded at start).",
+            registry=r,
+            multiprocess_mode="livemax",
+        )
         self.client_disconnects = Counter(
             "gateway_client_disconnects_total",
             "Online requests whose client disconnected before the answer: the request is cancelled, its "
@@ -265,6 +291,7 @@ class Metrics:
             "deadline_unmeetable",
             "deadline_exceeded",
             "backend_unavailable",
+            "model_not_loaded",
             "backend_error",
             "unauthorized",
             "not_found",

@@ -101,7 +101,8 @@ class ModelVersionState(BaseModel):
     backend: str
     traffic: float = Field(description="Share of the model's unversioned requests this version takes (0-1).")
     ready: bool
-    state: str = Field(description="'ready', or why not.")
+    loaded: bool = Field(description="False while a version under GATEWAY_MODEL_MEMORY_BUDGET is not loaded.")
+    state: str = Field(description="'ready', 'not loaded (loads on first use)', or why it is not ready.")
 
 
 class ModelSummary(BaseModel):

@@ -269,6 +269,11 @@ class Settings(BaseSettings):
     """A TOML file naming the models served, each with its profile, versions, traffic weights, share
     and its own backend and batcher settings (see docs/routing.md); overrides ``models``. Traffic
     weights and shares are re-read when the file changes."""
+    model_memory_budget: int = Field(0, ge=0)
+    """Bytes the in-process models (embedded, openvino, torch) may hold at once: with a budget, the
+    default model loads at start and the others on first use, and the least recently used idle one
+    is unloaded when a load would exceed it (a version's memory: its ``memory`` in the models file,
+    else twice its model file). 0: every model loaded at start, none unloaded. See docs/routing.md."""
     fair_sharing: bool = True
     """With several models, share ``max_concurrent_requests`` and the decode threads between them by
     their ``share`` (a flooded model cannot starve the others; see docs/routing.md). Off: first come,

@@ -300,14 +300,20 @@ async def _admitted(
     request: Request, gateway: Gateway, served: ServedVersion, images: list[ImageInput], top_k: int, mode: str
 ) -> Response:
     deadline = asyncio.get_running_loop().time() + gateway.settings.request_timeout
-    admission = gateway.models.admission
+    admission, loader = gateway.models.admission, gateway.models.loader
     admission.enter(served.model)
     try:
-        if mode == "offline":
-            return await _classify_offline(request, served, images, top_k)
-        if WEBHOOK_URL in request.headers:
-            raise BadRequest(f"{WEBHOOK_URL} is for mode=offline: an online answer is the result itself")
-        return await _classify_online(gateway, served, images, top_k, deadline)
+        if loader is not None:  # loads it (within the deadline) if it is not, holds it loaded
+            await loader.acquire(served, deadline)
+        try:
+            if mode == "offline":
+                return await _classify_offline(request, served, images, top_k)
+            if WEBHOOK_URL in request.headers:
+                raise BadRequest(f"{WEBHOOK_URL} is for mode=offline: an online answer is the result itself")
+            return await _classify_online(gateway, served, images, top_k, deadline)
+        finally:
+            if loader is not None:
+                loader.release(served)
     finally:
         admission.leave(served.model)
 
@@ -342,13 +348,20 @@ async def online(
     admission.check(served.model)
     _spend_quota(request, gateway, len(images))
     deadline = asyncio.get_running_loop().time() + gateway.settings.request_timeout
+    loader = gateway.models.loader
     admission.enter(served.model)
     try:
-        classifier = served.classifier
-        if top_k is None:
-            rows: list[np.ndarray] | list[Classification] = await classifier.scores(images, deadline=deadline)
-        else:
-            rows = await classifier.classify(images, k=top_k, deadline=deadline)
+        if loader is not None:
+            await loader.acquire(served, deadline)
+        try:
+            classifier = served.classifier
+            if top_k is None:
+                rows: list[np.ndarray] | list[Classification] = await classifier.scores(images, deadline=deadline)
+            else:
+                rows = await classifier.classify(images, k=top_k, deadline=deadline)
+        finally:
+            if loader is not None:
+                loader.release(served)
     finally:
         admission.leave(served.model)
     served.metrics.images_online.inc(len(rows))
@@ -456,6 +469,8 @@ async def job_status(request: Request, job_id: str) -> JobStatus:
 )
 async def healthz(request: Request) -> dict[str, str]:
     for served in gateway_of(request).models.versions():
+        if served.running is None:
+            continue
         check = getattr(served.backend, "liveness", None)
         problem = check() if check is not None else None
         if problem is not None:
@@ -484,15 +499,15 @@ async def readyz(request: Request) -> JSONResponse:
     for served in versions:
         # the background check's latest answer: no backend call here
         where = "" if len(versions) == 1 else f" {served.model}/{served.version}"
-        checks[f"backend{where}"] = f"{served.backend.name}: {served.problem or 'ok'}"
-        runtime = getattr(served.backend, "detail", None)
+        state = served.problem or ("ok" if served.running is not None else "not loaded (loads on first use): ok")
+        checks[f"backend{where}"] = f"{served.backend_name}: {state}"
+        runtime = getattr(served.backend, "detail", None) if served.running is not None else None
         if runtime:  # informational: what runs the model, and any fallback it took (e.g. no bf16 kernels)
             checks[f"runtime{where}"] = runtime
-        info = served.classifier.model_info
-        profile = served.classifier.profile.name
+        profile = served.spec.profile.name
         checks[f"weights{where}"] = (
-            f"RANDOM: {info.name}'s answers are meaningless; {real_weights_hint(profile)}"
-            if info.random_weights
+            f"RANDOM: {served.model}'s answers are meaningless; {real_weights_hint(profile)}"
+            if served.random_weights
             else "ok"
         )
     failing = [model.name for model in models.models.values() if model.problem is not None]

@@ -29,6 +29,7 @@ from service.http.middleware import OPEN_PATHS, ApiKeyMiddleware, BodyLimitMiddl
 from service.http.quotas import Quotas
 from service.jobs.client import JobsClient
 from service.metrics import Metrics, multiprocess_dir
+from service.schemas import ModelInfo
 from service.serving.catalog import load_catalog
 from service.serving.pipeline import open_models
 from service.serving.reload import stamp, watch_models_file
@@ -102,7 +103,10 @@ def create_app(
                     models=models,
                     metrics=metrics,
                     answers={
-                        id(served): Answers(served.classifier.model_info, served.classifier.profile.labels)
+                        id(served): Answers(
+                            ModelInfo(name=served.model, version=served.version, random_weights=served.random_weights),
+                            served.spec.profile.labels,
+                        )
                         for served in models.versions()
                     },
                     jobs=jobs,
@@ -120,7 +124,7 @@ def create_app(
                 gc.freeze()
                 logger.info(
                     "gateway ready: %s (default %s)",
-                    ", ".join(f"{v.model}/{v.version} on {v.backend.name}" for v in models.versions()),
+                    ", ".join(f"{v.model}/{v.version} on {v.backend_name}" for v in models.versions()),
                     models.default.name,
                 )
                 try:

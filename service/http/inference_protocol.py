@@ -96,11 +96,11 @@ async def model_metadata(request: Request, name: str, version: str | None = None
         {
             "name": model.name,
             "versions": [served.version for served in versions],
-            "platform": f"inference-gateway/{first.backend.name}",
+            "platform": f"inference-gateway/{first.backend_name}",
             "inputs": [{"name": INPUT, "datatype": "BYTES", "shape": [-1]}],
-            "outputs": [{"name": OUTPUT, "datatype": "FP32", "shape": [-1, len(first.classifier.profile.labels)]}],
+            "outputs": [{"name": OUTPUT, "datatype": "FP32", "shape": [-1, len(first.spec.profile.labels)]}],
             "parameters": {
-                "image_size": first.classifier.profile.image_size,
+                "image_size": first.spec.profile.image_size,
                 "max_images_per_request": gateway_of(request).settings.max_images_per_request,
             },
         }
@@ -129,7 +129,7 @@ async def infer(request: Request, name: str, version: str | None = None) -> Resp
         body = await request.body()
         header, binary = _split(body, request.headers.get(HEADER_LENGTH))
         images = _images(header, binary, gateway_of(request).settings.max_images_per_request)
-        k, binary_output = _requested(header, len(served.classifier.profile.labels))
+        k, binary_output = _requested(header, len(served.spec.profile.labels))
         return _answer(header, served, await online(request, served, images, k), binary_output)
     except GatewayError as exc:
         return protocol_error(exc)

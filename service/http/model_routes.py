@@ -57,10 +57,11 @@ def _state(model: ServedModel, served: ServedVersion) -> ModelVersionState:
     return ModelVersionState(
         version=served.version,
         profile=served.spec.profile.name,
-        backend=served.backend.name,
+        backend=served.backend_name,
         traffic=round(traffic / taking, 6) if taking else 0.0,
         ready=served.problem is None,
-        state=served.problem or "ready",
+        loaded=served.running is not None,
+        state=served.problem or ("ready" if served.running is not None else "not loaded (loads on first use)"),
     )
 
 
@@ -105,7 +106,7 @@ async def model_metadata(request: Request, name: str) -> ModelMetadata:
                 image_size=profile.image_size,
                 crop_fraction=profile.crop_fraction,
                 precision=_precision(settings),
-                random_weights=served.classifier.model_info.random_weights,
+                random_weights=served.random_weights,
                 batching=Batching(
                     max_batch_size=settings.max_batch_size,
                     max_delay=settings.max_delay,

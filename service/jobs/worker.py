@@ -97,8 +97,9 @@ from service.jobs.topology import REQUEST_KEY, Names, migrate_legacy
 from service.jobs.webhooks import WebhookSender, delivery_message
 from service.logs import JOB_ID
 from service.metrics import Metrics
-from service.schemas import Label
+from service.schemas import Label, ModelInfo
 from service.serving.catalog import load_catalog
+from service.serving.loading import Loader
 from service.serving.pipeline import open_models
 from service.serving.served import ServedModel
 from service.settings import Settings
@@ -188,10 +189,12 @@ class Worker:
         broker: Broker,
         metrics: Metrics,
         tracing: Tracing | None = None,
+        loader: Loader | None = None,
     ) -> None:
         self.settings = settings
         self.tracing = tracing
         self.model = model
+        self.loader = loader
         """The model it serves (its versions by traffic weight): the gateway's default."""
         self.broker = broker
         self.metrics = metrics
@@ -350,9 +353,8 @@ class Worker:
         reply_to = message.reply_to or DEFAULT_REPLY_TO
         filename = _filename(headers)
         served = self.model.pick(None)
-        base = JobResult(
-            job_id=job_id, status="done", filename=filename, model=served.classifier.model_info, worker=self.name
-        )
+        info = ModelInfo(name=served.model, version=served.version, random_weights=served.random_weights)
+        base = JobResult(job_id=job_id, status="done", filename=filename, model=info, worker=self.name)
         if (published := published_at(message)) is not None:
             base.timings["queued"] = max(0.0, time.time() - published)
         top_k, retries = 5, 0
@@ -372,9 +374,16 @@ class Worker:
                     "(a crashing codec or model input?)"
                 )
             deadline = asyncio.get_running_loop().time() + self.settings.request_timeout
-            (classified,) = await served.classifier.classify(
-                [ImageInput(message.body, filename)], k=top_k, deadline=deadline
-            )
+            loader = self.loader
+            if loader is not None:  # loads it within the deadline if the memory budget had unloaded it
+                await loader.acquire(served, deadline)
+            try:
+                (classified,) = await served.classifier.classify(
+                    [ImageInput(message.body, filename)], k=top_k, deadline=deadline
+                )
+            finally:
+                if loader is not None:
+                    loader.release(served)
             base.labels = [Label(index=i, label=lab, score=s) for i, lab, s in classified.labels]
             served.metrics.images_offline.inc()
             base.timings["processing"] = time.perf_counter() - started
@@ -498,7 +507,7 @@ async def run_worker(settings: Settings, stop: asyncio.Event | None = None, back
     tracing = Tracing.from_settings(settings, role="worker")
     async with open_models(settings, metrics, backend, tracing, catalog) as models:
         await broker.connect()
-        worker = Worker(settings, models.default, broker, metrics, tracing)
+        worker = Worker(settings, models.default, broker, metrics, tracing, models.loader)
         await worker.start()
         webhooks = WebhookSender(settings, broker, metrics) if settings.webhook_secret is not None else None
         if webhooks is not None:

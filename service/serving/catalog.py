@@ -71,8 +71,8 @@ PER_MODEL_SETTINGS = (
 )
 """Settings a model or a version may set for itself; the rest (decode pool, byte budget, admission,
 timeouts) belong to the whole gateway."""
-MODEL_KEYS = {"profile", "share", "sticky", "versions", *PER_MODEL_SETTINGS}
-VERSION_KEYS = {"profile", "traffic", *PER_MODEL_SETTINGS}
+MODEL_KEYS = {"profile", "share", "sticky", "versions", "memory", *PER_MODEL_SETTINGS}
+VERSION_KEYS = {"profile", "traffic", "memory", *PER_MODEL_SETTINGS}
 
 
 @dataclass(frozen=True)
@@ -83,6 +83,8 @@ class VersionSpec:
     """The gateway's settings with this version's own (backend, batcher...) applied."""
     traffic: float
     """Relative weight of this version in its model's unversioned requests (0: only by its version's route)."""
+    memory: int | None = None
+    """Bytes it takes in ``model_memory_budget`` when loaded (None: estimated from its model file)."""
 
 
 @dataclass(frozen=True)
@@ -208,7 +210,10 @@ def _model(name: str, entry: Any, settings: Settings, where: str, inherit: bool)
             else {"model_weights": None, "triton_model": name, "triton_model_version": version if explicit else ""}
         )
         merged = _settings(settings, profile, defaults | common | own, there)
-        versions.append(VersionSpec(version, profile, merged, traffic))
+        memory = version_entry.get("memory", entry.get("memory"))
+        if memory is not None and (type(memory) is not int or not 0 < memory <= MAX_INT):
+            raise CatalogError(f"{there}: memory must be a whole number of bytes above 0")
+        versions.append(VersionSpec(version, profile, merged, traffic, memory))
     if not any(v.traffic > 0 for v in versions):
         raise CatalogError(f"{here}: every version has traffic 0; at least one must take requests")
     return ModelSpec(name, tuple(sorted(versions, key=lambda v: int(v.version))), share, sticky)

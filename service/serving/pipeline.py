@@ -28,9 +28,10 @@ from service.images.budget import ByteBudget
 from service.images.preprocess import PreprocessConfig, prepare
 from service.metrics import Metrics
 from service.models.checkpoints import real_weights_hint, weights_for
-from service.serving.catalog import Catalog, VersionSpec, load_catalog
+from service.serving.catalog import Catalog, load_catalog
 from service.serving.fair import Admission, FairPool, Lane
-from service.serving.served import ServedModel, ServedModels, ServedVersion
+from service.serving.loading import Loader
+from service.serving.served import Running, ServedModel, ServedModels, ServedVersion
 from service.settings import Settings
 from service.tracing import Tracing
 
@@ -67,60 +68,67 @@ async def open_models(
     gpu = start_gpu_sampler(metrics.registry)
     metrics.gpus_visible = gpu.count if gpu is not None else 0
     lone = len(catalog.models) == 1 and len(catalog.models[0].versions) == 1
-    started: list[ServedVersion] = []
-    watchers: list[asyncio.Task[None]] = [asyncio.create_task(_sample(metrics), name="sampler")]
+    budgeted = settings.model_memory_budget > 0
+    every: list[ServedVersion] = []
+    sampler = asyncio.create_task(_sample(metrics), name="sampler")
+
+    async def start(served: ServedVersion) -> Running:
+        return await _start_version(served, metrics, tracing, backend if lone else None, budget, decode, decode_many)
+
+    async def stop(running: Running) -> None:
+        await _stop_version(running, settings.request_timeout)
+
     try:
         models: dict[str, ServedModel] = {}
         for spec in catalog.models:
             executor: Executor = fair.lane(spec.share) if fair is not None else pool
             versions = {}
             for version in spec.versions:
-                served = await _start_version(
-                    spec.name,
-                    version,
-                    metrics,
-                    tracing,
-                    backend if lone else None,
-                    executor,
-                    budget,
-                    decode,
-                    decode_many,
-                )
-                started.append(served)
+                lazy = budgeted and version.settings.backend != "triton"  # Triton holds its own models
+                label = backend.name if lone and backend is not None else _backend_label(version.settings)
+                served_metrics = metrics.model(spec.name, version.version, label)
+                served = ServedVersion(spec.name, version, served_metrics, executor, lazy=lazy)
+                every.append(served)
                 versions[version.version] = served
-                watchers.append(
-                    asyncio.create_task(served.health.run(), name=f"readiness {spec.name}/{version.version}")
-                )
             models[spec.name] = ServedModel(spec, versions, lane=executor if isinstance(executor, Lane) else None)
+        loader = (
+            Loader(settings.model_memory_budget, [v for v in every if v.lazy], start, stop, metrics)
+            if budgeted
+            else None
+        )
+        for served in every:  # with a budget, only the default model's in-process versions now
+            if not served.lazy:
+                served.running = await start(served)
+            elif served.model == catalog.default:
+                assert loader is not None
+                await loader.acquire(served, None)
+                loader.release(served)
         shares = {spec.name: spec.share for spec in catalog.models}
         admission = Admission(settings.max_concurrent_requests, shares, fair=settings.fair_sharing)
-        yield ServedModels(catalog, models, admission)
+        yield ServedModels(catalog, models, admission, loader)
     finally:
-        for watcher in watchers:
-            watcher.cancel()
-        await asyncio.gather(*watchers, return_exceptions=True)  # no readiness call left in flight
+        sampler.cancel()
+        await asyncio.gather(sampler, return_exceptions=True)
         if gpu is not None:
             gpu.stop()
-        await asyncio.gather(
-            *(_stop_version(served, settings.request_timeout) for served in started), return_exceptions=True
-        )
+        running = [served.running for served in every if served.running is not None]
+        await asyncio.gather(*(stop(r) for r in running), return_exceptions=True)
         if fair is not None:
             fair.close()
         pool.shutdown(wait=True, cancel_futures=True)
 
 
 async def _start_version(
-    name: str,
-    spec: VersionSpec,
+    served: ServedVersion,
     metrics: Metrics,
     tracing: Tracing | None,
     backend: Backend | None,
-    executor: Executor,
     budget: ByteBudget,
     decode: Prepare,
     decode_many: PrepareMany | None,
-) -> ServedVersion:
+) -> Running:
     """One model version's backend (started), batcher, readiness check and classifier."""
+    name, spec = served.model, served.spec
     settings, profile = spec.settings, spec.profile
     chosen = backend if backend is not None else await build_backend(settings, profile)
     if settings.breaker_threshold:
@@ -129,36 +137,38 @@ async def _start_version(
             chosen, threshold=settings.breaker_threshold, cooldown=settings.breaker_cooldown, probe=probe
         )
     await chosen.start()
-    served_metrics = metrics.model(name, spec.version, chosen.name)
     batcher = DynamicBatcher(
         chosen.infer,
         max_batch_size=settings.max_batch_size,
         max_delay=settings.max_delay,
         max_queue_size=settings.max_queue_size,
         max_inflight_batches=settings.max_inflight_batches,
-        on_batch=served_metrics.observe_batch,
+        on_batch=served.metrics.observe_batch,
         tracing=tracing,
         backend_name=chosen.name,
         policy=settings.batch_policy,
         rank=rank_batch,  # once per batch, not once per image on the event loop
         on_abandon=metrics.abandoned_images.inc,
     )
-    served_metrics.bind(batcher)
+    served.metrics.bind(batcher)
     batcher.start()
-    health = BackendHealth(chosen, served_metrics, settings.readiness_interval, name=f"{name}/{spec.version}")
+    health = BackendHealth(chosen, served.metrics, settings.readiness_interval, name=f"{name}/{spec.version}")
     await health.refresh()
     logger.info("model %s version %s ready: %s on the %s backend", name, spec.version, profile.name, chosen.name)
     random_weights = profile.random_without_weights and weights_for(settings, profile.name) is None
     if random_weights:
         logger.warning(
-            "model %s has RANDOM weights: its answers are meaningless (every answer says random_weights: true); %s",
+            "model %s version %s (%s) has RANDOM weights: its answers are meaningless (every answer says "
+            "random_weights: true); %s",
+            name,
+            spec.version,
             profile.name,
             real_weights_hint(profile.name),
         )
     classifier = Classifier(
         profile,
         batcher,
-        executor,
+        served.executor,
         metrics,
         PreprocessConfig(profile.image_size, profile.crop_fraction, settings.max_image_bytes),
         budget,
@@ -169,12 +179,22 @@ async def _start_version(
         name=name,
         version=spec.version,
     )
-    return ServedVersion(name, spec, classifier, chosen, health, served_metrics)
+    watcher = asyncio.create_task(health.run(), name=f"readiness {name}/{spec.version}")
+    return Running(classifier, chosen, health, watcher)
 
 
-async def _stop_version(served: ServedVersion, drain_timeout: float) -> None:
-    await served.classifier.batcher.aclose(drain_timeout=drain_timeout)
-    await served.backend.aclose()
+async def _stop_version(running: Running, drain_timeout: float) -> None:
+    running.watcher.cancel()
+    await asyncio.gather(running.watcher, return_exceptions=True)  # no readiness call left in flight
+    await running.classifier.batcher.aclose(drain_timeout=drain_timeout)
+    await running.backend.aclose()
+
+
+def _backend_label(settings: Settings) -> str:
+    """The ``backend`` label of a version's series: its backend's name, known before it loads."""
+    if settings.backend == "torch" and settings.engine_socket is not None:
+        return "engine"  # a worker of the shared engine
+    return settings.backend
 
 
 async def _sample(metrics: Metrics) -> None:

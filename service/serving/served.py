@@ -3,38 +3,84 @@ the choice of a version for a request (weighted by traffic, optionally sticky pe
 
 from __future__ import annotations
 
+import asyncio
 import bisect
 import hashlib
 import itertools
 import random
+from concurrent.futures import Executor
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from service.backends.base import Backend
 from service.backends.health import BackendHealth
 from service.classifier import Classifier
 from service.errors import NotFound
 from service.metrics import ModelMetrics
+from service.models.checkpoints import weights_for
 from service.serving.catalog import Catalog, ModelSpec, VersionSpec
 from service.serving.fair import Admission, Lane
+
+if TYPE_CHECKING:
+    from service.serving.loading import Loader
+
+
+@dataclass
+class Running:
+    """A loaded model version: what serves its requests, and its readiness check's task."""
+
+    classifier: Classifier
+    backend: Backend
+    health: BackendHealth
+    watcher: asyncio.Task[None]
 
 
 @dataclass
 class ServedVersion:
     model: str
     spec: VersionSpec
-    classifier: Classifier
-    backend: Backend
-    health: BackendHealth
     metrics: ModelMetrics
+    executor: Executor
+    """Where its images are decoded: its model's lane of the shared pool, or the pool."""
+    running: Running | None = None
+    """None while it is not loaded (with a memory budget, it loads on first use)."""
+    lazy: bool = False
+    """Loaded on first use and unloaded when the memory budget needs its room (``Loader``)."""
+    in_use: int = 0
+    """Requests using it now: it is not unloaded while any is."""
+    last_used: float = 0.0
 
     @property
     def version(self) -> str:
         return self.spec.version
 
     @property
+    def classifier(self) -> Classifier:
+        assert self.running is not None, f"{self.model}/{self.version} is not loaded"
+        return self.running.classifier
+
+    @property
+    def backend(self) -> Backend:
+        assert self.running is not None, f"{self.model}/{self.version} is not loaded"
+        return self.running.backend
+
+    @property
+    def random_weights(self) -> bool:
+        """Its answers are meaningless: a profile with random weights and no weights file."""
+        profile = self.spec.profile
+        return profile.random_without_weights and weights_for(self.spec.settings, profile.name) is None
+
+    @property
+    def backend_name(self) -> str:
+        return self.running.backend.name if self.running is not None else self.spec.settings.backend
+
+    @property
     def problem(self) -> str | None:
-        """None when its backend was ready at the last check, else why not."""
-        return self.health.problem
+        """None when its backend was ready at the last check (or, not loaded, when it loads on
+        first use), else why not."""
+        if self.running is None:
+            return None if self.lazy else "not started"
+        return self.running.health.problem
 
 
 @dataclass
@@ -111,11 +157,15 @@ class ServedModel:
 class ServedModels:
     """Every model served here, by name, with the default (``/classify``'s) and the fair admission."""
 
-    def __init__(self, catalog: Catalog, models: dict[str, ServedModel], admission: Admission) -> None:
+    def __init__(
+        self, catalog: Catalog, models: dict[str, ServedModel], admission: Admission, loader: Loader | None = None
+    ) -> None:
         self.catalog = catalog
         self.models = models
         self.default = models[catalog.default]
         self.admission = admission
+        self.loader = loader
+        """Loads and unloads in-process versions within the memory budget (None: no budget, all loaded)."""
 
     def get(self, name: str) -> ServedModel:
         model = self.models.get(name)

@@ -44,6 +44,7 @@ async def test_two_real_models_answer_by_name_with_their_own_metrics(
                 "backend": "embedded",
                 "traffic": 1.0,
                 "ready": True,
+                "loaded": True,
                 "state": "ready",
             }
         ]

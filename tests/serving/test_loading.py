@@ -1,0 +1,110 @@
+"""Memory-bounded loading (GATEWAY_MODEL_MEMORY_BUDGET): the default model loads at start, the
+others on first use; the least recently used idle version is unloaded to make room, a version in
+use never is; a request that cannot be served in time gets 503 with Retry-After, and a load that
+outlives its request finishes for the next one. Loads and unloads are counted."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from collections.abc import Callable
+from pathlib import Path
+
+from service.settings import Settings
+from tests.conftest import GatewayClient, running_gateway
+
+MakeSettings = Callable[..., Settings]
+MB = 1 << 20
+JPEG = {"content-type": "image/jpeg"}
+
+
+def _models(tmp_path: Path, entries: dict[str, str]) -> Path:
+    path = tmp_path / "models.toml"
+    path.write_text(
+        "".join(f"[models.{name}]\nprofile = 'trivial'\nbackend = 'fake'\n{extra}\n" for name, extra in entries.items())
+    )
+    return path
+
+
+async def _loaded(client: GatewayClient) -> dict[str, bool]:
+    models = (await client.get("/v1/models")).json()["models"]
+    return {m["name"]: m["versions"][0]["loaded"] for m in models}
+
+
+def _counts(text: str, metric: str) -> dict[str, float]:
+    pattern = rf'^{metric}\{{model="([^"]+)",(?:outcome="loaded",)?version="1"\}} (\S+)$'
+    return {model: float(value) for model, value in re.findall(pattern, text, re.M)}
+
+
+async def test_the_least_recently_used_idle_model_makes_room(
+    gateway_factory: MakeSettings, tmp_path: Path, coffee_jpeg: bytes
+) -> None:
+    models = _models(tmp_path, {name: f"memory = {100 * MB}" for name in ("a", "b", "c")})
+    async with running_gateway(gateway_factory(models_file=models, model_memory_budget=250 * MB)) as client:
+        assert await _loaded(client) == {"a": True, "b": False, "c": False}
+        assert (await client.get("/readyz")).json()["checks"][
+            "backend b/1"
+        ] == "fake: not loaded (loads on first use): ok"
+        for name in ("b", "a", "c"):  # c needs room: b is the least recently used
+            answer = await client.post(f"/v1/models/{name}/classify", content=coffee_jpeg, headers=JPEG)
+            assert answer.status_code == 200, answer.text
+            assert answer.json()["model"]["name"] == name
+        assert await _loaded(client) == {"a": True, "b": False, "c": True}
+        text = (await client.get("/metrics")).text
+    assert _counts(text, "gateway_model_loads_total") == {"a": 1.0, "b": 1.0, "c": 1.0}
+    assert _counts(text, "gateway_model_unloads_total") == {"b": 1.0}
+    assert _counts(text, "gateway_model_memory_bytes") == {"a": 100 * MB, "b": 0, "c": 100 * MB}
+
+
+async def test_a_model_in_use_is_not_unloaded_and_the_request_that_needs_its_room_retries(
+    gateway_factory: MakeSettings, tmp_path: Path, coffee_jpeg: bytes
+) -> None:
+    """a is busy (a 1.5 s batch): b cannot take its room, 503 with Retry-After; once a's request
+    is answered, b loads in a's place."""
+    models = _models(tmp_path, {"a": f"memory = {100 * MB}\nfake_delay = 1.5", "b": f"memory = {100 * MB}"})
+    async with running_gateway(gateway_factory(models_file=models, model_memory_budget=150 * MB)) as client:
+        busy = asyncio.create_task(client.post("/v1/models/a/classify", content=coffee_jpeg, headers=JPEG))
+        async with asyncio.timeout(5):
+            inflight = 'gateway_batcher_inflight_batches{model="a",version="1"} 1.0'
+            while inflight not in (await client.get("/metrics")).text:  # noqa: ASYNC110
+                await asyncio.sleep(0.02)
+        refused = await client.post("/v1/models/b/classify", content=coffee_jpeg, headers=JPEG)
+        assert refused.status_code == 503, refused.text
+        assert refused.json()["error"] == "model_not_loaded"
+        assert "the models in use hold 100 MB of the 150 MB budget" in refused.json()["detail"]
+        assert refused.headers["retry-after"] == "5"
+        assert (await busy).status_code == 200
+        later = await client.post("/v1/models/b/classify", content=coffee_jpeg, headers=JPEG)
+        assert later.status_code == 200
+        assert await _loaded(client) == {"a": False, "b": True}
+        too_big = _models(tmp_path, {"a": "", "huge": f"memory = {200 * MB}"})
+    async with running_gateway(gateway_factory(models_file=too_big, model_memory_budget=150 * MB)) as client:
+        refused = await client.post("/v1/models/huge/classify", content=coffee_jpeg, headers=JPEG)
+        assert refused.status_code == 503
+        assert "more than the whole budget (150 MB)" in refused.json()["detail"]
+
+
+async def test_real_models_load_on_first_use_and_a_slow_load_finishes_for_the_next_request(
+    gateway_factory: MakeSettings, tmp_path: Path, coffee_jpeg: bytes
+) -> None:
+    """EfficientNet-Lite0 and the trivial model, in ONNX Runtime, one at a time in the budget: a
+    request whose deadline (0.05 s) is shorter than the model's load gets 503, the load goes on,
+    and a later request is answered by the loaded model."""
+    models = tmp_path / "models.toml"
+    models.write_text(
+        f"default = 'small'\n[models.small]\nprofile = 'trivial'\nmemory = {60 * MB}\n"
+        f"[models.real]\nprofile = 'efficientnet-lite0'\nmemory = {60 * MB}\n"
+    )
+    settings = gateway_factory(models_file=models, model_memory_budget=100 * MB, request_timeout=0.05)
+    async with running_gateway(settings) as client:
+        first = await client.post("/v1/models/real/classify", content=coffee_jpeg, headers=JPEG)
+        assert first.status_code == 503, first.text
+        assert first.json()["error"] == "model_not_loaded"
+        assert "is loading" in first.json()["detail"]
+        async with asyncio.timeout(30):
+            while not (await _loaded(client))["real"]:  # noqa: ASYNC110
+                await asyncio.sleep(0.1)
+        assert await _loaded(client) == {"small": False, "real": True}
+        client.app.state.gateway.settings = settings.model_copy(update={"request_timeout": 10.0})
+        answer = await client.post("/v1/models/real/classify", content=coffee_jpeg, headers=JPEG)
+        assert answer.json()["results"][0]["labels"][0]["label"] == "espresso"
