@@ -172,3 +172,17 @@ class ModelNotLoaded(BackendUnavailable):
 
     def __init__(self, detail: str, *, retry_after: int = 1) -> None:
         super().__init__(detail, headers={"Retry-After": str(retry_after)})
+
+
+class Forbidden(GatewayError):
+    """The request needs a key it did not send (the admin key of the models' load and unload)."""
+
+    status_code = 403
+    error = "forbidden"
+
+
+class Conflict(GatewayError):
+    """The request cannot be done in the resource's present state (a model in use, loaded at start)."""
+
+    status_code = 409
+    error = "conflict"

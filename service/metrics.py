@@ -292,6 +292,8 @@ class Metrics:
             "deadline_exceeded",
             "backend_unavailable",
             "model_not_loaded",
+            "forbidden",
+            "conflict",
             "backend_error",
             "unauthorized",
             "not_found",

@@ -274,6 +274,9 @@ class Settings(BaseSettings):
     default model loads at start and the others on first use, and the least recently used idle one
     is unloaded when a load would exceed it (a version's memory: its ``memory`` in the models file,
     else twice its model file). 0: every model loaded at start, none unloaded. See docs/routing.md."""
+    admin_key: SecretStr | None = None
+    """Key of the models' admin routes (``POST /v1/models/{name}/load`` and ``/unload``), sent as
+    ``X-Admin-Key``; unset: those routes are off (404). Not an API key: API keys classify."""
     fair_sharing: bool = True
     """With several models, share ``max_concurrent_requests`` and the decode threads between them by
     their ``share`` (a flooded model cannot starve the others; see docs/routing.md). Off: first come,
@@ -524,7 +527,7 @@ class Settings(BaseSettings):
                 raise ValueError(f"{where} has no host, or a space or control character in it")
         return ",".join(parts)
 
-    @field_validator("webhook_secret", "models_file", mode="before")
+    @field_validator("webhook_secret", "models_file", "admin_key", mode="before")
     @classmethod
     def _unset_when_empty(cls, value: object) -> object:
         """``GATEWAY_WEBHOOK_SECRET=`` (compose's default for an unset variable) means no webhooks;

@@ -4,11 +4,16 @@ the same work as ``/classify``, which serves the default model)."""
 
 from __future__ import annotations
 
+import asyncio
+import hmac
+import logging
 from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
+from service.backends.triton_repository import TritonRepository
+from service.errors import Conflict, Forbidden, NotFound
 from service.http.api import CHECKED_QUERY, QUERY_DOC, gateway_of, handle_classify
 from service.http.openapi import CLASSIFY_BODY, ERRORS
 from service.schemas import (
@@ -26,6 +31,7 @@ from service.serving.served import ServedModel, ServedVersion
 from service.settings import Settings
 
 router = APIRouter()
+logger = logging.getLogger(__name__)
 
 CLASSIFY_DOC = (
     "`POST /classify`'s work (bodies, `top_k`, `mode`, errors) on the named model. Without a version, the "
@@ -125,6 +131,78 @@ CLASSIFY_RESPONSES: dict[int | str, dict[str, Any]] = {
     **NOT_FOUND,
     202: {"model": JobsAccepted, "description": "mode=offline: one job per image."},
 }
+
+
+ADMIN_KEY = "X-Admin-Key"
+ADMIN_RESPONSES: dict[int | str, dict[str, Any]] = {
+    **NOT_FOUND,
+    400: {"model": ErrorBody, "description": "Triton refused (e.g. it does not run in explicit model control mode)."},
+    403: {"model": ErrorBody, "description": "X-Admin-Key missing or wrong."},
+    409: {"model": ErrorBody, "description": "A version in use, or loaded at start without a memory budget."},
+    503: {"model": ErrorBody, "description": "Triton unreachable, or the load did not fit the memory budget."},
+}
+
+
+def _check_admin(request: Request) -> None:
+    key = gateway_of(request).settings.admin_key
+    if key is None:
+        raise NotFound("the models' admin routes are off here (no GATEWAY_ADMIN_KEY)")
+    sent = request.headers.get(ADMIN_KEY, "").encode("latin-1", "replace")
+    if not hmac.compare_digest(sent, key.get_secret_value().encode()):
+        raise Forbidden(f"{ADMIN_KEY} is missing or wrong")
+
+
+async def _control(request: Request, name: str, load: bool) -> ModelSummary:
+    """Load or unload every version of a model: on Triton (explicit model control mode), or an
+    in-process version under the memory budget. What was asked is logged."""
+    _check_admin(request)
+    gateway = gateway_of(request)
+    model = gateway.models.get(name)
+    loader = gateway.models.loader
+    asked = set()
+    for served in model.versions.values():
+        settings = served.spec.settings
+        if settings.backend == "triton":
+            target = (settings.triton_url, settings.triton_protocol, settings.triton_model or name)
+            if target not in asked:
+                asked.add(target)
+                repository = TritonRepository(target[0], settings.triton_protocol)
+                await (repository.load(target[2]) if load else repository.unload(target[2]))
+            if served.running is not None:
+                await served.running.health.refresh()  # its readiness now, not at the next check
+        elif served.lazy and loader is not None:
+            if load:
+                await loader.acquire(served, asyncio.get_running_loop().time() + gateway.settings.request_timeout)
+                loader.release(served)
+            else:
+                await loader.unload_idle(served)
+        else:
+            raise Conflict(
+                f"model {name!r} version {served.version} runs in this process and was loaded at start: it loads "
+                "and unloads only under GATEWAY_MODEL_MEMORY_BUDGET"
+            )
+    logger.info("models: %s %s, as asked", "loaded" if load else "unloaded", name)
+    return _summary(request, model)
+
+
+@router.post(
+    "/v1/models/{name}/load",
+    response_model=ModelSummary,
+    responses=ADMIN_RESPONSES,
+    summary="Load a model (admin key): on Triton in explicit mode, or in this process under the memory budget",
+)
+async def load_model(request: Request, name: str) -> ModelSummary:
+    return await _control(request, name, load=True)
+
+
+@router.post(
+    "/v1/models/{name}/unload",
+    response_model=ModelSummary,
+    responses=ADMIN_RESPONSES,
+    summary="Unload a model (admin key): on Triton in explicit mode, or from this process under the memory budget",
+)
+async def unload_model(request: Request, name: str) -> ModelSummary:
+    return await _control(request, name, load=False)
 
 
 @router.post(

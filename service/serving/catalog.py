@@ -27,9 +27,9 @@ from __future__ import annotations
 
 import re
 import tomllib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import ConfigDict, TypeAdapter, ValidationError
 
@@ -101,10 +101,26 @@ class ModelSpec:
 
 
 @dataclass(frozen=True)
+class Discovery:
+    """A models file's ``[triton]`` table: serve every model of this Triton's repository index too."""
+
+    url: str
+    protocol: Literal["grpc", "http"]
+    profile: str
+    """The profile its models are taken to be (input size, crop, labels), checked against each
+    model's metadata by its readiness check."""
+
+
+@dataclass(frozen=True)
 class Catalog:
     models: tuple[ModelSpec, ...]
     default: str
     """The model ``/classify`` and the queue worker serve."""
+    discovery: Discovery | None = None
+    table: dict[str, Any] = field(default_factory=dict, compare=False)
+    """What it was parsed from (the models file's tables), to add discovered models to."""
+    discovered: dict[str, Any] = field(default_factory=dict, compare=False)
+    """The ``[models.NAME]`` tables made for the models found in Triton's index."""
 
     def model(self, name: str) -> ModelSpec | None:
         return next((m for m in self.models if m.name == name), None)
@@ -149,9 +165,12 @@ def read_models_file(path: Path) -> dict[str, Any]:
 
 def parse_catalog(table: dict[str, Any], settings: Settings, where: str, *, inherit: bool = False) -> Catalog:
     """``inherit``: the gateway's one model, on the gateway's settings as they are (see ``load_catalog``)."""
-    unknown = set(table) - {"default", "models"}
+    unknown = set(table) - {"default", "models", "triton"}
     if unknown:
-        raise CatalogError(f"{where}: unknown key(s) {sorted(unknown)}; expected default and [models.NAME] tables")
+        raise CatalogError(
+            f"{where}: unknown key(s) {sorted(unknown)}; expected default, [models.NAME] tables and [triton]"
+        )
+    discovery = _discovery(table.get("triton"), settings, where)
     models_table = table.get("models")
     if not isinstance(models_table, dict) or not models_table:
         raise CatalogError(f"{where}: no [models.NAME] table")
@@ -169,7 +188,58 @@ def parse_catalog(table: dict[str, Any], settings: Settings, where: str, *, inhe
     default = table.get("default", models[0].name)
     if not isinstance(default, str) or default not in models_table:
         raise CatalogError(f"{where}: default {default!r} is not one of the models ({', '.join(models_table)})")
-    return Catalog(models, default)
+    return Catalog(models, default, discovery, table)
+
+
+def _discovery(entry: Any, settings: Settings, where: str) -> Discovery | None:
+    if entry is None:
+        return None
+    here = f"{where}: [triton]"
+    if not isinstance(entry, dict):
+        raise CatalogError(f"{here}: expected a table")
+    _known(entry, {"url", "protocol", "profile"}, here)
+    url, protocol = entry.get("url"), entry.get("protocol", "grpc")
+    if not isinstance(url, str) or not url.strip() or any(c.isspace() for c in url) or "/" in url:
+        raise CatalogError(f"{here}: url must be Triton's host:port")
+    if protocol not in ("grpc", "http"):
+        raise CatalogError(f"{here}: protocol must be grpc or http")
+    profile = get_profile_named(entry.get("profile", settings.model), here)
+    return Discovery(url, protocol, profile.name)
+
+
+def with_discovered(catalog: Catalog, found: list[tuple[str, str]], settings: Settings) -> tuple[Catalog, list[str]]:
+    """``catalog`` with the models of Triton's index ``found`` ((name, version) pairs; version ""
+    when Triton lists a model without one) that the file does not name: each served on Triton under
+    its name, every version it has, the highest taking the traffic. Also the names skipped (not a
+    valid model name)."""
+    assert catalog.discovery is not None
+    discovery = catalog.discovery
+    named = set(catalog.table.get("models", {}))
+    versions: dict[str, set[str]] = {}
+    skipped = []
+    for name, version in found:
+        if not NAME.fullmatch(name):
+            skipped.append(name)
+        elif name not in named:
+            versions.setdefault(name, set()).update({version} if VERSION.fullmatch(version) else set())
+    made: dict[str, Any] = {}
+    for name, numbered in sorted(versions.items())[: MAX_MODELS - len(named)]:
+        entry: dict[str, Any] = {
+            "profile": discovery.profile,
+            "backend": "triton",
+            "triton_url": discovery.url,
+            "triton_protocol": discovery.protocol,
+        }
+        if numbered:
+            latest = max(numbered, key=int)
+            chosen = sorted(numbered, key=int)[-MAX_VERSIONS:]
+            entry["versions"] = {v: {"traffic": 1 if v == latest else 0} for v in chosen}
+        made[name] = entry
+    if not made:
+        return catalog, skipped
+    table = {**catalog.table, "models": {**catalog.table.get("models", {}), **made}}
+    fresh = parse_catalog(table, settings, f"Triton at {discovery.url}")
+    return Catalog(fresh.models, fresh.default, fresh.discovery, catalog.table, made), skipped
 
 
 def _model(name: str, entry: Any, settings: Settings, where: str, inherit: bool) -> ModelSpec:
@@ -285,10 +355,17 @@ def reload_traffic(catalog: Catalog, table: dict[str, Any], settings: Settings, 
     """``catalog`` with the traffic weights (and shares, sticky) of a reloaded models file; anything
     else changed (a model, version, profile or setting added, removed or altered) is refused: that
     needs a restart, which loads and warms the new backends."""
+    if catalog.discovered:  # the models found in Triton's index at start stay (the file's own win)
+        own = _object(table.get("models"))
+        table = {**table, "models": {**own, **{k: v for k, v in catalog.discovered.items() if k not in own}}}
     fresh = parse_catalog(table, settings, where)
     if _served(fresh) != _served(catalog) or fresh.default != catalog.default:
         raise CatalogError(
             f"{where}: only traffic, share and sticky change without a restart; models, versions and their "
             "settings are as at start"
         )
-    return fresh
+    return Catalog(fresh.models, fresh.default, fresh.discovery, fresh.table, catalog.discovered)
+
+
+def _object(value: Any) -> dict[str, Any]:
+    return value if isinstance(value, dict) else {}

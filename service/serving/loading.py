@@ -16,7 +16,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 
-from service.errors import ModelNotLoaded
+from service.errors import Conflict, ModelNotLoaded
 from service.metrics import Metrics
 from service.models.store import model_path
 from service.serving.served import Running, ServedVersion
@@ -66,7 +66,9 @@ class Loader:
             key=lambda v: v.last_used,
         )
         while self.used > self.budget and idle:
-            await self.unload(idle.pop(0), reason=f"room for {loaded.model} version {loaded.version}")
+            await self.unload(
+                idle.pop(0), reason=f"least recently used: room for {loaded.model} version {loaded.version}"
+            )
 
     async def acquire(self, served: ServedVersion, deadline: float | None) -> None:
         """Hold ``served`` loaded for a request (``release`` after): loaded now, or by ``deadline``."""
@@ -143,7 +145,17 @@ class Loader:
                 f"model {served.model!r} version {served.version} cannot be loaded now: {reason}", retry_after=5
             )
         for victim in evicted:
-            await self.unload(victim, reason=f"room for {served.model} version {served.version}")
+            await self.unload(victim, reason=f"least recently used: room for {served.model} version {served.version}")
+
+    async def unload_idle(self, served: ServedVersion) -> None:
+        """Unload ``served`` now (an operator asks), unless a request uses it."""
+        async with self._lock:
+            if served.in_use:
+                raise Conflict(
+                    f"model {served.model!r} version {served.version} is in use by {served.in_use} request(s); "
+                    "retry when they are answered"
+                )
+            await self.unload(served, reason="asked for")
 
     async def unload(self, served: ServedVersion, reason: str) -> None:
         running, served.running = served.running, None  # no request takes it from here on
@@ -152,4 +164,4 @@ class Loader:
         await self._stop(running)
         self._metrics.model_unloads.labels(served.model, served.version).inc()
         self._metrics.model_memory.labels(served.model, served.version).set(0)
-        logger.info("model %s version %s unloaded (least recently used; %s)", served.model, served.version, reason)
+        logger.info("model %s version %s unloaded (%s)", served.model, served.version, reason)

@@ -20,15 +20,17 @@ from service.backends.base import Backend
 from service.backends.circuit import CircuitBreaker
 from service.backends.factory import build_backend
 from service.backends.health import BackendHealth
+from service.backends.triton_repository import TritonRepository
 from service.batching.batcher import DynamicBatcher
 from service.classifier import Classifier, Prepare, PrepareMany, rank_batch
+from service.errors import GatewayError
 from service.host.allocator import keep_image_buffers
 from service.host.gpu import start_gpu_sampler
 from service.images.budget import ByteBudget
 from service.images.preprocess import PreprocessConfig, prepare
 from service.metrics import Metrics
 from service.models.checkpoints import real_weights_hint, weights_for
-from service.serving.catalog import Catalog, load_catalog
+from service.serving.catalog import Catalog, load_catalog, with_discovered
 from service.serving.fair import Admission, FairPool, Lane
 from service.serving.loading import Loader
 from service.serving.served import Running, ServedModel, ServedModels, ServedVersion
@@ -51,6 +53,8 @@ async def open_models(
     readiness check; on exit drain and close them in order. ``backend`` (tests) replaces the
     default model's backend when the catalog serves one version."""
     catalog = catalog if catalog is not None else load_catalog(settings)
+    if catalog.discovery is not None:
+        catalog = await _discover(catalog, settings)
     keep_image_buffers()  # this process churns through image-sized buffers from here on
     decode: Prepare = prepare  # before anything starts: a missing GPU decoder fails here, with nothing to undo
     decode_many: PrepareMany | None = None
@@ -188,6 +192,26 @@ async def _stop_version(running: Running, drain_timeout: float) -> None:
     await asyncio.gather(running.watcher, return_exceptions=True)  # no readiness call left in flight
     await running.classifier.batcher.aclose(drain_timeout=drain_timeout)
     await running.backend.aclose()
+
+
+async def _discover(catalog: Catalog, settings: Settings) -> Catalog:
+    """``catalog`` with the models of its Triton's repository index (see ``with_discovered``); an
+    unreachable Triton leaves the file's models alone (discovery happens at start only)."""
+    assert catalog.discovery is not None
+    try:
+        found = await TritonRepository(catalog.discovery.url, catalog.discovery.protocol).index()
+    except GatewayError as exc:
+        logger.warning("models: Triton's repository index could not be read, its models are not served: %s", exc)
+        return catalog
+    grown, skipped = with_discovered(catalog, [(entry.name, entry.version) for entry in found], settings)
+    if skipped:
+        logger.warning("models: Triton's %s not served (a name is 1-64 of a-z 0-9 _ . -)", ", ".join(skipped))
+    logger.info(
+        "models: found in Triton's repository index at %s: %s",
+        catalog.discovery.url,
+        ", ".join(grown.discovered) or "nothing the models file does not name",
+    )
+    return grown
 
 
 def _backend_label(settings: Settings) -> str:

@@ -108,3 +108,28 @@ async def test_real_models_load_on_first_use_and_a_slow_load_finishes_for_the_ne
         client.app.state.gateway.settings = settings.model_copy(update={"request_timeout": 10.0})
         answer = await client.post("/v1/models/real/classify", content=coffee_jpeg, headers=JPEG)
         assert answer.json()["results"][0]["labels"][0]["label"] == "espresso"
+
+
+async def test_the_operator_loads_and_unloads_in_process_models_with_the_admin_key(
+    gateway_factory: MakeSettings, tmp_path: Path, coffee_jpeg: bytes
+) -> None:
+    models = _models(tmp_path, {"a": f"memory = {100 * MB}", "b": f"memory = {100 * MB}"})
+    admin = {"x-admin-key": "an-admin-key-for-the-test"}
+    settings = gateway_factory(models_file=models, model_memory_budget=250 * MB, admin_key=admin["x-admin-key"])
+    async with running_gateway(settings) as client:
+        loaded = await client.post("/v1/models/b/load", headers=admin)
+        assert loaded.status_code == 200, loaded.text
+        assert loaded.json()["versions"][0]["loaded"] is True
+        unloaded = await client.post("/v1/models/a/unload", headers=admin)
+        assert unloaded.json()["versions"][0]["loaded"] is False
+        assert await _loaded(client) == {"a": False, "b": True}
+        assert (await client.post("/v1/models/a/unload")).status_code == 403
+    eager = gateway_factory(models_file=models, admin_key=admin["x-admin-key"])
+    async with running_gateway(eager) as client:
+        refused = await client.post("/v1/models/a/unload", headers=admin)
+        assert refused.status_code == 409
+        assert "loads and unloads only under GATEWAY_MODEL_MEMORY_BUDGET" in refused.json()["detail"]
+    async with running_gateway(gateway_factory(models_file=models)) as client:
+        off = await client.post("/v1/models/a/unload", headers=admin)
+        assert off.status_code == 404
+        assert "admin routes are off" in off.json()["detail"]

@@ -25,6 +25,7 @@ from tests.triton_server import start_triton
 pytestmark = pytest.mark.triton
 
 ESPRESSO = 967
+JPEG = {"content-type": "image/jpeg"}
 MODELS = """
 [models.products]
 profile = "efficientnet-lite0"
@@ -42,12 +43,14 @@ max_batch_size = 8
 def two_model_triton(
     triton_install: TritonInstall, models_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[LocalTriton]:
+    """Triton in explicit model control mode with two models in its repository, both loaded."""
     repository = tmp_path_factory.mktemp("two-models")
     options = TritonOptions(variant="python", max_batch_size=32, intra_op_threads=1)
     for name, profile_name in (("products", "efficientnet-lite0"), ("moderation", "trivial")):
         profile = get_profile(profile_name)
         write_model(repository, profile, options, ensure_model(models_dir, profile), name=name)
-    server = start_triton(triton_install, repository, tmp_path_factory.mktemp("two-model-logs"))
+    explicit = ("--model-control-mode=explicit", "--load-model=products", "--load-model=moderation")
+    server = start_triton(triton_install, repository, tmp_path_factory.mktemp("two-model-logs"), extra_args=explicit)
     yield server
     server.stop()
 
@@ -98,3 +101,42 @@ async def test_two_models_on_triton_each_reach_their_own(
     after = _triton_counts(two_model_triton)
     assert after["products"] - before.get("products", 0.0) == 2  # /classify and the tritonclient call
     assert after["moderation"] - before.get("moderation", 0.0) == 4
+
+
+async def test_models_found_in_tritons_index_are_served_and_loaded_when_the_operator_asks(
+    gateway_factory: Callable[..., Settings], two_model_triton: LocalTriton, tmp_path: Path, coffee_jpeg: bytes
+) -> None:
+    """The models file names one model and Triton's index has a second: the gateway serves both;
+    the operator unloads the second through the gateway (admin key), it is refused (503), the
+    gateway and Triton say not ready; loads it again, it answers. Without the key, 403; the other
+    model never stops."""
+    url = two_model_triton.grpc_url
+    models = tmp_path / "models.toml"
+    models.write_text(
+        f'[triton]\nurl = "{url}"\nprofile = "efficientnet-lite0"\n'
+        f'[models.products]\nprofile = "efficientnet-lite0"\nbackend = "triton"\ntriton_url = "{url}"\n'
+    )
+    admin = {"x-admin-key": "an-admin-key-for-the-test"}
+    settings = gateway_factory(models_file=models, admin_key=admin["x-admin-key"], readiness_interval=0.2)
+    async with running_gateway(settings) as client:
+        listed = {m["name"]: m["ready"] for m in (await client.get("/v1/models")).json()["models"]}
+        assert listed == {"products": True, "moderation": True}
+        assert (await client.post("/v1/models/moderation/unload")).status_code == 403
+        assert (await client.post("/v1/models/moderation/unload", headers={"x-admin-key": "wrong"})).status_code == 403
+
+        unloaded = await client.post("/v1/models/moderation/unload", headers=admin)
+        assert unloaded.status_code == 200, unloaded.text
+        assert unloaded.json()["ready"] is False
+        refused = await client.post("/v1/models/moderation/classify", content=coffee_jpeg, headers=JPEG)
+        assert refused.status_code == 503, refused.text
+        state = await client.get(f"http://{two_model_triton.http_url}/v2/models/moderation/ready")
+        assert state.status_code == 400  # Triton's own answer for a model it does not serve now
+
+        loaded = await client.post("/v1/models/moderation/load", headers=admin)
+        assert loaded.status_code == 200, loaded.text
+        assert loaded.json()["ready"] is True
+        answer = await client.post("/v1/models/moderation/classify", content=coffee_jpeg, headers=JPEG)
+        assert answer.status_code == 200, answer.text
+        products = await client.post("/v1/models/products/classify", content=coffee_jpeg, headers=JPEG)
+        assert products.json()["results"][0]["labels"][0]["label"] == "espresso"
+        assert (await client.post("/v1/models/nope/load", headers=admin)).status_code == 404

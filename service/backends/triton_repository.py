@@ -1,0 +1,68 @@
+"""Triton's model repository, as the gateway asks about it and controls it: the index (which models
+and versions Triton has, and their state), and loading or unloading a model, which Triton allows
+when it runs with ``--model-control-mode=explicit``. Triton's refusals come back as ``BadRequest``
+with its message, an unreachable Triton as ``BackendUnavailable``."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import aiohttp
+from tritonclient.utils import InferenceServerException
+
+from service.errors import BackendUnavailable, BadRequest
+
+TIMEOUT = 60.0
+"""Seconds a load may take (Triton answers a load when the model is loaded)."""
+
+
+@dataclass(frozen=True)
+class IndexEntry:
+    name: str
+    version: str
+    """"" when Triton lists the model without a version (not loaded, in explicit mode)."""
+    state: str
+    """READY, UNAVAILABLE, LOADING..."""
+
+
+class TritonRepository:
+    def __init__(self, url: str, protocol: Literal["grpc", "http"] = "grpc") -> None:
+        self.url = url
+        self.protocol = protocol
+
+    async def _call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        if self.protocol == "grpc":
+            import tritonclient.grpc.aio as mod
+        else:
+            import tritonclient.http.aio as mod
+        client = mod.InferenceServerClient(self.url)
+        try:
+            async with asyncio.timeout(TIMEOUT):
+                return await getattr(client, method)(*args, **kwargs)
+        except (TimeoutError, aiohttp.ClientError, OSError) as exc:
+            raise BackendUnavailable(f"Triton at {self.url} is unreachable ({type(exc).__name__})") from exc
+        except InferenceServerException as exc:
+            text = exc.message() or str(exc)
+            if any(word in text for word in ("failed to connect", "UNAVAILABLE", "Connection refused")):
+                raise BackendUnavailable(f"Triton at {self.url} is unreachable: {text}") from exc
+            raise BadRequest(f"Triton at {self.url} refused: {text}") from exc
+        finally:
+            await client.close()
+
+    async def index(self) -> list[IndexEntry]:
+        options = {"as_json": True} if self.protocol == "grpc" else {}
+        answer = await self._call("get_model_repository_index", **options)
+        models = answer.get("models", []) if isinstance(answer, dict) else answer
+        return [
+            IndexEntry(str(model.get("name", "")), str(model.get("version", "")), str(model.get("state", "")))
+            for model in models
+            if isinstance(model, dict)
+        ]
+
+    async def load(self, model: str) -> None:
+        await self._call("load_model", model)
+
+    async def unload(self, model: str) -> None:
+        await self._call("unload_model", model)
