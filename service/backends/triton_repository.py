@@ -14,8 +14,9 @@ from tritonclient.utils import InferenceServerException
 
 from service.errors import BackendUnavailable, BadRequest
 
-TIMEOUT = 60.0
-"""Seconds a load may take (Triton answers a load when the model is loaded)."""
+TIMEOUT = 300.0
+"""Seconds a call may take (Triton answers a load when the model is loaded: a TensorRT engine's
+build takes minutes)."""
 
 
 @dataclass(frozen=True)
@@ -41,11 +42,14 @@ class TritonRepository:
         try:
             async with asyncio.timeout(TIMEOUT):
                 return await getattr(client, method)(*args, **kwargs)
-        except (TimeoutError, aiohttp.ClientError, OSError) as exc:
+        except TimeoutError as exc:
+            raise BackendUnavailable(f"Triton at {self.url} did not answer {method} within {TIMEOUT:g} s") from exc
+        except (aiohttp.ClientError, OSError) as exc:
             raise BackendUnavailable(f"Triton at {self.url} is unreachable ({type(exc).__name__})") from exc
         except InferenceServerException as exc:
             text = exc.message() or str(exc)
-            if any(word in text for word in ("failed to connect", "UNAVAILABLE", "Connection refused")):
+            # a connection that failed; not a model "at UNAVAILABLE state", which is Triton's refusal
+            if any(words in text for words in ("failed to connect", "Connection refused", "Socket closed")):
                 raise BackendUnavailable(f"Triton at {self.url} is unreachable: {text}") from exc
             raise BadRequest(f"Triton at {self.url} refused: {text}") from exc
         finally:

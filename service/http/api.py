@@ -303,13 +303,13 @@ async def _admitted(
     admission, loader = gateway.models.admission, gateway.models.loader
     admission.enter(served.model)
     try:
+        if mode == "offline":
+            return await _classify_offline(request, served, images, top_k, deadline)
+        if WEBHOOK_URL in request.headers:
+            raise BadRequest(f"{WEBHOOK_URL} is for mode=offline: an online answer is the result itself")
         if loader is not None:  # loads it (within the deadline) if it is not, holds it loaded
             await loader.acquire(served, deadline)
         try:
-            if mode == "offline":
-                return await _classify_offline(request, served, images, top_k)
-            if WEBHOOK_URL in request.headers:
-                raise BadRequest(f"{WEBHOOK_URL} is for mode=offline: an online answer is the result itself")
             return await _classify_online(gateway, served, images, top_k, deadline)
         finally:
             if loader is not None:
@@ -377,7 +377,7 @@ async def _classify_online(
 
 
 async def _classify_offline(
-    request: Request, served: ServedVersion, images: list[ImageInput], top_k: int
+    request: Request, served: ServedVersion, images: list[ImageInput], top_k: int, deadline: float
 ) -> JSONResponse:
     """Validate every image cheaply (type, header, dimensions), then publish each as a job."""
     gateway = gateway_of(request)
@@ -385,7 +385,11 @@ async def _classify_offline(
         raise BadRequest("mode=offline is not available: this gateway has no message broker (GATEWAY_BROKER_URL)")
     key = _idempotency_key(request)
     webhook = await _webhook_url(request, gateway.settings)
-    await served.classifier.validate(images)
+    loader = gateway.models.loader
+    if served.running is None and loader is not None:  # the checks need its classifier, not a request's hold
+        await loader.acquire(served, deadline)
+        loader.release(served)
+    await served.classifier.validate(images)  # the queue workers classify: nothing here holds it loaded
     offline = [OfflineImage(i.data, i.content_type or "application/octet-stream", i.filename) for i in images]
     owner = request.scope.get(API_KEY) or ""
     submitted = await gateway.jobs.submit(offline, top_k, owner=owner, key=key, webhook=webhook)

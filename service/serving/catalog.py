@@ -109,6 +109,8 @@ class Discovery:
     profile: str
     """The profile its models are taken to be (input size, crop, labels), checked against each
     model's metadata by its readiness check."""
+    share: float = 1.0
+    """Each found model's share in the fair sharing."""
 
 
 @dataclass(frozen=True)
@@ -197,43 +199,57 @@ def _discovery(entry: Any, settings: Settings, where: str) -> Discovery | None:
     here = f"{where}: [triton]"
     if not isinstance(entry, dict):
         raise CatalogError(f"{here}: expected a table")
-    _known(entry, {"url", "protocol", "profile"}, here)
+    _known(entry, {"url", "protocol", "profile", "share"}, here)
     url, protocol = entry.get("url"), entry.get("protocol", "grpc")
     if not isinstance(url, str) or not url.strip() or any(c.isspace() for c in url) or "/" in url:
         raise CatalogError(f"{here}: url must be Triton's host:port")
     if protocol not in ("grpc", "http"):
         raise CatalogError(f"{here}: protocol must be grpc or http")
     profile = get_profile_named(entry.get("profile", settings.model), here)
-    return Discovery(url, protocol, profile.name)
+    share = _number(entry.get("share", 1), f"{here}: share", least=MIN_SHARE)
+    return Discovery(url, protocol, profile.name, share)
 
 
-def with_discovered(catalog: Catalog, found: list[tuple[str, str]], settings: Settings) -> tuple[Catalog, list[str]]:
-    """``catalog`` with the models of Triton's index ``found`` ((name, version) pairs; version ""
-    when Triton lists a model without one) that the file does not name: each served on Triton under
-    its name, every version it has, the highest taking the traffic. Also the names skipped (not a
-    valid model name)."""
+def with_discovered(
+    catalog: Catalog, found: list[tuple[str, str, str]], settings: Settings
+) -> tuple[Catalog, list[str]]:
+    """``catalog`` with the models of Triton's index ``found`` ((name, version, state); version ""
+    when Triton lists a model without one) that the file does not serve already (by name, or as a
+    file model's ``triton_model``): each served on Triton under its name, every version it has
+    (the highest 8), the traffic on the highest READY one (else the highest). Also the names not
+    served: not a valid model name, or beyond the 32 models."""
     assert catalog.discovery is not None
     discovery = catalog.discovery
     named = set(catalog.table.get("models", {}))
-    versions: dict[str, set[str]] = {}
+    served_there = {
+        v.settings.triton_model for m in catalog.models for v in m.versions if v.settings.backend == "triton"
+    }
+    versions: dict[str, dict[str, str]] = {}
     skipped = []
-    for name, version in found:
+    for name, version, state in found:
         if not NAME.fullmatch(name):
             skipped.append(name)
-        elif name not in named:
-            versions.setdefault(name, set()).update({version} if VERSION.fullmatch(version) else set())
+        elif name not in named and name not in served_there:
+            known = versions.setdefault(name, {})
+            if VERSION.fullmatch(version):
+                known[version] = state
+    room = MAX_MODELS - len(named)
+    skipped += sorted(versions)[room:]
     made: dict[str, Any] = {}
-    for name, numbered in sorted(versions.items())[: MAX_MODELS - len(named)]:
+    for name, states in sorted(versions.items())[:room]:
         entry: dict[str, Any] = {
             "profile": discovery.profile,
             "backend": "triton",
             "triton_url": discovery.url,
             "triton_protocol": discovery.protocol,
+            "triton_shared_memory": False,
+            "share": discovery.share,
         }
-        if numbered:
-            latest = max(numbered, key=int)
-            chosen = sorted(numbered, key=int)[-MAX_VERSIONS:]
-            entry["versions"] = {v: {"traffic": 1 if v == latest else 0} for v in chosen}
+        if states:
+            chosen = sorted(states, key=int)[-MAX_VERSIONS:]
+            ready = [v for v in chosen if states[v] == "READY"]
+            taking = (ready or chosen)[-1]
+            entry["versions"] = {v: {"traffic": 1 if v == taking else 0} for v in chosen}
         made[name] = entry
     if not made:
         return catalog, skipped
@@ -283,10 +299,26 @@ def _model(name: str, entry: Any, settings: Settings, where: str, inherit: bool)
         memory = version_entry.get("memory", entry.get("memory"))
         if memory is not None and (type(memory) is not int or not 0 < memory <= MAX_INT):
             raise CatalogError(f"{there}: memory must be a whole number of bytes above 0")
+        _check_budget(merged, memory, there)
         versions.append(VersionSpec(version, profile, merged, traffic, memory))
     if not any(v.traffic > 0 for v in versions):
         raise CatalogError(f"{here}: every version has traffic 0; at least one must take requests")
     return ModelSpec(name, tuple(sorted(versions, key=lambda v: int(v.version))), share, sticky)
+
+
+def _check_budget(settings: Settings, memory: int | None, where: str) -> None:
+    """Under ``model_memory_budget``: an in-process version the budget can never hold, or whose
+    memory cannot be estimated (the torch backend builds no model file), is refused at start."""
+    budget = settings.model_memory_budget
+    if not budget or settings.backend == "triton":
+        return
+    if memory is None and settings.backend == "torch":
+        raise CatalogError(f"{where}: the torch backend's memory cannot be estimated; give it memory = BYTES")
+    if memory is not None and memory > budget:
+        raise CatalogError(
+            f"{where}: its memory ({memory >> 20} MB) is over GATEWAY_MODEL_MEMORY_BUDGET ({budget >> 20} MB): "
+            "it could never load"
+        )
 
 
 def get_profile_named(name: Any, where: str) -> ModelProfile:

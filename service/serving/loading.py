@@ -12,14 +12,16 @@ use (a request holds it) is never unloaded. Triton's models are not counted: Tri
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 import time
 from collections.abc import Awaitable, Callable
+from functools import partial
 
 from service.errors import Conflict, ModelNotLoaded
 from service.metrics import Metrics
 from service.models.store import model_path
-from service.serving.served import Running, ServedVersion
+from service.serving.served import FAILED_LOAD_BACKOFF, Running, ServedVersion
 
 logger = logging.getLogger(__name__)
 
@@ -52,43 +54,52 @@ class Loader:
         self._metrics = metrics
         self._lock = asyncio.Lock()
         self._loads: dict[int, asyncio.Task[None]] = {}
+        self._closed = False
         metrics.model_memory_budget.set(budget)
 
     @property
     def used(self) -> int:
         return sum(memory_of(served) for served in self.versions if served.running is not None)
 
-    async def _fit(self, loaded: ServedVersion) -> None:
-        """After a load whose memory was not known before it (no ``memory``, no model file yet):
-        unload the least recently used idle versions until the budget holds again."""
-        idle = sorted(
-            (v for v in self.versions if v.running is not None and v.in_use == 0 and v is not loaded),
-            key=lambda v: v.last_used,
-        )
-        while self.used > self.budget and idle:
-            await self.unload(
-                idle.pop(0), reason=f"least recently used: room for {loaded.model} version {loaded.version}"
-            )
-
     async def acquire(self, served: ServedVersion, deadline: float | None) -> None:
-        """Hold ``served`` loaded for a request (``release`` after): loaded now, or by ``deadline``."""
-        if served.running is None and served.lazy:
-            load = self._loads.get(id(served))
-            if load is None:
-                load = asyncio.create_task(self._load(served), name=f"load {served.model}/{served.version}")
-                self._loads[id(served)] = load
-                load.add_done_callback(lambda task: self._loads.pop(id(served), None))
-            try:
-                async with asyncio.timeout_at(deadline):
-                    await asyncio.shield(load)  # a request that gives up does not stop the load
-            except TimeoutError:
-                raise ModelNotLoaded(
-                    f"model {served.model!r} version {served.version} is loading; retry in a moment"
-                ) from None
-            if served.running is None:  # unloaded again between the load and this request's turn
-                raise ModelNotLoaded(f"model {served.model!r} version {served.version} is not loaded; retry")
+        """Hold ``served`` loaded for a request (``release`` after): loaded now, or by ``deadline``.
+
+        A request waiting for a load counts as using the version already, so that nothing unloads
+        it between the load and the request's turn."""
+        if served.running is not None or not served.lazy:
+            served.in_use += 1
+            served.last_used = time.monotonic()
+            return
+        if (failure := served.failure) is not None:
+            raise ModelNotLoaded(failure, retry_after=int(FAILED_LOAD_BACKOFF))
+        load = self._loads.get(id(served))
+        if load is None:
+            # a context of its own: the request that triggers it leaves no ids on the version's tasks
+            load = asyncio.create_task(
+                self._load(served), name=f"load {served.model}/{served.version}", context=contextvars.Context()
+            )
+            self._loads[id(served)] = load
+            load.add_done_callback(partial(self._loaded, id(served)))
         served.in_use += 1
+        try:
+            async with asyncio.timeout_at(deadline):
+                await asyncio.shield(load)  # a request that gives up does not stop the load
+            if served.running is None:
+                raise ModelNotLoaded(f"model {served.model!r} version {served.version} is not loaded; retry")
+        except TimeoutError:
+            served.in_use -= 1
+            raise ModelNotLoaded(
+                f"model {served.model!r} version {served.version} is loading; retry in a moment"
+            ) from None
+        except BaseException:  # its error, or the request cancelled (its client left)
+            served.in_use -= 1
+            raise
         served.last_used = time.monotonic()
+
+    def _loaded(self, key: int, task: asyncio.Task[None]) -> None:
+        self._loads.pop(key, None)
+        if not task.cancelled():
+            task.exception()  # retrieved: every waiter may have given up; it is logged and counted
 
     def release(self, served: ServedVersion) -> None:
         served.in_use -= 1
@@ -99,17 +110,24 @@ class Loader:
         async with self._lock:  # one at a time: each load's memory is counted before the next
             if served.running is not None:
                 return
+            if self._closed:
+                raise ModelNotLoaded("the gateway is shutting down")
             await self._make_room(served)
             started = time.perf_counter()
             try:
-                served.running = await self._start(served)
+                running = await self._start(served)
             except Exception as exc:
-                logger.warning("model %s version %s failed to load: %s", *labels, exc)
-                self._metrics.model_loads.labels(*labels, "failed").inc()
+                self._fail(served, f"failed to load: {exc}")
                 raise ModelNotLoaded(f"model {labels[0]!r} version {labels[1]} failed to load: {exc}") from exc
+            problem = running.health.problem
+            if problem is not None:  # started, but cannot serve (a backend that keeps its error)
+                await self._stop(running)
+                self._fail(served, f"cannot serve: {problem}")
+                raise ModelNotLoaded(f"model {labels[0]!r} version {labels[1]} cannot serve: {problem}")
+            served.running = running
+            served.failed = None
             seconds = time.perf_counter() - started
-            served.last_used = time.monotonic()  # the least likely to make room for the next load
-            await self._fit(served)
+            await self._evict(self._over_budget(served), f"room for {labels[0]} version {labels[1]}")
         self._metrics.model_loads.labels(*labels, "loaded").inc()
         self._metrics.model_memory.labels(*labels).set(memory_of(served))
         logger.info(
@@ -121,17 +139,39 @@ class Loader:
             self.budget >> 20,
         )
 
-    async def _make_room(self, served: ServedVersion) -> None:
-        need = memory_of(served)
-        idle = sorted(
-            (v for v in self.versions if v.running is not None and v.in_use == 0 and v is not served),
+    def _fail(self, served: ServedVersion, why: str) -> None:
+        logger.warning("model %s version %s %s", served.model, served.version, why)
+        self._metrics.model_loads.labels(served.model, served.version, "failed").inc()
+        served.failed = (
+            time.monotonic(),
+            f"model {served.model!r} version {served.version} {why} (tried again {FAILED_LOAD_BACKOFF:g} s after)",
+        )
+
+    def _idle(self, besides: ServedVersion) -> list[ServedVersion]:
+        """Loaded versions no request uses or waits for, least recently used first."""
+        return sorted(
+            (v for v in self.versions if v.running is not None and v.in_use == 0 and v is not besides),
             key=lambda v: v.last_used,
         )
-        free = self.budget - self.used
-        evicted = []
-        while free < need and idle:
-            victim = idle.pop(0)
-            evicted.append(victim)
+
+    def _over_budget(self, loaded: ServedVersion) -> list[ServedVersion]:
+        """After a load whose memory was not known before it (no ``memory``, no model file yet):
+        the least recently used idle versions to unload for the budget to hold again."""
+        excess, victims = self.used - self.budget, []
+        for victim in self._idle(loaded):
+            if excess <= 0:
+                break
+            victims.append(victim)
+            excess -= memory_of(victim)
+        return victims
+
+    async def _make_room(self, served: ServedVersion) -> None:
+        need = memory_of(served)
+        free, victims = self.budget - self.used, []
+        for victim in self._idle(served):
+            if free >= need:
+                break
+            victims.append(victim)
             free += memory_of(victim)
         if free < need:
             self._metrics.model_loads.labels(served.model, served.version, "refused").inc()
@@ -144,8 +184,17 @@ class Loader:
             raise ModelNotLoaded(
                 f"model {served.model!r} version {served.version} cannot be loaded now: {reason}", retry_after=5
             )
-        for victim in evicted:
-            await self.unload(victim, reason=f"least recently used: room for {served.model} version {served.version}")
+        await self._evict(victims, f"room for {served.model} version {served.version}")
+
+    async def _evict(self, victims: list[ServedVersion], why: str) -> None:
+        """Unload ``victims``: all taken from requests at once, before the first is stopped (no
+        request can take one while another drains)."""
+        taken = [(victim, victim.running) for victim in victims]
+        for victim in victims:
+            victim.running = None
+        for victim, running in taken:
+            if running is not None:
+                await self._finish(victim, running, f"least recently used: {why}")
 
     async def unload_idle(self, served: ServedVersion) -> None:
         """Unload ``served`` now (an operator asks), unless a request uses it."""
@@ -155,13 +204,23 @@ class Loader:
                     f"model {served.model!r} version {served.version} is in use by {served.in_use} request(s); "
                     "retry when they are answered"
                 )
-            await self.unload(served, reason="asked for")
+            running, served.running = served.running, None
+            if running is not None:
+                await self._finish(served, running, "asked for")
 
-    async def unload(self, served: ServedVersion, reason: str) -> None:
-        running, served.running = served.running, None  # no request takes it from here on
-        if running is None:
-            return
+    async def _finish(self, served: ServedVersion, running: Running, why: str) -> None:
         await self._stop(running)
         self._metrics.model_unloads.labels(served.model, served.version).inc()
         self._metrics.model_memory.labels(served.model, served.version).set(0)
-        logger.info("model %s version %s unloaded (%s)", served.model, served.version, reason)
+        logger.info("model %s version %s unloaded (%s)", served.model, served.version, why)
+
+    async def aclose(self) -> None:
+        """At shutdown: no load starts from here on, and the loads under way finish (or are cancelled
+        after a minute), so that what they started is stopped with the rest."""
+        self._closed = True
+        loads = list(self._loads.values())
+        if loads:
+            _, pending = await asyncio.wait(loads, timeout=60)
+            for load in pending:
+                load.cancel()
+            await asyncio.gather(*loads, return_exceptions=True)

@@ -23,7 +23,7 @@ from service.backends.health import BackendHealth
 from service.backends.triton_repository import TritonRepository
 from service.batching.batcher import DynamicBatcher
 from service.classifier import Classifier, Prepare, PrepareMany, rank_batch
-from service.errors import GatewayError
+from service.errors import ModelNotLoaded
 from service.host.allocator import keep_image_buffers
 from service.host.gpu import start_gpu_sampler
 from service.images.budget import ByteBudget
@@ -74,6 +74,7 @@ async def open_models(
     lone = len(catalog.models) == 1 and len(catalog.models[0].versions) == 1
     budgeted = settings.model_memory_budget > 0
     every: list[ServedVersion] = []
+    loader: Loader | None = None
     sampler = asyncio.create_task(_sample(metrics), name="sampler")
 
     async def start(served: ServedVersion) -> Running:
@@ -100,17 +101,24 @@ async def open_models(
             if budgeted
             else None
         )
-        for served in every:  # with a budget, only the default model's in-process versions now
+        for served in every:
             if not served.lazy:
                 served.running = await start(served)
-            elif served.model == catalog.default:
-                assert loader is not None
-                await loader.acquire(served, None)
+        if loader is not None:  # the default model's versions that take traffic, the heaviest first
+            default = sorted(models[catalog.default].versions.values(), key=lambda v: -v.spec.traffic)
+            for served in (v for v in default if v.lazy and v.spec.traffic > 0):
+                try:
+                    await loader.acquire(served, None)
+                except ModelNotLoaded as exc:
+                    logger.warning("models: not loaded at start: %s", exc)
+                    break
                 loader.release(served)
         shares = {spec.name: spec.share for spec in catalog.models}
         admission = Admission(settings.max_concurrent_requests, shares, fair=settings.fair_sharing)
         yield ServedModels(catalog, models, admission, loader)
     finally:
+        if loader is not None:
+            await loader.aclose()  # the loads under way finish first: what they start is stopped below
         sampler.cancel()
         await asyncio.gather(sampler, return_exceptions=True)
         if gpu is not None:
@@ -200,12 +208,14 @@ async def _discover(catalog: Catalog, settings: Settings) -> Catalog:
     assert catalog.discovery is not None
     try:
         found = await TritonRepository(catalog.discovery.url, catalog.discovery.protocol).index()
-    except GatewayError as exc:
-        logger.warning("models: Triton's repository index could not be read, its models are not served: %s", exc)
+        grown, skipped = with_discovered(catalog, [(e.name, e.version, e.state) for e in found], settings)
+    except Exception as exc:  # whatever Triton answers, the file's models are served
+        logger.warning("models: Triton's repository index gave no models to serve: %s", exc)
         return catalog
-    grown, skipped = with_discovered(catalog, [(entry.name, entry.version) for entry in found], settings)
     if skipped:
-        logger.warning("models: Triton's %s not served (a name is 1-64 of a-z 0-9 _ . -)", ", ".join(skipped))
+        shown = ", ".join(repr(name[:80]) for name in skipped[:10])
+        more = f" and {len(skipped) - 10} more" if len(skipped) > 10 else ""
+        logger.warning("models: %d of Triton's models not served: %s%s", len(skipped), shown, more)
     logger.info(
         "models: found in Triton's repository index at %s: %s",
         catalog.discovery.url,

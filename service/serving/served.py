@@ -8,6 +8,7 @@ import bisect
 import hashlib
 import itertools
 import random
+import time
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -23,6 +24,10 @@ from service.serving.fair import Admission, Lane
 
 if TYPE_CHECKING:
     from service.serving.loading import Loader
+
+
+FAILED_LOAD_BACKOFF = 30.0
+"""Seconds a version whose load failed is refused at once (its failure said) before a load is tried again."""
 
 
 @dataclass
@@ -47,8 +52,17 @@ class ServedVersion:
     lazy: bool = False
     """Loaded on first use and unloaded when the memory budget needs its room (``Loader``)."""
     in_use: int = 0
-    """Requests using it now: it is not unloaded while any is."""
+    """Requests using it now (or waiting for its load): it is not unloaded while any is."""
     last_used: float = 0.0
+    failed: tuple[float, str] | None = None
+    """When its last load failed, and why (cleared by a load that succeeds)."""
+
+    @property
+    def failure(self) -> str | None:
+        """Why its last load failed, while that is recent: it is refused at once until then."""
+        if self.failed is None or time.monotonic() - self.failed[0] > FAILED_LOAD_BACKOFF:
+            return None
+        return self.failed[1]
 
     @property
     def version(self) -> str:
@@ -79,7 +93,7 @@ class ServedVersion:
         """None when its backend was ready at the last check (or, not loaded, when it loads on
         first use), else why not."""
         if self.running is None:
-            return None if self.lazy else "not started"
+            return self.failure if self.lazy else "not started"
         return self.running.health.problem
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from service.serving.catalog import CatalogError, load_catalog, read_models_file, reload_traffic
+from service.serving.catalog import CatalogError, load_catalog, read_models_file, reload_traffic, with_discovered
 from service.settings import Settings
 
 TWO = """
@@ -181,11 +181,16 @@ def test_the_one_model_keeps_the_gateways_settings_and_a_catalogs_models_take_on
         (f"{SHOP}fake_delay = nan\n", "fake_delay: Input should be a finite number"),
         (f"{SHOP}embedded_threads = {2**70}\n", "embedded_threads"),
         (f"{SHOP}share = 1e-9\n", "share must be at least 0.001"),
-        (f"{SHOP}backend = 'torch'\n[models.other]\nprofile = 'trivial'\n", "shared torch engine"),
+        (f"{SHOP}backend = 'torch'\nmemory = 1000\n[models.other]\nprofile = 'trivial'\n", "shared torch engine"),
+        (f"{SHOP}memory = {200 << 20}\n", r"its memory \(200 MB\) is over GATEWAY_MODEL_MEMORY_BUDGET \(150 MB\)"),
+        (
+            f"{SHOP}[models.t]\nprofile = 'trivial'\nbackend = 'torch'\n",
+            "the torch backend's memory cannot be estimated",
+        ),
     ],
 )
 def test_per_model_values_get_the_settings_own_checks(tmp_path: Path, text: str, message: str) -> None:
-    settings = Settings(models_file=_file(tmp_path, text), torch_engine="shared")
+    settings = Settings(models_file=_file(tmp_path, text), torch_engine="shared", model_memory_budget=150 << 20)
     with pytest.raises(CatalogError, match=message):
         load_catalog(settings)
 
@@ -211,3 +216,52 @@ def test_a_reload_may_reorder_the_models(tmp_path: Path) -> None:
     head, shop = shop.split("\n[models.shop]")
     reordered = read_models_file(_file(tmp_path, f"{head}\n[models.moderation]{moderation}\n[models.shop]{shop}"))
     assert [m.name for m in reload_traffic(catalog, reordered, settings, "reload").models] == ["moderation", "shop"]
+
+
+def test_models_found_in_tritons_index_join_the_files_own(tmp_path: Path) -> None:
+    """What Triton's index lists: valid names are served (traffic on the highest READY version),
+    a model the file serves already (by name or as its triton_model) is not served twice, odd names
+    and versions are left out, and no more than 32 models in all."""
+    text = (
+        "[triton]\nurl = 'triton:8001'\nprofile = 'trivial'\nshare = 0.5\n"
+        "[models.shop]\nprofile = 'trivial'\nbackend = 'triton'\ntriton_model = 'resnet'\n"
+    )
+    settings = Settings(models_file=_file(tmp_path, text))
+    catalog = load_catalog(settings)
+    found = [
+        ("det", "2", "READY"),
+        ("det", "3", "UNAVAILABLE"),
+        ("det", "3", "UNAVAILABLE"),
+        ("det", "v4", "READY"),
+        ("resnet", "1", "READY"),
+        ("shop", "1", "READY"),
+        ("Bad/Name", "1", "READY"),
+        ("x" * 65, "1", "READY"),
+        ("cold", "", "UNAVAILABLE"),
+        *((f"m{i:02d}", "1", "READY") for i in range(40)),
+    ]
+    grown, skipped = with_discovered(catalog, found, settings)
+    names = [m.name for m in grown.models]
+    assert names[:3] == ["shop", "cold", "det"]
+    assert len(names) == 32
+    assert "resnet" not in names
+    det = grown.model("det")
+    assert det is not None
+    assert [(v.version, v.traffic, v.settings.triton_model_version) for v in det.versions] == [
+        ("2", 1.0, "2"),
+        ("3", 0.0, "3"),
+    ]
+    assert (det.share, det.versions[0].settings.triton_model, det.versions[0].settings.triton_url) == (
+        0.5,
+        "det",
+        "triton:8001",
+    )
+    cold = grown.model("cold")
+    assert cold is not None
+    assert [(v.version, v.settings.triton_model_version) for v in cold.versions] == [("1", "")]
+    assert "Bad/Name" in skipped
+    assert "x" * 65 in skipped
+    assert len([name for name in skipped if name.startswith("m")]) == 40 - 29
+    table = read_models_file(settings.models_file)  # type: ignore[arg-type]
+    reloaded = reload_traffic(grown, table, settings, "reload")  # the found models stay
+    assert [m.name for m in reloaded.models] == names

@@ -77,11 +77,6 @@ async def test_a_model_in_use_is_not_unloaded_and_the_request_that_needs_its_roo
         later = await client.post("/v1/models/b/classify", content=coffee_jpeg, headers=JPEG)
         assert later.status_code == 200
         assert await _loaded(client) == {"a": False, "b": True}
-        too_big = _models(tmp_path, {"a": "", "huge": f"memory = {200 * MB}"})
-    async with running_gateway(gateway_factory(models_file=too_big, model_memory_budget=150 * MB)) as client:
-        refused = await client.post("/v1/models/huge/classify", content=coffee_jpeg, headers=JPEG)
-        assert refused.status_code == 503
-        assert "more than the whole budget (150 MB)" in refused.json()["detail"]
 
 
 async def test_real_models_load_on_first_use_and_a_slow_load_finishes_for_the_next_request(
@@ -133,3 +128,22 @@ async def test_the_operator_loads_and_unloads_in_process_models_with_the_admin_k
         off = await client.post("/v1/models/a/unload", headers=admin)
         assert off.status_code == 404
         assert "admin routes are off" in off.json()["detail"]
+
+
+async def test_requests_waiting_for_a_load_keep_it_from_the_next_load(
+    gateway_factory: MakeSettings, tmp_path: Path, coffee_jpeg: bytes
+) -> None:
+    """Two requests for b and two for c at once, room for one of them: b loads (a makes room) and
+    both its requests are answered; c's load may not take b's room while b's requests wait for
+    their turn, so c is refused (503, Retry-After) rather than b's requests after b's whole load."""
+    models = _models(tmp_path, {name: f"memory = {100 * MB}" for name in ("a", "b", "c")})
+    async with running_gateway(gateway_factory(models_file=models, model_memory_budget=150 * MB)) as client:
+        answers = await asyncio.gather(
+            *(client.post(f"/v1/models/{name}/classify", content=coffee_jpeg, headers=JPEG) for name in "bbcc")
+        )
+        assert [a.status_code for a in answers[:2]] == [200, 200], [a.text for a in answers]
+        for refused in answers[2:]:
+            assert refused.status_code == 503
+            assert refused.headers["retry-after"] == "5"
+        assert await _loaded(client) == {"a": False, "b": True, "c": False}
+        assert (await client.post("/v1/models/c/classify", content=coffee_jpeg, headers=JPEG)).status_code == 200
