@@ -7,6 +7,7 @@ import binascii
 import hashlib
 import ipaddress
 import os
+import re
 import stat
 import tempfile
 from collections.abc import Iterable
@@ -72,7 +73,11 @@ def parse_secret(text: str) -> bytes:
     return secret
 
 
-OPTIONS = ("rate", "burst", "concurrency")
+OPTIONS = ("rate", "burst", "concurrency", "models")
+MODEL_RATE = "rate@"
+"""``rate@MODEL=R``: the key's own rate on one model, within its overall ``rate``."""
+MODEL_NAME = re.compile(r"[a-z0-9][a-z0-9_.-]{0,63}")
+"""A model's name (as ``service.serving.catalog`` checks it)."""
 MAX_CONCURRENCY = 256
 """The most requests a key may be allowed in progress (its slots; 0 means unlimited): refusing a
 request at the limit asks about every slot, a few microseconds each (``python -m loadtests.quota_cost``)."""
@@ -88,9 +93,14 @@ class Quota:
     concurrency: int = 0
     """Requests in progress at once (0: unlimited)."""
 
+    models: frozenset[str] | None = None
+    """The models the key may use (None: every one)."""
+    model_rates: tuple[tuple[str, float], ...] = ()
+    """Images per second on a model, within ``rate`` (``rate@MODEL=R``)."""
+
     @property
     def limited(self) -> bool:
-        return self.rate > 0 or self.concurrency > 0
+        return self.rate > 0 or self.concurrency > 0 or bool(self.model_rates)
 
 
 @dataclass(frozen=True)
@@ -104,28 +114,46 @@ class ApiKey:
 
 
 def parse_keys(entries: Iterable[str], default: Quota) -> list[ApiKey]:
-    """``KEY [rate=R] [burst=B] [concurrency=C]`` entries; blank ones and ``#`` comments skipped."""
+    """``KEY [rate=R] [burst=B] [concurrency=C] [models=A|B] [rate@MODEL=R]`` entries; blank ones
+    and ``#`` comments skipped."""
     keys = []
     for entry in entries:
         words = entry.split()
         if not words or words[0].startswith("#"):
             continue
         secret, options = words[0], words[1:]
-        values: dict[str, float | int] = {}
+        values: dict[str, object] = {}
+        rates: dict[str, float] = {}
         for option in options:
             name, sep, value = option.partition("=")
+            if sep and name == "models":
+                allowed = frozenset(value.split("|"))
+                if not value or not all(MODEL_NAME.fullmatch(model) for model in allowed):
+                    raise ValueError(f"API key entry option {option!r}: models=NAME|NAME..., model names")
+                values["models"] = allowed
+                continue
+            if sep and name.startswith(MODEL_RATE) and MODEL_NAME.fullmatch(name.removeprefix(MODEL_RATE)):
+                try:
+                    rate = float(value)
+                except ValueError:
+                    raise ValueError(f"API key entry option {option!r} is not a number") from None
+                if not 0 < rate < float("inf"):
+                    raise ValueError(f"API key entry option {option!r} must be a rate above 0")
+                rates[name.removeprefix(MODEL_RATE)] = rate
+                continue
             if not sep or name not in OPTIONS:
                 raise ValueError(
-                    f"API key entry option {option!r}: expected rate=, burst= or concurrency= "
-                    f"(key {ApiKey(secret.encode()).id})"
+                    f"API key entry option {option!r}: expected rate=, burst=, concurrency=, models= or "
+                    f"rate@MODEL= (key {ApiKey(secret.encode()).id})"
                 )
             try:
                 number = int(value) if name == "concurrency" else float(value)
             except ValueError:
                 raise ValueError(f"API key entry option {option!r} is not a number") from None
-            if number < 0:
-                raise ValueError(f"API key entry option {option!r} is negative")
+            if not 0 <= number < float("inf"):
+                raise ValueError(f"API key entry option {option!r} must be a number from 0, finite")
             values[name] = number
+        values["model_rates"] = tuple(sorted(rates.items()))
         key = ApiKey(secret.encode(), replace(default, **values))  # type: ignore[arg-type]
         if key.quota.concurrency > MAX_CONCURRENCY:
             raise ValueError(
@@ -178,7 +206,9 @@ class Settings(BaseSettings):
     api_keys: SecretStr | None = None
     """Comma-separated API keys; when set (or ``api_keys_file`` is), every route but /healthz and
     /readyz needs one, as ``Authorization: Bearer <key>`` or ``X-API-Key: <key>``. Each key may be
-    followed by its own quota: ``KEY rate=20 burst=40 concurrency=4``."""
+    followed by its own quota: ``KEY rate=20 burst=40 concurrency=4``, the models it may use
+    (``models=shop|moderation``; others 403) and its rate on one model within its own
+    (``rate@shop=5``)."""
     api_keys_file: Path | None = None
     """File with one API key per line, each with its quota as in ``api_keys`` (e.g. a mounted
     Kubernetes Secret); adds to ``api_keys``. Read at start: a regular UTF-8 file of at most 64 MiB;

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -19,6 +19,7 @@ from service.errors import (
     BackendUnavailable,
     BadImage,
     BadRequest,
+    Forbidden,
     InvalidParameters,
     NotFound,
     QuotaExceeded,
@@ -77,6 +78,8 @@ class Gateway:
     quotas: Quotas | None = None
     fetcher: Fetcher | None = None
     """Fetches images given by URL (None: URL inputs are off)."""
+    key_models: dict[str, frozenset[str]] = field(default_factory=dict)
+    """The models each API key may use, for the keys that are limited to some (``models=``)."""
     closing: bool = False
 
 
@@ -275,7 +278,7 @@ async def handle_classify(request: Request, model: str | None = None, version: s
     admission.check(served.model)  # full now: refuse before spending time on the body
     if _media_type(request.headers.get("content-type")) == "application/json":
         urls = await _read_urls(request, gateway)
-        _spend_quota(request, gateway, len(urls))  # before fetching: the fetches are the cost
+        _spend_quota(request, gateway, len(urls), served.model)  # before fetching: the fetches are the cost
         assert gateway.fetcher is not None  # _read_urls refuses URLs where fetching is off
         async with gateway.fetcher.images(urls) as fetched:
             admission.check(served.model)
@@ -284,13 +287,17 @@ async def handle_classify(request: Request, model: str | None = None, version: s
     # GATEWAY_BODY_TIMEOUT, its memory by the body budget in BodyLimitMiddleware).
     images = await _read_images(request, gateway.settings.max_images_per_request)
     admission.check(served.model)
-    _spend_quota(request, gateway, len(images))
+    _spend_quota(request, gateway, len(images), served.model)
     return await _admitted(request, gateway, served, images, top_k, mode)
 
 
 def choose(request: Request, gateway: Gateway, model: str | None, version: str | None) -> ServedVersion:
     """The model version a request names, or (without a version) one its model's traffic weights pick."""
     chosen = gateway.models.default if model is None else gateway.models.get(model)
+    key_id = request.scope.get(API_KEY)
+    allowed = gateway.key_models.get(key_id) if key_id is not None else None
+    if allowed is not None and chosen.name not in allowed:
+        raise Forbidden(f"this API key may not use model {chosen.name!r}; it may use {', '.join(sorted(allowed))}")
     if version is not None:
         return chosen.version(version)
     return chosen.pick(request.scope.get(API_KEY))
@@ -325,12 +332,12 @@ async def _read_urls(request: Request, gateway: Gateway) -> list[str]:
     return await read_urls(request, settings.max_json_body_bytes_effective, settings.max_images_per_request)
 
 
-def _spend_quota(request: Request, gateway: Gateway, images: int) -> None:
+def _spend_quota(request: Request, gateway: Gateway, images: int, model: str) -> None:
     key_id = request.scope.get(API_KEY)
     if gateway.quotas is None or key_id is None:
         return
     try:
-        gateway.quotas.take(key_id, images)
+        gateway.quotas.take(key_id, images, model)
     except QuotaExceeded:
         gateway.metrics.quota_rejections.labels(key_id, "rate").inc()
         raise
@@ -346,7 +353,7 @@ async def online(
     gateway = gateway_of(request)
     admission = gateway.models.admission
     admission.check(served.model)
-    _spend_quota(request, gateway, len(images))
+    _spend_quota(request, gateway, len(images), served.model)
     deadline = asyncio.get_running_loop().time() + gateway.settings.request_timeout
     loader = gateway.models.loader
     admission.enter(served.model)

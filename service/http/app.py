@@ -112,8 +112,12 @@ def create_app(
                     jobs=jobs,
                     quotas=quotas,
                     fetcher=fetcher,
+                    key_models={key.id: key.quota.models for key in keys if key.quota.models is not None},
                 )
                 app.state.gateway = gateway
+                unknown = {m for allowed in gateway.key_models.values() for m in allowed} - set(models.models)
+                if unknown:  # a typo, or a model not served here (yet): its keys get 403 for it, not 404
+                    logger.warning("API keys name models not served here: %s", ", ".join(sorted(unknown)))
                 watcher = (
                     asyncio.create_task(watch_models_file(settings.models_file, models, settings, metrics, seen))
                     if settings.models_file is not None

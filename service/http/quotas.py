@@ -182,10 +182,13 @@ class Quotas:
 
     def __init__(self, keys: list[ApiKey], max_images: int, shared_dir: Path | None = None) -> None:
         """``shared_dir``: the folder the worker processes share; None for a private state."""
-        self.buckets = {key.id: i for i, key in enumerate(keys) if key.quota.rate > 0}
         self.quotas = {key.id: self._effective(key.quota, max_images) for key in keys}
+        for key in keys:  # a key's rate on one model: a bucket of its own, "KEY@MODEL"
+            for model, rate in key.quota.model_rates:
+                self.quotas[f"{key.id}@{model}"] = self._effective(Quota(rate=rate), max_images)
+        self.buckets = {name: i for i, name in enumerate(name for name, q in self.quotas.items() if q.rate > 0)}
         self.places = {key.id: Slots.place(key.id, key.quota.concurrency) for key in keys if key.quota.concurrency > 0}
-        size = max(1, len(keys)) * BUCKET.size
+        size = max(1, len(self.buckets)) * BUCKET.size
         if shared_dir is None:
             handle, name = tempfile.mkstemp(prefix="gateway-quotas-")
             os.unlink(name)  # private to this process
@@ -231,8 +234,25 @@ class Quotas:
         if place is not None and self.slots is not None:
             self.slots.give(place)
 
-    def take(self, key_id: str, images: int) -> None:
-        """Spend ``images`` tokens, or refuse with the seconds until there will be enough."""
+    def take(self, key_id: str, images: int, model: str | None = None) -> None:
+        """Spend ``images`` of the key's tokens (and of its tokens on ``model``, where it has a rate
+        there), or refuse with the seconds until there will be enough; nothing is spent on a refusal."""
+        if model is not None and f"{key_id}@{model}" in self.buckets:
+            self._spend(f"{key_id}@{model}", images, f"its rate on model {model!r}")
+            try:
+                self._spend(key_id, images, "its rate")
+            except QuotaExceeded:
+                self._refund(f"{key_id}@{model}", images)
+                raise
+            return
+        self._spend(key_id, images, "its rate")
+
+    def _refund(self, name: str, images: int) -> None:
+        quota = self.quotas[name]
+        with self._bucket(name) as bucket:
+            bucket[0] = min(quota.burst, bucket[0] + images)
+
+    def _spend(self, key_id: str, images: int, what: str) -> None:
         quota = self.quotas.get(key_id)
         if quota is None or quota.rate <= 0:
             return
@@ -249,7 +269,7 @@ class Quotas:
                 bucket[0] = tokens
                 wait = (images - tokens) / quota.rate
                 raise QuotaExceeded(
-                    f"this API key is over its rate of {quota.rate:g} images/s; {images} image(s) fit again in "
+                    f"this API key is over {what} of {quota.rate:g} images/s; {images} image(s) fit again in "
                     f"{wait:.1f} s",
                     retry_after=max(1, math.ceil(wait)),
                 )

@@ -34,9 +34,9 @@ from typing import Annotated, Any, Literal
 from pydantic import ConfigDict, TypeAdapter, ValidationError
 
 from service.models.profiles import ModelProfile, get_profile
-from service.settings import MAX_INT, Settings, read_regular_file
+from service.settings import MAX_INT, MODEL_NAME, Settings, read_regular_file
 
-NAME = re.compile(r"[a-z0-9][a-z0-9_.-]{0,63}")
+NAME = MODEL_NAME
 """A model's name: lower case, digits and ``_.-``, at most 64 characters (a URL path segment and a
 metric label value as it is)."""
 VERSION = re.compile(r"[1-9][0-9]{0,8}")

@@ -53,11 +53,47 @@ def test_entries_take_their_own_limits_and_the_defaults_for_the_rest() -> None:
     assert keys[1].quota == Quota(rate=1.0, burst=0.0, concurrency=8)
     assert keys[2].quota == Quota(rate=1.0, burst=3.0, concurrency=8)
     assert keys[0].id == key_id("a")
-    with pytest.raises(ValueError, match="rate=, burst= or concurrency=") as bad:
+    with pytest.raises(ValueError, match="rate=, burst=, concurrency=, models= or rate@MODEL=") as bad:
         parse_keys(["s3cret speed=4"], Quota())
     assert "s3cret" not in str(bad.value)  # errors name the key by its id
     with pytest.raises(ValueError, match="not a number"):
         parse_keys(["k rate=fast"], Quota())
+
+
+@pytest.mark.parametrize(
+    ("entry", "message"),
+    [
+        ("k rate=nan", "must be a number from 0, finite"),
+        ("k rate=inf", "must be a number from 0, finite"),
+        ("k models=", "models=NAME|NAME"),
+        ("k models=Shop", "models=NAME|NAME"),
+        ("k rate@shop=0", "must be a rate above 0"),
+        ("k rate@shop=nan", "must be a rate above 0"),
+        ("k rate@Shop=1", "expected rate="),
+    ],
+)
+def test_wrong_model_limits_are_refused(entry: str, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        parse_keys([entry], Quota())
+
+
+def test_a_rate_on_one_model_is_spent_with_the_keys_own_and_refunded_when_that_refuses(clock: Clock) -> None:
+    (key,) = parse_keys(["k rate=4 burst=4 models=shop|moderation rate@shop=1 burst=4"], Quota())
+    assert key.quota.models == frozenset({"shop", "moderation"})
+    assert key.quota.model_rates == (("shop", 1.0),)
+    quotas = Quotas([key], max_images=2)
+    kid = key_id("k")
+    quotas.take(kid, 2, "shop")  # shop's bucket: its burst is max(rate, max_images) = 2
+    with pytest.raises(QuotaExceeded, match="over its rate on model 'shop' of 1 images/s"):
+        quotas.take(kid, 1, "shop")
+    quotas.take(kid, 2, "moderation")  # the key's own bucket has 4 - 2 - 2 = 0 left now
+    clock.now += 2.0  # shop: 2 back; the key: 8 back, to its burst of 4
+    quotas.take(kid, 2, "moderation")
+    quotas.take(kid, 2, "moderation")  # the key's bucket empty again
+    with pytest.raises(QuotaExceeded, match="over its rate of 4"):
+        quotas.take(kid, 2, "shop")  # refused by the key's bucket: shop's tokens are given back
+    clock.now += 0.5  # the key: 2 back
+    quotas.take(kid, 2, "shop")  # shop still had its 2
 
 
 def test_the_bucket_refills_at_the_rate_and_says_when_to_retry(clock: Clock) -> None:

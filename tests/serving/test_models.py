@@ -273,3 +273,31 @@ async def test_a_version_that_is_down_is_passed_over_while_another_serves(
             offline = await client.post(f"{path}?mode=offline", content=coffee_jpeg, headers=jpeg)
             assert offline.status_code == 400
             assert "mode=offline serves the default model ('shop')" in offline.json()["detail"]
+
+
+async def test_api_keys_may_be_limited_to_some_models_and_to_a_rate_on_one(
+    gateway_factory: MakeSettings, coffee_jpeg: bytes
+) -> None:
+    """``models=`` limits a key to some models (403 for the others, naming those it may use);
+    ``rate@MODEL=`` gives it a rate on one model within its own: over it, 429 for that model only."""
+    keys = "only-the-trivial-model models=trivial,rated-on-trivial rate@trivial=0.1"
+    settings = gateway_factory(models=TWO_MODELS, api_keys=keys, max_images_per_request=1, max_queue_size=16)
+    jpeg = {"content-type": "image/jpeg"}
+    limited = {**jpeg, "x-api-key": "only-the-trivial-model"}
+    rated = {**jpeg, "x-api-key": "rated-on-trivial"}
+    async with running_gateway(settings) as client:
+        refused = await client.post("/v1/models/efficientnet-lite0/classify", content=coffee_jpeg, headers=limited)
+        assert refused.status_code == 403
+        assert refused.json()["detail"] == "this API key may not use model 'efficientnet-lite0'; it may use trivial"
+        assert (await client.post("/classify", content=coffee_jpeg, headers=limited)).status_code == 403
+        assert (
+            await client.post("/v1/models/trivial/classify", content=coffee_jpeg, headers=limited)
+        ).status_code == 200
+
+        assert (await client.post("/v1/models/trivial/classify", content=coffee_jpeg, headers=rated)).status_code == 200
+        over = await client.post("/v1/models/trivial/classify", content=coffee_jpeg, headers=rated)
+        assert over.status_code == 429
+        assert "over its rate on model 'trivial' of 0.1 images/s" in over.json()["detail"]
+        assert int(over.headers["retry-after"]) >= 9
+        other = await client.post("/v1/models/efficientnet-lite0/classify", content=coffee_jpeg, headers=rated)
+        assert other.status_code == 200
