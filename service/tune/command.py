@@ -45,6 +45,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--worker-counts", default=None, help="gateway worker processes to consider (default 1, 2, 4... up to the CPUs)"
     )
     parser.add_argument("--policies", default=",".join(POLICIES), help="batch policies to consider")
+    parser.add_argument(
+        "--served-model",
+        default=None,
+        help="with several models (GATEWAY_MODELS or GATEWAY_MODELS_FILE): the one to tune, alone, on its own "
+        "settings (default: the default model; its version taking the most traffic)",
+    )
     triton = parser.add_argument_group(
         "Triton's own settings (with --backend triton; Triton must run with --model-control-mode=explicit)"
     )
@@ -113,6 +119,31 @@ def _triton(args: argparse.Namespace, settings: Settings) -> TritonModel | None:
     return model
 
 
+def served_model_env(settings: Settings, name: str | None) -> tuple[str, dict[str, str]] | None:
+    """With several models: the model to tune (``name``, or the default) and the environment that
+    serves it alone, as its version taking the most traffic runs (its profile, backend and own
+    settings, but those the search chooses); None with one model."""
+    from service.serving.catalog import PER_MODEL_SETTINGS, CatalogError, load_catalog
+
+    if settings.models_file is None and not settings.models.strip():
+        return None
+    try:
+        catalog = load_catalog(settings)
+    except CatalogError as exc:
+        sys.exit(f"gateway tune: {exc}")
+    spec = catalog.model(name or catalog.default)
+    if spec is None:
+        sys.exit(f"gateway tune: no model {name!r}; served: {', '.join(m.name for m in catalog.models)}")
+    version = max(spec.versions, key=lambda v: v.traffic)
+    env = {"GATEWAY_MODELS_FILE": "", "GATEWAY_MODELS": "", "GATEWAY_MODEL": version.profile.name}
+    for key in PER_MODEL_SETTINGS:
+        value = getattr(version.settings, key)
+        if key in TUNED or value is None or value == Settings.model_fields[key].default:
+            continue
+        env[f"GATEWAY_{key.upper()}"] = str(value).lower() if isinstance(value, bool) else str(value)
+    return spec.name, env
+
+
 def run(args: argparse.Namespace, settings: Settings) -> int:
     """Tune against the backend ``settings`` name; 0 when settings meeting the target were written."""
     from service.jobs.ingest import collect
@@ -127,6 +158,9 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
         for name in Settings.model_fields
         if name not in TUNED and getattr(args, name, None) is not None
     }
+    served = served_model_env(settings, args.served_model)
+    if served is not None:
+        base = {**base, **served[1]}
     target = Target(args.slo_p99_ms, args.min_throughput, args.headroom)
     plan = Plan.make(args.quick, min(args.max_concurrency, settings.max_concurrent_requests))
     triton = _triton(args, settings)
@@ -140,6 +174,7 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
         "search": f"{'quick' if args.quick else 'full'}: {plan.screen_seconds:g} s per level to screen, "
         f"{plan.finalists} finalists from {plan.final_seconds:g} s per level, halved each round",
         "CPUs": str(available_cpus()),
+        **({"model": f"{served[0]}, alone, on its own settings from the models"} if served else {}),
     }
 
     def progress(trial: Trial) -> None:
@@ -176,5 +211,13 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
         print(f"gateway tune: no candidate met the target; see {report}", file=sys.stderr)
         return 1
     write_env(args.out, winner, target, base, report, triton.path if triton else None)
+    if served is not None:  # a model of several: its batcher settings go in its table of the models file
+        tuned = winner.candidate
+        with args.out.open("a") as out:
+            out.write(
+                f'# for the models file: [models.{served[0]}] batch_policy = "{tuned.policy}", '
+                f"max_batch_size = {tuned.batch}, max_delay = {tuned.delay_ms / 1000:g}, "
+                f"max_inflight_batches = {tuned.inflight} (GATEWAY_WORKERS is the whole gateway's)\n"
+            )
     print(f"gateway tune: {winner.candidate.label} written to {args.out}; report {report}", file=sys.stderr)
     return 0
