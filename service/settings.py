@@ -151,7 +151,7 @@ def parse_keys(entries: Iterable[str], default: Quota) -> list[ApiKey]:
             except ValueError:
                 raise ValueError(f"API key entry option {option!r} is not a number") from None
             if not 0 <= number < float("inf"):
-                raise ValueError(f"API key entry option {option!r} must be a number from 0, finite")
+                raise ValueError(f"API key entry option {option!r} is negative, or not finite")
             values[name] = number
         values["model_rates"] = tuple(sorted(rates.items()))
         key = ApiKey(secret.encode(), replace(default, **values))  # type: ignore[arg-type]

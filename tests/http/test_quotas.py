@@ -63,8 +63,8 @@ def test_entries_take_their_own_limits_and_the_defaults_for_the_rest() -> None:
 @pytest.mark.parametrize(
     ("entry", "message"),
     [
-        ("k rate=nan", "must be a number from 0, finite"),
-        ("k rate=inf", "must be a number from 0, finite"),
+        ("k rate=nan", "is negative, or not finite"),
+        ("k rate=inf", "is negative, or not finite"),
         ("k models=", "models=NAME|NAME"),
         ("k models=Shop", "models=NAME|NAME"),
         ("k rate@shop=0", "must be a rate above 0"),

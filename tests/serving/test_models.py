@@ -146,8 +146,8 @@ async def test_a_failing_model_leaves_the_others_in_service(
 async def test_traffic_splits_between_versions_as_weighted(
     gateway_factory: MakeSettings, tmp_path: Path, coffee_jpeg: bytes
 ) -> None:
-    """A 90/10 canary: of 600 unversioned requests about 60 reach version 2 (binomial: 99.99 % of
-    runs fall in 30-95); each version's own route always reaches it."""
+    """A 90/10 canary: of 300 unversioned requests about 30 reach version 2 (binomial: 99.99 % of
+    runs fall in 10-55); each version's own route always reaches it."""
     models = _write(
         tmp_path / "models.toml",
         """
@@ -163,15 +163,15 @@ async def test_traffic_splits_between_versions_as_weighted(
     jpeg = {"content-type": "image/jpeg"}
     async with running_gateway(gateway_factory(models_file=models)) as client:
         answers = []
-        for _ in range(12):  # 50 at a time: within the gateway's admission (64 in progress)
+        for _ in range(6):  # 50 at a time: within the gateway's admission (64 in progress)
             answers += await asyncio.gather(
                 *(client.post("/v1/models/shop/classify", content=coffee_jpeg, headers=jpeg) for _ in range(50))
             )
         versions = Counter(r.json()["model"]["version"] for r in answers)
         pinned = await client.post("/v1/models/shop/versions/2/classify", content=coffee_jpeg, headers=jpeg)
         listed = (await client.get("/v1/models")).json()["models"][0]["versions"]
-    assert 30 <= versions["2"] <= 95, versions
-    assert versions["1"] + versions["2"] == 600
+    assert 10 <= versions["2"] <= 55, versions
+    assert versions["1"] + versions["2"] == 300
     assert pinned.json()["model"]["version"] == "2"
     assert [v["traffic"] for v in listed] == [0.9, 0.1]
 
