@@ -83,14 +83,14 @@ async def test_real_models_load_on_first_use_and_a_slow_load_finishes_for_the_ne
     gateway_factory: MakeSettings, tmp_path: Path, coffee_jpeg: bytes
 ) -> None:
     """EfficientNet-Lite0 and the trivial model, in ONNX Runtime, one at a time in the budget: a
-    request whose deadline (0.05 s) is shorter than the model's load gets 503, the load goes on,
+    request whose deadline (1 ms) is shorter than the model's load gets 503, the load goes on,
     and a later request is answered by the loaded model."""
     models = tmp_path / "models.toml"
     models.write_text(
         f"default = 'small'\n[models.small]\nprofile = 'trivial'\nmemory = {60 * MB}\n"
         f"[models.real]\nprofile = 'efficientnet-lite0'\nmemory = {60 * MB}\n"
     )
-    settings = gateway_factory(models_file=models, model_memory_budget=100 * MB, request_timeout=0.05)
+    settings = gateway_factory(models_file=models, model_memory_budget=100 * MB, request_timeout=0.001)
     async with running_gateway(settings) as client:
         first = await client.post("/v1/models/real/classify", content=coffee_jpeg, headers=JPEG)
         assert first.status_code == 503, first.text
