@@ -29,7 +29,7 @@ from service.host.gpu import start_gpu_sampler
 from service.images.budget import ByteBudget
 from service.images.preprocess import PreprocessConfig, prepare
 from service.metrics import Metrics
-from service.models.checkpoints import real_weights_hint, weights_for
+from service.models.checkpoints import real_weights_hint
 from service.serving.catalog import Catalog, load_catalog, with_discovered
 from service.serving.fair import Admission, FairPool, Lane
 from service.serving.loading import Loader
@@ -167,7 +167,7 @@ async def _start_version(
     health = BackendHealth(chosen, served.metrics, settings.readiness_interval, name=f"{name}/{spec.version}")
     await health.refresh()
     logger.info("model %s version %s ready: %s on the %s backend", name, spec.version, profile.name, chosen.name)
-    random_weights = profile.random_without_weights and weights_for(settings, profile.name) is None
+    random_weights = served.random_weights
     if random_weights:
         logger.warning(
             "model %s version %s (%s) has RANDOM weights: its answers are meaningless (every answer says "

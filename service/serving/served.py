@@ -56,6 +56,13 @@ class ServedVersion:
     last_used: float = 0.0
     failed: tuple[float, str] | None = None
     """When its last load failed, and why (cleared by a load that succeeds)."""
+    random_weights: bool = field(init=False)
+    """Its answers are meaningless: a profile with random weights and no weights file (found once,
+    at start: its answers, readiness and jobs say it without a file lookup each)."""
+
+    def __post_init__(self) -> None:
+        profile = self.spec.profile
+        self.random_weights = profile.random_without_weights and weights_for(self.spec.settings, profile.name) is None
 
     @property
     def failure(self) -> str | None:
@@ -77,12 +84,6 @@ class ServedVersion:
     def backend(self) -> Backend:
         assert self.running is not None, f"{self.model}/{self.version} is not loaded"
         return self.running.backend
-
-    @property
-    def random_weights(self) -> bool:
-        """Its answers are meaningless: a profile with random weights and no weights file."""
-        profile = self.spec.profile
-        return profile.random_without_weights and weights_for(self.spec.settings, profile.name) is None
 
     @property
     def backend_name(self) -> str:
@@ -157,7 +158,7 @@ class ServedModel:
     def version(self, version: str) -> ServedVersion:
         served = self.versions.get(version)
         if served is None:
-            shown = repr(version) if len(version) <= 16 else f"(a version of {len(version)} characters)"
+            shown = _quoted(version, 16, "version")
             raise NotFound(f"model {self.name!r} has no version {shown}; it has {', '.join(self.versions)}")
         return served
 
@@ -166,6 +167,11 @@ class ServedModel:
         """None when a version taking traffic is ready (the model can answer), else why not."""
         problems = [f"version {v.version}: {v.problem}" for v in self._by_bound if v.problem is not None]
         return "; ".join(problems) if len(problems) == len(self._by_bound) else None
+
+
+def _quoted(text: str, most: int, what: str) -> str:
+    """A name from a request, quoted in an error; a long one by its length only."""
+    return repr(text) if len(text) <= most else f"(a {what} of {len(text)} characters)"
 
 
 class ServedModels:
@@ -184,8 +190,7 @@ class ServedModels:
     def get(self, name: str) -> ServedModel:
         model = self.models.get(name)
         if model is None:
-            shown = repr(name) if len(name) <= 64 else f"(a name of {len(name)} characters)"
-            raise NotFound(f"no model {shown}; this gateway serves {', '.join(self.models)}")
+            raise NotFound(f"no model {_quoted(name, 64, 'name')}; this gateway serves {', '.join(self.models)}")
         return model
 
     def versions(self) -> list[ServedVersion]:
