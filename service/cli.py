@@ -45,7 +45,8 @@ def _settings(args: argparse.Namespace) -> Settings:
         sys.exit(f"gateway: invalid settings:\n{exc}")
     from service.models.profiles import PROFILES
 
-    if settings.model not in PROFILES:  # settings know no model table: a leaf
+    lone = not settings.models.strip() and settings.models_file is None  # else ``model`` is not used
+    if lone and settings.model not in PROFILES:  # settings know no model table: a leaf
         sys.exit(f"gateway: invalid settings:\nmodel: unknown model {settings.model!r}; known: {', '.join(PROFILES)}")
     from service.serving.catalog import CatalogError, load_catalog
 
@@ -299,10 +300,14 @@ def _models_fetch(args: argparse.Namespace) -> int:
 
 def _worker(args: argparse.Namespace) -> int:
     from service.jobs.worker import run_worker
+    from service.serving.catalog import CatalogError
 
     settings = _settings(args)
     _logging(settings)
-    eventloop.run(run_worker(settings))
+    try:
+        eventloop.run(run_worker(settings))
+    except CatalogError as exc:
+        sys.exit(f"gateway worker: invalid settings:\n{exc}")
     return 0
 
 
@@ -319,6 +324,8 @@ def _ingest(args: argparse.Namespace) -> int:
             top_k=args.top_k,
             max_outstanding=args.max_outstanding,
             resend_after=args.resend_after,
+            model=args.model,
+            version=args.model_version,
         )
     )
 
@@ -422,6 +429,11 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=120.0,
         help="seconds without any new result before unfinished images are published again",
+    )
+    ingest.add_argument(
+        "--model-version",
+        metavar="VERSION",
+        help="the version of --model the jobs are for (default: the workers pick one by the traffic weights)",
     )
     ingest.set_defaults(func=_ingest)
     tune = commands.add_parser(

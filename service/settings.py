@@ -382,6 +382,10 @@ class Settings(BaseSettings):
     """Webhook deliveries one worker makes at once."""
     publish_timeout: float = Field(5.0, gt=0.0)
     """Seconds to wait for the broker to confirm a publish before answering 503."""
+    worker_models: str = ""
+    """The models a queue worker serves, comma-separated names of the models setting or file (each
+    from its own queue, ``<prefix>.work.<model>``; the default model's is ``<prefix>.work``), or
+    ``*`` for all of them. Empty: the default model alone."""
     worker_prefetch: int = Field(0, ge=0)
     """Unacknowledged messages a worker holds (0: max_batch_size x max_inflight_batches x 2, enough
     to keep batches full while results are being published, at most max_queue_size). Never more

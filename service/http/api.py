@@ -32,7 +32,7 @@ from service.http.middleware import API_KEY, AUTHENTICATED
 from service.http.openapi import CLASSIFY_BODY, ERRORS
 from service.http.quotas import Quotas
 from service.images.files import MEDIA_TYPES
-from service.jobs.client import JobsClient, OfflineImage, PendingJob
+from service.jobs.client import JobsClient, JobTarget, OfflineImage, PendingJob
 from service.jobs.owners import JOB_ID_CHARS
 from service.metrics import Metrics
 from service.models.checkpoints import real_weights_hint
@@ -269,11 +269,6 @@ async def handle_classify(request: Request, model: str | None = None, version: s
     request.scope[CANCEL_ON_DISCONNECT] = mode == "online"
     gateway = gateway_of(request)
     served = choose(request, gateway, model, version)
-    if mode == "offline" and (version is not None or served.model != gateway.models.default.name):
-        raise BadRequest(  # before the body and the quota: nothing is spent on a request refused anyway
-            f"mode=offline serves the default model ({gateway.models.default.name!r}), its version chosen by the "
-            "workers; name no model or version, or classify online"
-        )
     admission = gateway.models.admission
     admission.check(served.model)  # full now: refuse before spending time on the body
     if _media_type(request.headers.get("content-type")) == "application/json":
@@ -282,13 +277,13 @@ async def handle_classify(request: Request, model: str | None = None, version: s
         assert gateway.fetcher is not None  # _read_urls refuses URLs where fetching is off
         async with gateway.fetcher.images(urls) as fetched:
             admission.check(served.model)
-            return await _admitted(request, gateway, served, fetched, top_k, mode)
+            return await _admitted(request, gateway, served, fetched, top_k, mode, version)
     # The body is read before taking a slot: a slow sender never holds one (its time is bounded by
     # GATEWAY_BODY_TIMEOUT, its memory by the body budget in BodyLimitMiddleware).
     images = await _read_images(request, gateway.settings.max_images_per_request)
     admission.check(served.model)
     _spend_quota(request, gateway, len(images), served.model)
-    return await _admitted(request, gateway, served, images, top_k, mode)
+    return await _admitted(request, gateway, served, images, top_k, mode, version)
 
 
 def choose(request: Request, gateway: Gateway, model: str | None, version: str | None) -> ServedVersion:
@@ -304,14 +299,21 @@ def choose(request: Request, gateway: Gateway, model: str | None, version: str |
 
 
 async def _admitted(
-    request: Request, gateway: Gateway, served: ServedVersion, images: list[ImageInput], top_k: int, mode: str
+    request: Request,
+    gateway: Gateway,
+    served: ServedVersion,
+    images: list[ImageInput],
+    top_k: int,
+    mode: str,
+    version: str | None,
 ) -> Response:
+    """``version``: the one the request named (None: ``served`` was picked by traffic weights)."""
     deadline = asyncio.get_running_loop().time() + gateway.settings.request_timeout
     admission, loader = gateway.models.admission, gateway.models.loader
     admission.enter(served.model)
     try:
         if mode == "offline":
-            return await _classify_offline(request, served, images, top_k, deadline)
+            return await _classify_offline(request, served, images, top_k, deadline, version)
         if WEBHOOK_URL in request.headers:
             raise BadRequest(f"{WEBHOOK_URL} is for mode=offline: an online answer is the result itself")
         if loader is not None:  # loads it (within the deadline) if it is not, holds it loaded
@@ -384,9 +386,10 @@ async def _classify_online(
 
 
 async def _classify_offline(
-    request: Request, served: ServedVersion, images: list[ImageInput], top_k: int, deadline: float
+    request: Request, served: ServedVersion, images: list[ImageInput], top_k: int, deadline: float, version: str | None
 ) -> JSONResponse:
-    """Validate every image cheaply (type, header, dimensions), then publish each as a job."""
+    """Validate every image cheaply (type, header, dimensions), then publish each as a job to its
+    model's queue, naming the version if the request did (else the workers pick one by weight)."""
     gateway = gateway_of(request)
     if gateway.jobs is None:  # a property of this deployment, not a passing fault: retrying cannot help
         raise BadRequest("mode=offline is not available: this gateway has no message broker (GATEWAY_BROKER_URL)")
@@ -399,7 +402,9 @@ async def _classify_offline(
     await served.classifier.validate(images)  # the queue workers classify: nothing here holds it loaded
     offline = [OfflineImage(i.data, i.content_type or "application/octet-stream", i.filename) for i in images]
     owner = request.scope.get(API_KEY) or ""
-    submitted = await gateway.jobs.submit(offline, top_k, owner=owner, key=key, webhook=webhook)
+    default = gateway.models.default.name
+    target = JobTarget(gateway.jobs.names.route(served.model, default), version, default=served.model == default)
+    submitted = await gateway.jobs.submit(offline, top_k, owner=owner, key=key, webhook=webhook, target=target)
     body = JobsAccepted(
         jobs=[
             AcceptedJob(job_id=job_id, filename=image.filename, status_url=f"/jobs/{job_id}")

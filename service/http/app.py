@@ -28,6 +28,7 @@ from service.http.fetch import Fetcher
 from service.http.middleware import OPEN_PATHS, ApiKeyMiddleware, BodyLimitMiddleware, RequestMiddleware
 from service.http.quotas import Quotas
 from service.jobs.client import JobsClient
+from service.jobs.topology import Names
 from service.metrics import Metrics, multiprocess_dir
 from service.schemas import ModelInfo
 from service.serving.catalog import load_catalog
@@ -80,7 +81,13 @@ def create_app(
         try:
             async with open_models(settings, metrics, backend, tracing, catalog) as models:
                 jobs = (
-                    JobsClient(settings, metrics, tracing, owners={key.id: key.secret for key in keys})
+                    JobsClient(
+                        settings,
+                        metrics,
+                        tracing,
+                        owners={key.id: key.secret for key in keys},
+                        routes=Names(settings.queue_prefix).routes(models.models, models.default.name),
+                    )
                     if settings.broker_url
                     else None
                 )

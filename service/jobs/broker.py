@@ -29,7 +29,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from contextlib import suppress
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -41,7 +41,7 @@ from yarl import URL
 
 from service.errors import BackendUnavailable
 from service.jobs import frames
-from service.jobs.topology import Names, Topology, declare
+from service.jobs.topology import Names, Route, Topology, declare
 
 logger = logging.getLogger(__name__)
 
@@ -93,6 +93,7 @@ class Broker:
         prefetch: int = 0,
         on_connect: Callable[[Broker], Awaitable[None]] | None = None,
         name: str | None = None,
+        routes: Sequence[Route] = (),
     ) -> None:
         frames.install()  # a message with hostile properties must not close the connection
         self.addresses = addresses(url)
@@ -104,6 +105,8 @@ class Broker:
         self.publish_timeout = publish_timeout
         self.prefetch = prefetch
         self._on_connect = on_connect
+        self.routes = tuple(routes)
+        """The models' work queues declared besides ``<prefix>.work`` (``service.jobs.topology``)."""
         self.name = name
         """Connection name shown by RabbitMQ (management UI, ``rabbitmqctl list_connections``)."""
         self.connection: AbstractRobustConnection | None = None
@@ -142,7 +145,7 @@ class Broker:
             channel = await connection.channel(publisher_confirms=True, on_return_raises=True)
             if self.prefetch:
                 await channel.set_qos(prefetch_count=self.prefetch)
-            self.topology = await declare(connection, channel, self.names)
+            self.topology = await declare(connection, channel, self.names, self.routes)
             self.connection, self.channel = connection, channel
             if self._on_connect is not None:  # its consumers are part of being connected
                 await self._on_connect(self)

@@ -33,7 +33,7 @@ from service.jobs.broker import Broker
 from service.jobs.idempotency import HOLD_TIMEOUTS, MAX_IMAGES, IdempotencyLog, fingerprint, key_digest
 from service.jobs.messages import DEFAULT_REPLY_TO, JobResult, request_message
 from service.jobs.owners import derived_job_ids, fresh_job_id, owns
-from service.jobs.topology import REQUEST_KEY, Names
+from service.jobs.topology import REQUEST_KEY, Names, Route
 from service.metrics import Metrics
 from service.settings import Settings
 from service.tracing import Tracing, publishing
@@ -102,6 +102,27 @@ class OfflineImage:
 
 
 @dataclass(frozen=True)
+class JobTarget:
+    """The model (its queue) and version a submit's jobs are for."""
+
+    route: Route
+    version: str | None = None
+    """None: the worker picks one by the model's traffic weights."""
+    default: bool = False
+    """The route is the default model's (``/classify``'s)."""
+
+    @property
+    def fingerprint(self) -> str:
+        """What the idempotency fingerprint takes of it: nothing for the default model at a
+        version the workers pick, so that the keys of submits made before models existed replay."""
+        return "" if self.default and self.version is None else f"{self.route.model}\0{self.version or ''}"
+
+
+DEFAULT_TARGET = JobTarget(Route("", "", REQUEST_KEY), default=True)
+"""The default model's queue, without naming the model (as submits of earlier versions did)."""
+
+
+@dataclass(frozen=True)
 class Submitted:
     job_ids: list[str]
     replayed: bool = False
@@ -135,7 +156,10 @@ class JobsClient:
         metrics: Metrics,
         tracing: Tracing | None = None,
         owners: Mapping[str, bytes] | None = None,
+        routes: Sequence[Route] = (),
     ) -> None:
+        """``routes``: the work queues of the models besides the default's (declared at connect, so
+        that a job for any of them is routable)."""
         assert settings.broker_url
         self.tracing = tracing
         self.store = JobStore(settings.jobs_cache_bytes, settings.jobs_ttl)
@@ -159,6 +183,7 @@ class JobsClient:
             publish_timeout=settings.publish_timeout,
             on_connect=self._listen,
             name=self.listen_queue,
+            routes=routes,
         )
 
     async def _listen(self, broker: Broker) -> None:
@@ -219,28 +244,36 @@ class JobsClient:
         owner: str = "",
         key: str | None = None,
         webhook: str | None = None,
+        target: JobTarget = DEFAULT_TARGET,
     ) -> Submitted:
         """Publish each image (confirmed) and return the job ids, in order; the ids are
         ``owner``'s (an API key id, "" without keys). With an idempotency ``key``, ids are
         derived from the key and the request, and each image is queued once, whichever replica
         takes a retry (``service.jobs.idempotency``). With ``webhook``, each job's result is POSTed
-        there when it finishes (``service.jobs.webhooks``)."""
+        there when it finishes (``service.jobs.webhooks``). The jobs go to ``target``'s queue."""
         assert all(i.data for i in images)
         secret = self._secret(owner)
         if key is None:
             ids = [fresh_job_id(secret) for _ in images]
-            _raise_first(await self._publish_all(images, ids, range(len(images)), top_k, webhook))
+            _raise_first(await self._publish_all(images, ids, range(len(images)), top_k, webhook, target))
             return Submitted(ids)
         if len(images) > MAX_IMAGES:  # only where GATEWAY_MAX_IMAGES_PER_REQUEST allows more
             raise BadRequest(f"{len(images)} images; an idempotent submit takes at most {MAX_IMAGES}")
-        body = fingerprint([(i.data, i.content_type, i.filename) for i in images], top_k, webhook)
+        body = fingerprint([(i.data, i.content_type, i.filename) for i in images], top_k, webhook, target.fingerprint)
         ids = derived_job_ids(secret, key, body, len(images))
         slot = key_digest(secret, key)
         async with self.idempotency.lock(slot):
-            return await self._submit_once(images, ids, slot, body, top_k, webhook)
+            return await self._submit_once(images, ids, slot, body, top_k, webhook, target)
 
     async def _submit_once(
-        self, images: list[OfflineImage], ids: list[str], slot: bytes, body: bytes, top_k: int, webhook: str | None
+        self,
+        images: list[OfflineImage],
+        ids: list[str],
+        slot: bytes,
+        body: bytes,
+        top_k: int,
+        webhook: str | None,
+        target: JobTarget,
     ) -> Submitted:
         """Claim the key through the stream; publish if this claim wins, else wait for the one that
         did and answer from its outcome (claiming again if it left images unconfirmed)."""
@@ -260,7 +293,9 @@ class JobsClient:
             if decision.verdict == "replay":
                 return Submitted(ids, replayed=True)
             if decision.verdict == "publish":
-                return await self._publish_claimed(images, ids, slot, body, claim, decision.published, top_k, webhook)
+                return await self._publish_claimed(
+                    images, ids, slot, body, claim, decision.published, top_k, webhook, target
+                )
             left = deadline - loop.time()
             if left <= 0:
                 raise BackendUnavailable(
@@ -280,11 +315,12 @@ class JobsClient:
         done: int,
         top_k: int,
         webhook: str | None,
+        target: JobTarget,
     ) -> Submitted:
         todo = [index for index in range(len(images)) if not done >> index & 1]
         published = 0
         try:
-            outcomes = await self._publish_all(images, ids, todo, top_k, webhook)
+            outcomes = await self._publish_all(images, ids, todo, top_k, webhook, target)
             for index, outcome in zip(todo, outcomes, strict=True):
                 if outcome is None:
                     published |= 1 << index
@@ -295,16 +331,24 @@ class JobsClient:
         return Submitted(ids, replayed=not todo)
 
     async def _publish_all(
-        self, images: list[OfflineImage], ids: list[str], indices: Sequence[int], top_k: int, webhook: str | None
+        self,
+        images: list[OfflineImage],
+        ids: list[str],
+        indices: Sequence[int],
+        top_k: int,
+        webhook: str | None,
+        target: JobTarget,
     ) -> list[BaseException | None]:
         """Publish together (the confirms overlap instead of costing a round trip each); each
         image's outcome, None where the broker confirmed it."""
         outcomes = await asyncio.gather(
-            *(self._publish(images[i], ids[i], top_k, webhook) for i in indices), return_exceptions=True
+            *(self._publish(images[i], ids[i], top_k, webhook, target) for i in indices), return_exceptions=True
         )
         return [outcome if isinstance(outcome, BaseException) else None for outcome in outcomes]
 
-    async def _publish(self, image: OfflineImage, job_id: str, top_k: int, webhook: str | None) -> None:
+    async def _publish(
+        self, image: OfflineImage, job_id: str, top_k: int, webhook: str | None, target: JobTarget
+    ) -> None:
         with publishing(self.tracing, job_id) as trace:
             message = request_message(
                 image.data,
@@ -315,8 +359,10 @@ class JobsClient:
                 reply_to=DEFAULT_REPLY_TO,
                 trace=trace,
                 webhook=webhook,
+                model=target.route.model or None,
+                version=target.version,
             )
-            await self.broker.publish("requests", message, REQUEST_KEY)
+            await self.broker.publish("requests", message, target.route.key)
         self.metrics.queue_events["published"].inc()
         self.store.pending(job_id, image.filename)
 

@@ -182,11 +182,17 @@ def key_digest(owner: bytes, key: str) -> bytes:
     return hmac.new(owner, b"gateway-idempotency-key\0" + key.encode(), hashlib.sha256).digest()[:DIGEST_BYTES]
 
 
-def fingerprint(images: Sequence[tuple[bytes, str, str | None]], top_k: int, webhook: str | None = None) -> bytes:
+def fingerprint(
+    images: Sequence[tuple[bytes, str, str | None]], top_k: int, webhook: str | None = None, target: str = ""
+) -> bytes:
     """Of everything a submit queues: each image's bytes, type and filename, in order, their
-    count, ``top_k`` and the webhook URL."""
+    count, ``top_k``, the webhook URL and the ``target`` (the model and version the jobs name; ""
+    for the default model at a version its workers pick, which is what every submit of earlier
+    versions was, so their keys replay as before)."""
     digest = hashlib.sha256(f"gateway-submit-v2\0top_k={top_k}\0n={len(images)}\0".encode())
     digest.update(f"webhook={webhook}\0".encode() if webhook is not None else b"no-webhook\0")
+    if target:
+        digest.update(f"target={target}\0".encode())
     for data, content_type, filename in images:
         digest.update(hashlib.sha256(data).digest())
         digest.update(f"\0{content_type}\0{filename is not None}{filename or ''}\0".encode())

@@ -9,6 +9,8 @@
   finished without redoing work. Duplicates (a result delivered twice, an image published twice)
   are written once.
 * Images still without a result after ``resend_after`` seconds without progress are published again.
+* ``--model NAME`` (and ``--model-version V``) sends the jobs to that model's queue, for the workers
+  that serve it (``service.jobs.topology``); without it, the default model's.
 """
 
 from __future__ import annotations
@@ -30,7 +32,8 @@ from service.images.imageinfo import probe
 from service.jobs.acks import Acks
 from service.jobs.broker import Broker
 from service.jobs.messages import new_job_id, request_message
-from service.jobs.topology import REQUEST_KEY, Names, declare_replicated
+from service.jobs.topology import Names, Route, declare_replicated
+from service.serving.catalog import load_catalog
 from service.settings import Settings
 from service.tracing import Tracing, publishing
 
@@ -85,6 +88,22 @@ def _result(body: bytes) -> dict[str, Any] | None:
     return result
 
 
+def target_route(settings: Settings, names: Names, model: str | None, version: str | None) -> Route:
+    """The queue of the jobs of ``model`` (None: the default model) at ``version``; a model or
+    version the models setting or file does not name is refused (a model found in Triton's index
+    only is taken on trust where the models file has a ``[triton]`` table)."""
+    catalog = load_catalog(settings)
+    name = model or catalog.default
+    spec = catalog.model(name)
+    if spec is None and catalog.discovery is None:
+        served = ", ".join(m.name for m in catalog.models)
+        raise SystemExit(f"gateway ingest: no model {name[:64]!r} is served (the models are {served})")
+    if version is not None and spec is not None and spec.version(version) is None:
+        versions = ", ".join(v.version for v in spec.versions)
+        raise SystemExit(f"gateway ingest: model {name!r} has no version {version[:64]!r} (it has {versions})")
+    return names.route(name, catalog.default)
+
+
 def content_type(data: bytes) -> str:
     try:
         return MEDIA_TYPE_OF[probe(data).format]
@@ -123,9 +142,13 @@ async def run_ingest(
     top_k: int = 5,
     max_outstanding: int = 256,
     resend_after: float = 120.0,
+    model: str | None = None,
+    version: str | None = None,
 ) -> int:
     if not settings.broker_url:
         raise SystemExit("gateway ingest: GATEWAY_BROKER_URL is not set")
+    names = Names(settings.queue_prefix)
+    route = target_route(settings, names, model, version)
     files = collect(paths)
     done_before = finished_paths(out)
     remaining = {str(p) for p in files} - done_before
@@ -134,9 +157,10 @@ async def run_ingest(
         print(f"nothing to do: all {len(files)} images already have results in {out}", file=sys.stderr)
         return 0
     run = run_id(out)
-    names = Names(settings.queue_prefix)
     tracing = Tracing.from_settings(settings, role="ingest")
-    broker = Broker(settings.broker_url, names, publish_timeout=settings.publish_timeout, prefetch=max_outstanding)
+    broker = Broker(
+        settings.broker_url, names, publish_timeout=settings.publish_timeout, prefetch=max_outstanding, routes=[route]
+    )
     await broker.connect()
     assert broker.channel is not None
     assert broker.topology is not None
@@ -186,11 +210,13 @@ async def run_ingest(
                     top_k=top_k,
                     reply_to=f"ingest.{run}",
                     trace=trace,
+                    model=model,
+                    version=version,
                 )
                 delay = 0.2
                 while path in remaining:
                     try:
-                        await broker.publish("requests", message, REQUEST_KEY)
+                        await broker.publish("requests", message, route.key)
                         return
                     except BackendUnavailable as exc:  # the broker is away: wait for the reconnect
                         logger.info("ingest: publish failed (%s); retrying", exc.detail)

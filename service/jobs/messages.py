@@ -3,9 +3,12 @@
 A request is the encoded image itself as the body (validated cheaply before publishing, decoded by
 the worker), with ``message_id`` = job id, ``content_type`` the image type, ``reply_to`` the results
 routing key, and headers ``filename``, ``top_k``, ``x-retries``, ``x-published-ms`` (the publish time
-in Unix milliseconds: the AMQP ``timestamp`` has whole seconds) and, when the submit gave one, the
-completion webhook's URL (``x-webhook-url``, see ``service.jobs.webhooks``). A result is JSON. Both carry
-the W3C trace headers (``traceparent``, ``tracestate``) of the span that sent them, when traced.
+in Unix milliseconds: the AMQP ``timestamp`` has whole seconds), the model it is for (``x-model``;
+absent on jobs of earlier versions: the default model), the version when the submit named one
+(``x-model-version``; absent: the worker picks one by the model's traffic weights) and, when the
+submit gave one, the completion webhook's URL (``x-webhook-url``, see ``service.jobs.webhooks``).
+A result is JSON. Both carry the W3C trace headers (``traceparent``, ``tracestate``) of the span
+that sent them, when traced.
 """
 
 from __future__ import annotations
@@ -29,6 +32,8 @@ REQUEUES_HEADER = "x-requeues"
 ERROR_HEADER = "x-gateway-error"
 DETAIL_HEADER = "x-gateway-detail"
 WEBHOOK_HEADER = "x-webhook-url"
+MODEL_HEADER = "x-model"
+VERSION_HEADER = "x-model-version"
 PUBLISHED_HEADER = "x-published-ms"
 """Unix time in milliseconds at which the request was published (``timings.queued``)."""
 DROPPED_HEADER = "x-gateway-dropped-headers"
@@ -80,6 +85,8 @@ def request_message(
     requeues: int = 0,
     trace: Mapping[str, str] | None = None,
     webhook: str | None = None,
+    model: str | None = None,
+    version: str | None = None,
 ) -> aio_pika.Message:
     now = time.time()
     headers: dict[str, Any] = {
@@ -92,6 +99,10 @@ def request_message(
         headers[REQUEUES_HEADER] = requeues
     if webhook is not None:
         headers[WEBHOOK_HEADER] = webhook
+    if model is not None:
+        headers[MODEL_HEADER] = model
+    if version is not None:
+        headers[VERSION_HEADER] = version
     if filename is not None:
         headers["filename"] = filename
     return aio_pika.Message(

@@ -5,8 +5,9 @@ makes every later declaration fail with PRECONDITION_FAILED until the queue is d
 applies to live queues and can be changed at any time, so the queues are declared with their type
 only and these policies carry the rest:
 
-* ``<prefix>-work`` (the quorum queue workers consume): ``delivery-limit`` (a message that crashed
-  or hung that many workers is dead-lettered with reason ``delivery_limit`` instead of being
+* ``<prefix>-work`` (the quorum queues workers consume: ``<prefix>.work`` and each model's
+  ``<prefix>.work.<model>``): ``delivery-limit`` (a message that crashed or hung that many
+  workers is dead-lettered with reason ``delivery_limit`` instead of being
   redelivered for ever) and ``dead-letter-exchange`` (``<prefix>.dead``);
 * ``<prefix>-webhooks`` (the quorum queue of webhook deliveries): the same ``delivery-limit`` and
   ``dead-letter-exchange``, for a delivery that keeps crashing the workers that take it;
@@ -50,8 +51,8 @@ def gateway_policies(
     return [
         Policy(
             f"{names.prefix}-work",
-            f"^{prefix}\\.work$",
-            "queues",  # "quorum_queues" is RabbitMQ 3.12+; the pattern names one queue anyway
+            f"^{prefix}\\.work(\\..+)?$",
+            "queues",  # "quorum_queues" is RabbitMQ 3.12+; the pattern names work queues only
             {"delivery-limit": delivery_limit, "dead-letter-exchange": names.dead},
         ),
         Policy(

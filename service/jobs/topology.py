@@ -1,6 +1,9 @@
 """Exchange and queue names, and their declaration (idempotent; every party declares what it uses).
 
-<prefix>.requests  direct exchange -> quorum queue <prefix>.work        (routing key "classify")
+<prefix>.requests  direct exchange -> quorum queue <prefix>.work        (routing key "classify": the
+                                                                         default model's jobs)
+                                   -> quorum queue <prefix>.work.<model> (routing key "classify.<model>":
+                                                                         each other model's jobs)
 <prefix>.results   topic exchange  -> quorum queue <prefix>.results     (binding "#", capped)
                                    -> each API replica's own queue      (binding "jobs")
                                    -> each ingest run's quorum queue    (binding "ingest.<run>")
@@ -23,6 +26,7 @@ empty. Workers run it at start and every minute, so a rolling upgrade loses noth
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import aio_pika
@@ -31,6 +35,17 @@ from aio_pika.abc import AbstractChannel, AbstractConnection, AbstractExchange, 
 from service.jobs.messages import copy_message
 
 REQUEST_KEY = "classify"
+
+
+@dataclass(frozen=True)
+class Route:
+    """Where one model's jobs go: a quorum queue, bound to the requests exchange with its key. A
+    queue per model: a flood of one model's jobs waits in its own queue, workers serve the models
+    they are given, and an autoscaler can size each model's workers on its own queue's depth."""
+
+    model: str
+    queue: str
+    key: str
 
 
 @dataclass(frozen=True)
@@ -76,23 +91,43 @@ class Names:
     def ingest_queue(self, run: str) -> str:
         return f"{self.prefix}.ingest.{run}"
 
+    def route(self, model: str, default: str) -> Route:
+        """The queue and routing key of ``model``'s jobs. The default model keeps the queue and key
+        of the versions that served one model (``<prefix>.work``, ``classify``), so a gateway that
+        serves one model, and its queued jobs, stay as they were."""
+        if model == default:
+            return Route(model, self.work, REQUEST_KEY)
+        return Route(model, f"{self.work}.{model}", f"{REQUEST_KEY}.{model}")
+
+    def routes(self, models: Iterable[str], default: str) -> list[Route]:
+        return [self.route(model, default) for model in models]
+
 
 @dataclass
 class Topology:
     names: Names
     requests_exchange: AbstractExchange
     requests_queue: AbstractQueue
+    """The default model's queue, ``<prefix>.work``."""
+    work_queues: dict[str, AbstractQueue]
+    """Every declared model queue by name, ``<prefix>.work`` included."""
     results_exchange: AbstractExchange
     dead_exchange: AbstractExchange
     dead_queue: AbstractQueue
 
 
-async def declare(connection: AbstractConnection, channel: AbstractChannel, names: Names) -> Topology:
+async def declare(
+    connection: AbstractConnection, channel: AbstractChannel, names: Names, routes: Iterable[Route] = ()
+) -> Topology:
+    """Declare the topology, with a work queue for each of ``routes`` besides ``<prefix>.work``."""
     requests_exchange = await channel.declare_exchange(names.requests, aio_pika.ExchangeType.DIRECT, durable=True)
     results_exchange = await channel.declare_exchange(names.results, aio_pika.ExchangeType.TOPIC, durable=True)
     dead_exchange = await channel.declare_exchange(names.dead, aio_pika.ExchangeType.FANOUT, durable=True)
-    requests_queue = await channel.declare_queue(names.work, durable=True, arguments={"x-queue-type": "quorum"})
-    await requests_queue.bind(requests_exchange, REQUEST_KEY)
+    work_queues: dict[str, AbstractQueue] = {}
+    for queue, key in {names.work: REQUEST_KEY, **{route.queue: route.key for route in routes}}.items():
+        work_queues[queue] = await channel.declare_queue(queue, durable=True, arguments={"x-queue-type": "quorum"})
+        await work_queues[queue].bind(requests_exchange, key)
+    requests_queue = work_queues[names.work]
     # Quorum queues, replicated over a cluster's nodes: a classic queue lives on one node, and a
     # client that fails over could not even declare it while that node is down. A queue an earlier
     # version made classic is used as it is.
@@ -101,7 +136,7 @@ async def declare(connection: AbstractConnection, channel: AbstractChannel, name
     dead_queue = await declare_replicated(connection, channel, names.dead)
     await dead_queue.bind(dead_exchange)
     await channel.declare_queue(names.webhooks, durable=True, arguments={"x-queue-type": "quorum"})
-    return Topology(names, requests_exchange, requests_queue, results_exchange, dead_exchange, dead_queue)
+    return Topology(names, requests_exchange, requests_queue, work_queues, results_exchange, dead_exchange, dead_queue)
 
 
 async def declare_replicated(connection: AbstractConnection, channel: AbstractChannel, name: str) -> AbstractQueue:

@@ -12,8 +12,10 @@ for a run of finished messages. Outcomes per message:
   ``x-gateway-detail``, input acked: dead-lettered once, never redelivered in a loop;
 * backend failure -> republished with ``x-retries`` + 1 (then acked) up to ``max_retries``, then
   dead-lettered like bad input;
-* overload or outage (queue full, batch deadline passed, backend unavailable) -> republished after
-  a backoff with ``x-requeues`` + 1, then acked: neither a retry nor a delivery is used up;
+* overload or outage (queue full, batch deadline passed, backend unavailable), or a job for a model
+  or version this worker does not serve (the API's models changed before the workers' in a rolling
+  update; another worker may serve it) -> republished after a backoff with ``x-requeues`` + 1, then
+  acked: neither a retry nor a delivery is used up;
 * the broker does not take an outcome (a publish nacked, returned as unroutable, not confirmed
   within ``publish_timeout``, or no connection) -> that publish is tried again after a backoff
   (0.5 s, doubling, at most 30 s, with jitter; ``publish_retried`` counts them), for as long as the
@@ -35,6 +37,11 @@ for a run of finished messages. Outcomes per message:
   queue's delivery limit (a policy, see ``service.jobs.policies``) dead-letters a message that
   keeps doing it, with reason ``delivery_limit``.
 
+Each model a worker serves (``worker_models``) has its own queue (``service.jobs.topology``): a job
+is classified by the model its ``x-model`` header names (absent: the model of the queue it came
+from), at the version ``x-model-version`` names (absent: one picked by the model's traffic
+weights), and retried or requeued to the same queue.
+
 Every batch has a deadline (``request_timeout``), and the event loop touches a heartbeat file
 (``worker_heartbeat_file``) that ``gateway alive`` checks: a stuck loop cannot fake it.
 
@@ -53,6 +60,7 @@ import socket
 import time
 from collections.abc import Mapping
 from contextlib import suppress
+from functools import partial
 from pathlib import Path
 from typing import Any, Literal
 
@@ -79,9 +87,11 @@ from service.jobs.acks import Acks
 from service.jobs.broker import Broker
 from service.jobs.messages import (
     DEFAULT_REPLY_TO,
+    MODEL_HEADER,
     REQUEUES_HEADER,
     RETRIES_HEADER,
     UNDECODABLE_HEADER,
+    VERSION_HEADER,
     WEBHOOK_HEADER,
     WEBHOOK_URL_MAX,
     JobError,
@@ -93,15 +103,15 @@ from service.jobs.messages import (
     result_message,
     trace_headers,
 )
-from service.jobs.topology import REQUEST_KEY, Names, migrate_legacy
+from service.jobs.topology import Names, Route, migrate_legacy
 from service.jobs.webhooks import WebhookSender, delivery_message
 from service.logs import JOB_ID
 from service.metrics import Metrics
 from service.schemas import Label, ModelInfo
-from service.serving.catalog import load_catalog
+from service.serving.catalog import Catalog, CatalogError, load_catalog
 from service.serving.loading import Loader
 from service.serving.pipeline import open_models
-from service.serving.served import ServedModel
+from service.serving.served import ServedModels, ServedVersion
 from service.settings import Settings
 from service.tracing import Tracing, current_headers
 
@@ -113,6 +123,13 @@ class DeliveryLimit(GatewayError):
 
     status_code = 500
     error = "delivery_limit"
+
+
+class NotServedHere(GatewayError):
+    """The job names a model or version this worker does not serve: requeued for one that does."""
+
+    status_code = 503
+    error = "model_not_served"
 
 
 POISON = (BadImage, BadRequest, PayloadTooLarge, UnsupportedMediaType, DeliveryLimit)
@@ -162,6 +179,20 @@ def _filename(headers: Mapping[str, Any]) -> str | None:
     return str(headers["filename"]) if headers.get("filename") is not None else None
 
 
+def _name_header(headers: Mapping[str, Any], name: str) -> str | None:
+    """A model or version header: a string, or absent (None); else the job is a bad request."""
+    value = headers.get(name)
+    if value is None or (isinstance(value, str) and 0 < len(value) <= 64):
+        return value
+    raise BadRequest(f"bad message header: {name}={repr(value)[:100]} (a model or version name is 1-64 characters)")
+
+
+def _kept(headers: Mapping[str, Any], name: str) -> str | None:
+    """A model or version header to carry over to a copy of the job, as it was (a string)."""
+    value = headers.get(name)
+    return value if isinstance(value, str) else None
+
+
 def _webhook(headers: Mapping[str, Any]) -> str | None:
     """The job's webhook URL; None also when it is too long to carry (the job then fails)."""
     url = str(headers[WEBHOOK_HEADER]) if headers.get(WEBHOOK_HEADER) else None
@@ -185,23 +216,26 @@ class Worker:
     def __init__(
         self,
         settings: Settings,
-        model: ServedModel,
+        models: ServedModels,
+        routes: list[Route],
         broker: Broker,
         metrics: Metrics,
         tracing: Tracing | None = None,
-        loader: Loader | None = None,
     ) -> None:
         self.settings = settings
         self.tracing = tracing
-        self.model = model
-        self.loader = loader
-        """The model it serves (its versions by traffic weight): the gateway's default."""
+        self.models = models
+        """The models it serves (each one's versions by traffic weight)."""
+        self.routes = routes
+        """Their queues, each consumed."""
+        self.loader: Loader | None = models.loader
         self.broker = broker
         self.metrics = metrics
         self.name = f"{socket.gethostname()}-{os.getpid()}"
         self._tasks: set[asyncio.Task[Any]] = set()
         self._acks = Acks()
-        self._consumer_tag: str | None = None
+        self._consumers: dict[str, str] = {}
+        """Consumer tags by queue."""
         self._suspects = asyncio.Lock()
         """Redelivered messages (their worker died holding them) run one at a time, alone."""
         self.closing = False
@@ -209,10 +243,18 @@ class Worker:
     async def start(self) -> None:
         assert self.broker.topology is not None
         self._acks.start()
-        self._consumer_tag = await self.broker.topology.requests_queue.consume(self._on_message)
-        logger.info("worker %s: consuming %s (prefetch %d)", self.name, self.broker.names.work, self.broker.prefetch)
+        for route in self.routes:
+            queue = self.broker.topology.work_queues[route.queue]
+            self._consumers[route.queue] = await queue.consume(partial(self._on_message, route))
+            logger.info(
+                "worker %s: consuming %s for model %s (prefetch %d)",
+                self.name,
+                route.queue,
+                route.model,
+                self.broker.prefetch,
+            )
 
-    async def _on_message(self, message: AbstractIncomingMessage) -> None:
+    async def _on_message(self, route: Route, message: AbstractIncomingMessage) -> None:
         """Runs in the task aio-pika starts for each delivery (no task of our own on top)."""
         self.metrics.queue_events["consumed"].inc()
         try:
@@ -223,7 +265,7 @@ class Worker:
         assert task is not None
         self._tasks.add(task)
         try:
-            await self._handle(message)
+            await self._handle(message, route)
         finally:
             self._tasks.discard(task)
 
@@ -285,8 +327,11 @@ class Worker:
         await self._dead_letter(message, error, base.job_id)
         self.metrics.queue_events["acked"].inc()
 
-    async def _republish(self, message: AbstractIncomingMessage, top_k: int, *, retries: int, requeues: int) -> None:
-        """Put a copy of the job at the tail of the queue (the input is then acked)."""
+    async def _republish(
+        self, message: AbstractIncomingMessage, route: Route, top_k: int, *, retries: int, requeues: int
+    ) -> None:
+        """Put a copy of the job at the tail of its queue (the input is then acked)."""
+        headers = message.headers or {}
         again = request_message(
             message.body,
             job_id=message.message_id or new_job_id(),
@@ -297,11 +342,15 @@ class Worker:
             retries=retries,
             requeues=requeues,
             trace=trace_headers(message.headers or {}),  # a retry stays in its job's trace
-            webhook=_webhook(message.headers or {}),
+            webhook=_webhook(headers),
+            model=_kept(headers, MODEL_HEADER),
+            version=_kept(headers, VERSION_HEADER),
         )
-        await self._publish("requests", again, REQUEST_KEY, message)
+        await self._publish("requests", again, route.key, message)
 
-    async def _requeue_later(self, message: AbstractIncomingMessage, error: GatewayError, top_k: int) -> None:
+    async def _requeue_later(
+        self, message: AbstractIncomingMessage, route: Route, error: GatewayError, top_k: int
+    ) -> None:
         """Overload or an outage is not the message's fault: wait (backing off with each requeue),
         then put a copy back at the tail with the same retry count; this one is acked. Neither a
         retry nor a delivery of the quorum queue's delivery limit is used up."""
@@ -314,10 +363,12 @@ class Worker:
         _outcome("requeued", error)
         if not self.closing:
             await asyncio.sleep(pause)
-        await self._republish(message, top_k, retries=_int_header(headers, RETRIES_HEADER), requeues=requeues + 1)
+        await self._republish(
+            message, route, top_k, retries=_int_header(headers, RETRIES_HEADER), requeues=requeues + 1
+        )
         self.metrics.queue_events["requeued"].inc()
 
-    async def _handle(self, message: AbstractIncomingMessage) -> None:
+    async def _handle(self, message: AbstractIncomingMessage, route: Route) -> None:
         """Every path ends in an ack or a reject: acked (with others: ``service.jobs.acks``) once its
         outcome is confirmed; rejected with requeue when an error escapes (an error inside an error
         path), so the prefetch window never fills with stranded messages. A publish the broker does
@@ -325,18 +376,18 @@ class Worker:
         and the broker then redelivers it."""
         JOB_ID.set(message.message_id)  # this task's own context: every line it logs names the job
         if self.tracing is None:
-            await self._settle(message)
+            await self._settle(message, route)
             return
         with self.tracing.consumer("job", message.headers or {}, message.message_id):
-            await self._settle(message)
+            await self._settle(message, route)
 
-    async def _settle(self, message: AbstractIncomingMessage) -> None:
+    async def _settle(self, message: AbstractIncomingMessage, route: Route) -> None:
         try:
             if _int_header(message.headers or {}, DELIVERY_COUNT_HEADER) == 0:
-                await self._process(message)
+                await self._process(message, route)
             else:  # it may be what killed the last worker: keep it out of others' batches
                 async with self._suspects:
-                    await self._process(message)
+                    await self._process(message, route)
         except _ChannelLost as exc:
             logger.warning("worker: job %s: its channel closed (%s); the broker redelivers it", message.message_id, exc)
         except Exception:
@@ -346,15 +397,28 @@ class Worker:
         else:
             self._acks.finished(message)
 
-    async def _process(self, message: AbstractIncomingMessage) -> None:
+    def _served(self, headers: Mapping[str, Any], route: Route) -> ServedVersion:
+        """The model version the job names (by its headers; the model of its queue if none)."""
+        name = _name_header(headers, MODEL_HEADER) or route.model
+        version = _name_header(headers, VERSION_HEADER)
+        model = self.models.models.get(name)
+        if model is None:
+            raise NotServedHere(
+                f"this worker does not serve model {name!r} (it serves {', '.join(self.models.models)})"
+            )
+        if version is None:
+            return model.pick(None)
+        if version not in model.versions:
+            raise NotServedHere(f"this worker does not serve version {version!r} of {name!r}")
+        return model.versions[version]
+
+    async def _process(self, message: AbstractIncomingMessage, route: Route) -> None:
         started = time.perf_counter()
         headers = message.headers or {}
         job_id = message.message_id or new_job_id()
         reply_to = message.reply_to or DEFAULT_REPLY_TO
         filename = _filename(headers)
-        served = self.model.pick(None)
-        info = ModelInfo(name=served.model, version=served.version, random_weights=served.random_weights)
-        base = JobResult(job_id=job_id, status="done", filename=filename, model=info, worker=self.name)
+        base = JobResult(job_id=job_id, status="done", filename=filename, worker=self.name)
         if (published := published_at(message)) is not None:
             base.timings["queued"] = max(0.0, time.time() - published)
         top_k, retries = 5, 0
@@ -373,6 +437,8 @@ class Worker:
                     f"delivered {deliveries + 1} times; every earlier worker died or hung while holding it "
                     "(a crashing codec or model input?)"
                 )
+            served = self._served(headers, route)
+            base.model = ModelInfo(name=served.model, version=served.version, random_weights=served.random_weights)
             deadline = asyncio.get_running_loop().time() + self.settings.request_timeout
             loader = self.loader
             if loader is not None:  # loads it within the deadline if the memory budget had unloaded it
@@ -392,14 +458,14 @@ class Worker:
             self.metrics.queue_events["acked"].inc()
         except POISON as exc:
             await self._fail(message, base, exc, reply_to)
-        except (BackendUnavailable, QueueFull, DeadlineExceeded) as exc:
-            await self._requeue_later(message, exc, top_k)
+        except (BackendUnavailable, QueueFull, DeadlineExceeded, NotServedHere) as exc:
+            await self._requeue_later(message, route, exc, top_k)
         except GatewayError as exc:
             if retries < self.settings.max_retries:
                 logger.warning("worker: job %s failed (%s), retry %d", job_id, exc.detail, retries + 1)
                 _outcome("retried", exc)
                 await self._republish(
-                    message, top_k, retries=retries + 1, requeues=_int_header(headers, REQUEUES_HEADER)
+                    message, route, top_k, retries=retries + 1, requeues=_int_header(headers, REQUEUES_HEADER)
                 )
                 self.metrics.queue_events["retried"].inc()
             else:
@@ -408,11 +474,13 @@ class Worker:
     async def stop(self, drain_timeout: float) -> None:
         """Stop consuming, then let the messages already taken finish (and be acked)."""
         self.closing = True
-        if self._consumer_tag is not None and self.broker.topology is not None:
+        for queue, tag in self._consumers.items():
+            if self.broker.topology is None:
+                break
             try:
-                await self.broker.topology.requests_queue.cancel(self._consumer_tag)
+                await self.broker.topology.work_queues[queue].cancel(tag)
             except Exception as exc:  # the broker may be gone; its redelivery covers us
-                logger.warning("worker: could not cancel the consumer: %s", exc)
+                logger.warning("worker: could not cancel the consumer of %s: %s", queue, exc)
         if self._tasks:
             logger.info("worker: finishing %d messages", len(self._tasks))
             _, pending = await asyncio.wait(self._tasks, timeout=drain_timeout)
@@ -437,7 +505,7 @@ async def _sample_depth(broker: Broker, metrics: Metrics, stop: asyncio.Event, i
     AMQP call cancelled while its answer is due left its task waiting for ever at shutdown)."""
     while not stop.is_set():
         if broker.is_open and broker.channel is not None:
-            for name in (broker.names.work, broker.names.dead):
+            for name in (*(route.queue for route in broker.routes), broker.names.dead):
                 try:
                     channel = await broker.channel.get_underlay_channel()
                     declared = await channel.queue_declare(queue=name, passive=True, timeout=5)
@@ -483,6 +551,22 @@ def heartbeat_age(path: Path) -> float:
         return float("inf")
 
 
+def worker_catalog(catalog: Catalog, wanted: str) -> Catalog:
+    """The part of ``catalog`` a worker serves: the models ``wanted`` names (``worker_models``),
+    all of them for ``*``, the default model alone for ""."""
+    if wanted.strip() == "*":
+        return catalog
+    names = [name.strip() for name in wanted.split(",") if name.strip()] or [catalog.default]
+    unknown = [name for name in names if catalog.model(name) is None]
+    if unknown:
+        raise CatalogError(
+            f"worker_models names {', '.join(map(repr, unknown))}, not among the models served "
+            f"({', '.join(model.name for model in catalog.models)}); a model found in Triton's index is served "
+            "by a worker given '*'"
+        )
+    return catalog.only(names)
+
+
 async def run_worker(settings: Settings, stop: asyncio.Event | None = None, backend: Backend | None = None) -> None:
     """Run until SIGTERM/SIGINT (or ``stop``), then stop consuming, finish and ack what was taken."""
     if not settings.broker_url:
@@ -494,20 +578,20 @@ async def run_worker(settings: Settings, stop: asyncio.Event | None = None, back
     metrics = Metrics()
     if settings.worker_metrics_port:
         start_http_server(settings.worker_metrics_port, addr=settings.host, registry=metrics.registry)
-    served = load_catalog(settings)
-    catalog = served.only(served.default)
-    # the messages it holds wait in the default model's batchers: as many as the smallest holds
-    prefetch = min(version.settings.prefetch for version in catalog.models[0].versions)
-    broker = Broker(
-        settings.broker_url,
-        Names(settings.queue_prefix),
-        publish_timeout=settings.publish_timeout,
-        prefetch=prefetch,
-    )
+    full = load_catalog(settings)
+    catalog = worker_catalog(full, settings.worker_models)
+    # the messages it holds wait in its models' batchers: as many as the smallest holds (prefetch is
+    # per consumer, a queue each)
+    prefetch = min(version.settings.prefetch for model in catalog.models for version in model.versions)
+    names = Names(settings.queue_prefix)
     tracing = Tracing.from_settings(settings, role="worker")
     async with open_models(settings, metrics, backend, tracing, catalog) as models:
+        routes = names.routes(models.models, full.default)  # with "*", the models found in Triton's index too
+        broker = Broker(
+            settings.broker_url, names, publish_timeout=settings.publish_timeout, prefetch=prefetch, routes=routes
+        )
         await broker.connect()
-        worker = Worker(settings, models.default, broker, metrics, tracing, models.loader)
+        worker = Worker(settings, models, routes, broker, metrics, tracing)
         await worker.start()
         webhooks = WebhookSender(settings, broker, metrics) if settings.webhook_secret is not None else None
         if webhooks is not None:

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import re
 import tomllib
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -127,9 +128,12 @@ class Catalog:
     def model(self, name: str) -> ModelSpec | None:
         return next((m for m in self.models if m.name == name), None)
 
-    def only(self, name: str) -> Catalog:
-        """This catalog with one of its models alone (what a queue worker serves)."""
-        return Catalog(tuple(m for m in self.models if m.name == name), name)
+    def only(self, names: Sequence[str]) -> Catalog:
+        """This catalog with some of its models alone (what a queue worker serves), without the
+        models Triton's index would add; its default stays, if among them."""
+        return Catalog(
+            tuple(m for m in self.models if m.name in names), self.default if self.default in names else names[0]
+        )
 
 
 class CatalogError(ValueError):

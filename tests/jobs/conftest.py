@@ -21,7 +21,7 @@ import pytest
 from skimage import data as skdata
 
 from service.jobs.messages import JobResult, request_message
-from service.jobs.topology import REQUEST_KEY, Names, declare
+from service.jobs.topology import REQUEST_KEY, Names, Route, declare
 from tests.conftest import png_bytes, solid_image
 
 BROKER_URL = os.environ.get("GATEWAY_TEST_BROKER_URL", "amqp://guest:guest@127.0.0.1:5672/")
@@ -176,14 +176,15 @@ def job(value: int, job_id: str, webhook: str | None = None) -> aio_pika.Message
     )
 
 
-async def publish(names: Names, *messages: aio_pika.Message) -> None:
-    """Declare the topology and publish each message to the requests exchange (confirmed)."""
+async def publish(names: Names, *messages: aio_pika.Message, route: Route | None = None) -> None:
+    """Declare the topology and publish each message to the requests exchange (confirmed), to the
+    default model's queue or ``route``'s."""
     connection = await aio_pika.connect(BROKER_URL)
     async with connection:
         channel = await connection.channel(publisher_confirms=True)
-        topology = await declare(connection, channel, names)
+        topology = await declare(connection, channel, names, [route] if route is not None else [])
         for message in messages:
-            await topology.requests_exchange.publish(message, REQUEST_KEY)
+            await topology.requests_exchange.publish(message, route.key if route is not None else REQUEST_KEY)
 
 
 async def collect_results(names: Names, count: int, timeout: float = 60) -> list[JobResult]:

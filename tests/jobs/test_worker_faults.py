@@ -31,7 +31,7 @@ from service.jobs.policies import Policy, gateway_policies, rabbitmqctl_commands
 from service.jobs.topology import REQUEST_KEY, Names
 from service.jobs.worker import Worker, _ChannelLost, _sample_depth, run_worker
 from service.metrics import Metrics
-from service.serving.served import ServedModel
+from service.serving.served import ServedModels
 from service.settings import Settings
 from tests.jobs.conftest import (
     BROKER_URL,
@@ -619,7 +619,9 @@ async def test_a_refused_publish_of_a_message_whose_channel_closed_ends_as_chann
         assert message is not None
         await channel.close()
     broker = Broker(BROKER_URL, names)  # never connected: every publish is refused at once
-    worker = Worker(settings_for(gateway_factory, prefix), ServedModel.__new__(ServedModel), broker, Metrics())
+    models = ServedModels.__new__(ServedModels)
+    models.loader = None
+    worker = Worker(settings_for(gateway_factory, prefix), models, [], broker, Metrics())
     with pytest.raises(_ChannelLost):
         await worker._publish("results", aio_pika.Message(b"{}"), "jobs", message)
     assert await queue_depth(names.work) == 1  # back in the queue, for another worker
