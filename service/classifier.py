@@ -17,7 +17,7 @@ from opentelemetry.trace import SpanContext, StatusCode
 
 from service.batching.batcher import DynamicBatcher
 from service.errors import DeadlineExceeded, GatewayError
-from service.images.budget import ByteBudget
+from service.images.budget import Budget
 from service.images.imageinfo import probe
 from service.images.preprocess import PreprocessConfig, check_limits, prepare
 from service.metrics import Metrics
@@ -47,9 +47,9 @@ class Classification:
     labels: list[tuple[int, str, float]]
 
 
-Prepare = Callable[[bytes, PreprocessConfig, ByteBudget | None, float | None], np.ndarray]
+Prepare = Callable[[bytes, PreprocessConfig, Budget | None, float | None], np.ndarray]
 """Encoded bytes to the model's input: ``preprocess.prepare`` and its GPU twin."""
-PrepareMany = Callable[[list[bytes], PreprocessConfig, ByteBudget | None, float | None], list["np.ndarray | Exception"]]
+PrepareMany = Callable[[list[bytes], PreprocessConfig, Budget | None, float | None], list["np.ndarray | Exception"]]
 """A request's images decoded together (the GPU decoder's ``prepare_many``): each entry the image's
 array or its error."""
 RANKED = 20
@@ -90,7 +90,7 @@ class Classifier:
         executor: Executor,
         metrics: Metrics,
         config: PreprocessConfig,
-        budget: ByteBudget | None = None,
+        budget: Budget | None = None,
         tracing: Tracing | None = None,
         random_weights: bool = False,
         decode: Prepare = prepare,

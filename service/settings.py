@@ -308,9 +308,9 @@ class Settings(BaseSettings):
     """Key of the models' admin routes (``POST /v1/models/{name}/load`` and ``/unload``), sent as
     ``X-Admin-Key``; unset: those routes are off (404). Not an API key: API keys classify."""
     fair_sharing: bool = True
-    """With several models, share ``max_concurrent_requests`` and the decode threads between them by
-    their ``share`` (a flooded model cannot starve the others; see docs/routing.md). Off: first come,
-    first served across models (for comparison)."""
+    """With several models, share ``max_concurrent_requests``, the decode threads, the request body
+    bytes and the decoder memory between them by their ``share`` (a flooded model cannot starve the
+    others; see docs/routing.md). Off: first come, first served across models (for comparison)."""
     model_weights: Path | None = None
     """Weights file for the model (a PyTorch state_dict, legacy or zip format); default: the checkpoint
     ``gateway models fetch`` kept in ``models_dir``, else the packaged weights for EfficientNet-Lite0

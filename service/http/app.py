@@ -25,7 +25,13 @@ from service.http.answers import Answers
 from service.http.api import Gateway, router
 from service.http.fastpath import ClassifyFastPath, refusal
 from service.http.fetch import Fetcher
-from service.http.middleware import OPEN_PATHS, ApiKeyMiddleware, BodyLimitMiddleware, RequestMiddleware
+from service.http.middleware import (
+    OPEN_PATHS,
+    ApiKeyMiddleware,
+    BodyBudget,
+    BodyLimitMiddleware,
+    RequestMiddleware,
+)
 from service.http.quotas import Quotas
 from service.jobs.client import JobsClient
 from service.jobs.topology import Names
@@ -76,6 +82,8 @@ def create_app(
         else None
     )
 
+    bodies = BodyBudget(settings.max_buffered_body_bytes_effective)
+
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         try:
@@ -122,6 +130,8 @@ def create_app(
                     key_models={key.id: key.quota.models for key in keys if key.quota.models is not None},
                 )
                 app.state.gateway = gateway
+                if models.bodies is not None:
+                    bodies.serve(models.bodies, models.default.name)
                 unknown = {m for allowed in gateway.key_models.values() for m in allowed} - set(models.models)
                 if unknown:  # a typo, or a model not served here (yet): its keys get 403 for it, not 404
                     logger.warning("API keys name models not served here: %s", ", ".join(sorted(unknown)))
@@ -192,12 +202,7 @@ def create_app(
 
     def edge(inner: ASGIApp) -> ASGIApp:
         app: ASGIApp = ClassifyFastPath(inner, routes=fast_routes, metrics=metrics)
-        app = BodyLimitMiddleware(
-            app,
-            max_bytes=settings.max_body_bytes,
-            max_buffered_bytes=settings.max_buffered_body_bytes_effective,
-            metrics=metrics,
-        )
+        app = BodyLimitMiddleware(app, max_bytes=settings.max_body_bytes, budget=bodies, metrics=metrics)
         app = ApiKeyMiddleware(app, keys=keys, open_paths=open_paths, metrics=metrics, quotas=quotas)
         return RequestMiddleware(app, metrics=metrics, tracing=tracing)
 

@@ -16,8 +16,39 @@ from service.errors import GatewayError, PayloadTooLarge, QueueFull, QuotaExceed
 from service.http.quotas import Quotas
 from service.logs import REQUEST_ID
 from service.metrics import Metrics
+from service.serving.fair import Admission
 from service.settings import ApiKey
 from service.tracing import Tracing, trace_id_hex
+
+
+class BodyBudget:
+    """The body bytes of the requests being handled, by model: one pool first come, first served
+    until the models are open (``serve``), then shared by weight (``service.serving.fair``), the
+    model of a request read from its path (``/v1/models/{name}/...``, ``/v2/models/{name}/...``;
+    any other path is the default model's)."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.shares = Admission(limit, {"": 1.0}, fair=False)
+        self.default = ""
+
+    def serve(self, shares: Admission, default: str) -> None:
+        """Share by ``shares`` (before any request is handled: nothing is held yet)."""
+        self.shares, self.default = shares, default
+
+    def model_of(self, path: str) -> str:
+        parts = path.split("/", 4)
+        if len(parts) > 3 and parts[2] == "models" and parts[1] in ("v1", "v2") and parts[3] in self.shares.active:
+            return parts[3]
+        return self.default
+
+    def refusal(self, model: str) -> QueueFull:
+        if self.shares.total >= self.limit or not self.shares.fair:
+            return QueueFull(f"request bodies being handled hold over {self.limit} bytes; retry later")
+        return QueueFull(
+            f"request bodies for model {model!r} hold {self.shares.active[model]} bytes, its share of the "
+            f"{self.limit} bytes and all it may borrow from the other models now; retry later"
+        )
 
 
 class BodyLimitMiddleware:
@@ -26,18 +57,18 @@ class BodyLimitMiddleware:
 
     * A body over ``max_bytes`` is refused (413): at once from Content-Length, or as soon as a
       streamed (chunked) body passes the limit, so no more than the limit is ever buffered.
-    * The bodies of all requests being handled together may hold at most ``max_buffered_bytes``;
-      a chunk that would pass it gets 429. Memory is bounded by bytes actually received, so slow
-      senders, who hold few, cannot lock out everyone else the way a count of uploads would.
+    * The bodies of all requests being handled together may hold at most ``budget.limit`` bytes,
+      shared by model (``BodyBudget``); a chunk that would pass the total, or its model's part and
+      all it may borrow, gets 429. Memory is bounded by bytes actually received, so slow senders,
+      who hold few, cannot lock out everyone else the way a count of uploads would, and a model
+      flooded with uploads cannot take the bytes another model's uploads need.
     """
 
-    def __init__(self, app: ASGIApp, max_bytes: int, max_buffered_bytes: int, metrics: Metrics) -> None:
+    def __init__(self, app: ASGIApp, max_bytes: int, budget: BodyBudget, metrics: Metrics) -> None:
         self.app = app
         self.max_bytes = max_bytes
-        self.max_buffered_bytes = max_buffered_bytes
+        self.budget = budget
         self.metrics = metrics
-        self.buffered = 0
-        """Body bytes received by the requests being handled now."""
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -55,6 +86,9 @@ class BodyLimitMiddleware:
                     await error_response(error)(scope, receive, send)
                     return
                 break
+        budget = self.budget
+        shares = budget.shares
+        model = budget.model_of(scope["path"])
         received = 0
         complete = False
 
@@ -64,19 +98,19 @@ class BodyLimitMiddleware:
             if complete or message["type"] != "http.request":
                 return message
             size = len(message.get("body", b""))
-            received += size
-            self.buffered += size
             complete = not message.get("more_body", False)
-            if received > self.max_bytes:
+            if received + size > self.max_bytes:
                 raise PayloadTooLarge(f"request body is over the limit of {self.max_bytes} bytes")
-            if self.buffered > self.max_buffered_bytes:
-                raise QueueFull(f"request bodies being handled hold over {self.max_buffered_bytes} bytes; retry later")
+            if not shares.room(model, size):
+                raise budget.refusal(model)
+            shares.enter(model, size)
+            received += size
             return message
 
         try:
             await self.app(scope, limited_receive, send)
         finally:
-            self.buffered -= received
+            shares.leave(model, received)
 
 
 REQUEST_ID_HEADER = b"x-request-id"

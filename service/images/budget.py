@@ -7,6 +7,13 @@ decode ordinary photos (a megabyte each) at once, while a few huge images take t
 Reservations are served first come, first served, so a large image is not starved by a stream of
 small ones; a reservation larger than the whole budget is a programming error (images over
 ``max_image_bytes`` are refused before they get here, and the budget is at least that large).
+
+With several models, each reserves through its ``share`` of the budget (``ByteBudget.share``): a
+model is guaranteed ``capacity x weight / sum(weights)`` bytes, and a reservation that keeps its
+model within that does not wait in line behind the other models' reservations; it waits only for
+the bytes to be free (decodes give them back within milliseconds). Beyond its guarantee a model
+borrows in line as before, so a flooded model's images queued for memory cannot stand between
+another model's image and the budget.
 """
 
 from __future__ import annotations
@@ -15,9 +22,16 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
+from typing import Protocol
 
 from service.errors import DeadlineExceeded
+
+
+class Budget(Protocol):
+    """What decoding reserves memory from: a ``ByteBudget`` or one model's ``BudgetShare`` of it."""
+
+    def hold(self, size: int, deadline: float | None = None) -> AbstractContextManager[None]: ...
 
 
 class ByteBudget:
@@ -30,38 +44,71 @@ class ByteBudget:
         self._changed = threading.Condition()
         self._on_wait = on_wait
         """Called (in the waiting thread) for each reservation that cannot be served at once."""
+        self._shares: list[BudgetShare] = []
+
+    def share(self, weight: float) -> BudgetShare:
+        """A model's way into the budget, with ``weight`` (see the module's text)."""
+        share = BudgetShare(self, weight)
+        with self._changed:
+            self._shares.append(share)
+            self._guarantee()
+        return share
+
+    def reweigh(self, share: BudgetShare, weight: float) -> None:
+        """A new weight for ``share`` (a reloaded models file)."""
+        with self._changed:
+            share.weight = weight
+            self._guarantee()
+            self._changed.notify_all()
+
+    def _guarantee(self) -> None:
+        total = sum(share.weight for share in self._shares)
+        for share in self._shares:
+            share.guaranteed = int(self.capacity * share.weight / total)
 
     @property
     def reserved(self) -> int:
         return self._reserved
 
     @contextmanager
-    def hold(self, size: int, deadline: float | None = None) -> Iterator[None]:
-        """Reserve ``size`` bytes for the block, waiting in line while they are not free.
+    def hold(self, size: int, deadline: float | None = None, share: BudgetShare | None = None) -> Iterator[None]:
+        """Reserve ``size`` bytes for the block, waiting in line while they are not free (out of
+        line within ``share``'s guarantee).
 
         ``deadline`` is on the ``time.monotonic`` clock (the event loop's); past it the wait ends
         with ``DeadlineExceeded``, without anything reserved."""
         if size > self.capacity:
             raise ValueError(f"{size} bytes can never fit a budget of {self.capacity}")
         with self._changed:
-            if self._queue or self._reserved + size > self.capacity:
+            if not self._may(size, share, first=not self._queue):
                 if self._on_wait is not None:
                     self._on_wait()
-                self._wait_turn(size, deadline)
+                self._wait_turn(size, deadline, share)
             self._reserved += size
+            if share is not None:
+                share.reserved += size
         try:
             yield
         finally:
             with self._changed:
                 self._reserved -= size
+                if share is not None:
+                    share.reserved -= size
                 self._changed.notify_all()
 
-    def _wait_turn(self, size: int, deadline: float | None) -> None:
-        """Queue up and wait (the lock held by the caller) until first in line and ``size`` fits."""
+    def _may(self, size: int, share: BudgetShare | None, *, first: bool) -> bool:
+        """Whether a reservation may be served now: it fits, and it is first in line or within its
+        share's guarantee."""
+        if self._reserved + size > self.capacity:
+            return False
+        return first or (share is not None and share.reserved + size <= share.guaranteed)
+
+    def _wait_turn(self, size: int, deadline: float | None, share: BudgetShare | None) -> None:
+        """Queue up and wait (the lock held by the caller) until ``size`` may be served."""
         ticket = object()
         self._queue.append(ticket)
         try:
-            while self._queue[0] is not ticket or self._reserved + size > self.capacity:
+            while not self._may(size, share, first=self._queue[0] is ticket):
                 timeout = None if deadline is None else deadline - time.monotonic()
                 if timeout is not None and timeout <= 0:
                     raise DeadlineExceeded("the request deadline passed while waiting for decoder memory")
@@ -69,3 +116,17 @@ class ByteBudget:
         finally:
             self._queue.remove(ticket)
             self._changed.notify_all()  # the next in line may fit now
+
+
+class BudgetShare:
+    """One model's part of a ``ByteBudget`` (``ByteBudget.share``)."""
+
+    def __init__(self, budget: ByteBudget, weight: float) -> None:
+        self.budget = budget
+        self.weight = weight
+        self.guaranteed = 0
+        """Bytes it reserves without waiting in line (set by the budget as shares are added)."""
+        self.reserved = 0
+
+    def hold(self, size: int, deadline: float | None = None) -> AbstractContextManager[None]:
+        return self.budget.hold(size, deadline, self)

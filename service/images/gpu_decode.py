@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from service.images.budget import ByteBudget
+from service.images.budget import Budget
 from service.images.imageinfo import ImageInfo, probe
 from service.images.preprocess import PreprocessConfig, check_limits, prepare
 
@@ -100,7 +100,7 @@ class NvJpegDecoder:
         self._decode_jpeg = decode_jpeg
 
     def prepare(
-        self, data: bytes, config: PreprocessConfig, budget: ByteBudget | None = None, deadline: float | None = None
+        self, data: bytes, config: PreprocessConfig, budget: Budget | None = None, deadline: float | None = None
     ) -> np.ndarray:
         (outcome,) = self.prepare_many([data], config, budget, deadline)
         if isinstance(outcome, Exception):
@@ -111,7 +111,7 @@ class NvJpegDecoder:
         self,
         datas: list[bytes],
         config: PreprocessConfig,
-        budget: ByteBudget | None = None,
+        budget: Budget | None = None,
         deadline: float | None = None,
     ) -> list[np.ndarray | Exception]:
         """``prepare`` of each image, the JPEGs decoded in one batched call; each entry is the
@@ -152,7 +152,7 @@ class NvJpegDecoder:
         data: bytes,
         info: ImageInfo,
         config: PreprocessConfig,
-        budget: ByteBudget | None,
+        budget: Budget | None,
         deadline: float | None,
         retry: bool,
     ) -> np.ndarray | Exception:

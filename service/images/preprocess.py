@@ -21,7 +21,7 @@ import cv2
 import numpy as np
 
 from service.errors import BadImage, PayloadTooLarge
-from service.images.budget import ByteBudget
+from service.images.budget import Budget
 from service.images.imageinfo import ImageInfo, probe
 
 _REDUCED = ((8, cv2.IMREAD_REDUCED_COLOR_8), (4, cv2.IMREAD_REDUCED_COLOR_4), (2, cv2.IMREAD_REDUCED_COLOR_2))
@@ -201,7 +201,7 @@ def check_limits(info: ImageInfo, config: PreprocessConfig) -> int:
 def prepare(
     data: bytes,
     config: PreprocessConfig,
-    budget: ByteBudget | None = None,
+    budget: Budget | None = None,
     deadline: float | None = None,
     info: ImageInfo | None = None,
 ) -> np.ndarray:

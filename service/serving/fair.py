@@ -4,7 +4,8 @@ Each model has a weight, its ``share``. A flooded model must not starve the othe
 gateway must not leave a busy model idle: both schemes guarantee every model its part of the
 resource and let a model borrow what the others leave unused.
 
-* ``Admission``: of ``limit`` requests in progress, model m is guaranteed
+* ``Admission``: of ``limit`` requests in progress (or bytes: the request bodies being received,
+  ``amount`` at a time), model m is guaranteed
   ``g_m = limit x share_m / sum(shares)``; beyond that it may borrow free slots, but always leaves
   each other model j a reserve of ``min(g_j - active_j, max(1, g_j / 4))`` free slots. j's next
   requests take those at once, and the slots the borrower frees as its requests finish go back to
@@ -47,7 +48,9 @@ class Admission:
         self.reshare(shares)
 
     def reshare(self, shares: Mapping[str, float]) -> None:
-        """New weights for the same models (a reloaded models file)."""
+        """New weights (a reloaded models file)."""
+        for name in shares:
+            self.active.setdefault(name, 0)
         total = sum(shares.values())
         guaranteed = {name: max(1, int(self.limit * share / total)) for name, share in shares.items()}
         if sum(guaranteed.values()) > self.limit or not self.fair:  # more models than slots: all shared
@@ -56,18 +59,18 @@ class Admission:
         self.reserve = {name: max(1, g // 4) if g else 0 for name, g in guaranteed.items()}
         """Free slots kept for each model below its guarantee, whoever borrows."""
 
-    def room(self, model: str) -> bool:
-        """Whether ``model`` may start one more request now."""
-        if self.total >= self.limit:
+    def room(self, model: str, amount: int = 1) -> bool:
+        """Whether ``model`` may start one more request now (take ``amount`` more)."""
+        if self.total + amount > self.limit:
             return False
-        if self.active[model] < self.guaranteed[model]:
+        if self.active[model] + amount <= self.guaranteed[model]:
             return True
         kept = sum(
             min(max(0, guaranteed - self.active[name]), self.reserve[name])
             for name, guaranteed in self.guaranteed.items()
             if name != model
         )
-        return self.total + kept < self.limit
+        return self.total + amount + kept <= self.limit
 
     def check(self, model: str) -> None:
         if not self.room(model):
@@ -78,13 +81,13 @@ class Admission:
                 "borrow from the other models now; retry later"
             )
 
-    def enter(self, model: str) -> None:
-        self.active[model] += 1
-        self.total += 1
+    def enter(self, model: str, amount: int = 1) -> None:
+        self.active[model] += amount
+        self.total += amount
 
-    def leave(self, model: str) -> None:
-        self.active[model] -= 1
-        self.total -= 1
+    def leave(self, model: str, amount: int = 1) -> None:
+        self.active[model] -= amount
+        self.total -= amount
 
 
 class FairPool:

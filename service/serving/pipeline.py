@@ -26,7 +26,7 @@ from service.classifier import Classifier, Prepare, PrepareMany, rank_batch
 from service.errors import ModelNotLoaded
 from service.host.allocator import keep_image_buffers
 from service.host.gpu import start_gpu_sampler
-from service.images.budget import ByteBudget
+from service.images.budget import Budget, BudgetShare, ByteBudget
 from service.images.preprocess import PreprocessConfig, prepare
 from service.metrics import Metrics
 from service.models.checkpoints import real_weights_hint
@@ -77,8 +77,12 @@ async def open_models(
     loader: Loader | None = None
     sampler = asyncio.create_task(_sample(metrics), name="sampler")
 
+    memory: dict[str, BudgetShare] = {}
+    """Each model's share of the decoder memory budget, where sharing is fair."""
+
     async def start(served: ServedVersion) -> Running:
-        return await _start_version(served, metrics, tracing, backend if lone else None, budget, decode, decode_many)
+        reserve = memory.get(served.model, budget)
+        return await _start_version(served, metrics, tracing, backend if lone else None, reserve, decode, decode_many)
 
     async def stop(running: Running) -> None:
         await _stop_version(running, settings.request_timeout)
@@ -87,6 +91,8 @@ async def open_models(
         models: dict[str, ServedModel] = {}
         for spec in catalog.models:
             executor: Executor = fair.lane(spec.share) if fair is not None else pool
+            if fair is not None:
+                memory[spec.name] = budget.share(spec.share)
             versions = {}
             for version in spec.versions:
                 lazy = budgeted and version.settings.backend != "triton"  # Triton holds its own models
@@ -95,7 +101,8 @@ async def open_models(
                 served = ServedVersion(spec.name, version, served_metrics, executor, lazy=lazy)
                 every.append(served)
                 versions[version.version] = served
-            models[spec.name] = ServedModel(spec, versions, lane=executor if isinstance(executor, Lane) else None)
+            lane = executor if isinstance(executor, Lane) else None
+            models[spec.name] = ServedModel(spec, versions, lane=lane, memory=memory.get(spec.name))
         loader = (
             Loader(settings.model_memory_budget, [v for v in every if v.lazy], start, stop, metrics)
             if budgeted
@@ -115,7 +122,8 @@ async def open_models(
                 loader.release(served)
         shares = {spec.name: spec.share for spec in catalog.models}
         admission = Admission(settings.max_concurrent_requests, shares, fair=settings.fair_sharing)
-        yield ServedModels(catalog, models, admission, loader)
+        bodies = Admission(settings.max_buffered_body_bytes_effective, shares, fair=settings.fair_sharing)
+        yield ServedModels(catalog, models, admission, loader, bodies)
     finally:
         if loader is not None:
             await loader.aclose()  # the loads under way finish first: what they start is stopped below
@@ -135,7 +143,7 @@ async def _start_version(
     metrics: Metrics,
     tracing: Tracing | None,
     backend: Backend | None,
-    budget: ByteBudget,
+    budget: Budget,
     decode: Prepare,
     decode_many: PrepareMany | None,
 ) -> Running:

@@ -17,6 +17,7 @@ from service.backends.base import Backend
 from service.backends.health import BackendHealth
 from service.classifier import Classifier
 from service.errors import NotFound
+from service.images.budget import BudgetShare
 from service.metrics import ModelMetrics
 from service.models.checkpoints import weights_for
 from service.serving.catalog import Catalog, ModelSpec, VersionSpec
@@ -104,6 +105,8 @@ class ServedModel:
     versions: dict[str, ServedVersion]
     lane: Lane | None = None
     """Its lane of the shared decode pool (None: the only model, it has the pool)."""
+    memory: BudgetShare | None = None
+    """Its share of the decoder memory budget (None: first come, first served)."""
     _bounds: list[float] = field(default_factory=list)
     _by_bound: list[ServedVersion] = field(default_factory=list)
     _weights: list[float] = field(default_factory=list)
@@ -125,6 +128,8 @@ class ServedModel:
         self.spec, self._bounds, self._by_bound, self._weights = spec, bounds, taking, weights
         if self.lane is not None:
             self.lane.share = spec.share
+        if self.memory is not None:
+            self.memory.budget.reweigh(self.memory, spec.share)
 
     def pick(self, key: str | None) -> ServedVersion:
         """A version for an unversioned request: by traffic weight, at random, or with ``sticky``
@@ -178,12 +183,20 @@ class ServedModels:
     """Every model served here, by name, with the default (``/classify``'s) and the fair admission."""
 
     def __init__(
-        self, catalog: Catalog, models: dict[str, ServedModel], admission: Admission, loader: Loader | None = None
+        self,
+        catalog: Catalog,
+        models: dict[str, ServedModel],
+        admission: Admission,
+        loader: Loader | None = None,
+        bodies: Admission | None = None,
     ) -> None:
         self.catalog = catalog
         self.models = models
         self.default = models[catalog.default]
         self.admission = admission
+        """Requests in progress, shared by weight."""
+        self.bodies = bodies
+        """Bytes of the request bodies being received, shared by weight (``BodyLimitMiddleware``)."""
         self.loader = loader
         """Loads and unloads in-process versions within the memory budget (None: no budget, all loaded)."""
 
@@ -200,5 +213,8 @@ class ServedModels:
         """Apply a reloaded catalog's traffic weights and sticky flags (its models are these)."""
         for spec in catalog.models:
             self.models[spec.name].route(spec)
-        self.admission.reshare({spec.name: spec.share for spec in catalog.models})
+        shares = {spec.name: spec.share for spec in catalog.models}
+        self.admission.reshare(shares)
+        if self.bodies is not None:
+            self.bodies.reshare(shares)
         self.catalog = catalog

@@ -9,6 +9,7 @@ import time
 from collections.abc import Callable
 
 import httpx
+import pytest
 
 from service.backends.fake import FakeBackend
 from service.settings import Settings
@@ -106,6 +107,54 @@ async def test_bodies_being_handled_are_bounded_in_bytes(gateway_factory: MakeSe
         writer.close()
         served = await client.post("/classify", content=big, headers={"content-type": "image/png"})
         assert served.status_code == 200, served.text
+
+
+async def _held_upload(port: int, path: str, body: bytes) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """Send all of ``body`` but its last 10 bytes: the upload stays in progress, its bytes held."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    head = f"POST {path} HTTP/1.1\r\nhost: x\r\ncontent-type: image/png\r\ncontent-length: {len(body)}\r\n\r\n"
+    writer.write(head.encode() + body[:-10])
+    await writer.drain()
+    return reader, writer
+
+
+@pytest.mark.parametrize("fair", [True, False])
+async def test_a_flood_of_uploads_to_one_model_leaves_another_models_bytes(
+    gateway_factory: MakeSettings, fair: bool
+) -> None:
+    """Two models share 100 KiB of body bytes (50 KiB each, 12.5 KiB of it kept for each while the
+    other borrows). The flooded model holds a 60 KiB upload; its next, of 30 KiB, would leave the
+    other less than its reserve, so it gets 429 naming the model; the other model's 12 KiB upload
+    is served. First come, first served (``fair_sharing`` off), the flood's 30 KiB are taken and
+    the other model's upload gets the 429."""
+    settings = gateway_factory(
+        backend="fake",
+        models="efficientnet-lite0,trivial",
+        max_body_bytes=64 * 1024,
+        max_buffered_body_bytes=100 * 1024,
+        body_timeout=10.0,
+        fair_sharing=fair,
+    )
+    held, flood, other = (PNG + b"\0" * (size * 1024 - len(PNG)) for size in (60, 30, 12))
+    async with running_gateway(settings) as client:
+        port = _port(client)
+        first = await _held_upload(port, "/classify", held)
+        await asyncio.sleep(0.3)  # its bytes are in the budget
+        second = await _held_upload(port, "/v1/models/efficientnet-lite0/classify", flood)
+        await asyncio.sleep(0.3)
+        answer = await client.post("/v1/models/trivial/classify", content=other, headers={"content-type": "image/png"})
+        if fair:
+            assert (await second[0].readuntil(b"\r\n")).startswith(b"HTTP/1.1 429")
+            assert answer.status_code == 200, answer.text
+        else:
+            assert answer.status_code == 429
+            assert "request bodies being handled hold over 102400 bytes" in answer.json()["detail"]
+        for _reader, writer in (first, second):
+            writer.close()
+    if fair:
+        second_body = (await second[0].read()).decode()
+        assert "model 'efficientnet-lite0'" in second_body
+        assert "borrow" in second_body
 
 
 async def test_refusals_before_the_route_are_counted(gateway_factory: MakeSettings) -> None:

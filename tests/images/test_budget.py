@@ -15,14 +15,14 @@ from loadtests.harness.photos import noise_png
 from service.batching.batcher import DynamicBatcher
 from service.classifier import Classifier, ImageInput
 from service.errors import BadImage, DeadlineExceeded
-from service.images.budget import ByteBudget
+from service.images.budget import Budget, ByteBudget
 from service.images.imageinfo import probe
 from service.images.preprocess import PreprocessConfig, decoded_bytes, prepare
 from service.metrics import Metrics
 from service.models.profiles import get_profile
 
 
-def _holder(budget: ByteBudget, size: int, release: threading.Event, log: list[str], name: str) -> threading.Thread:
+def _holder(budget: Budget, size: int, release: threading.Event, log: list[str], name: str) -> threading.Thread:
     def run() -> None:
         with budget.hold(size):
             log.append(name)
@@ -85,6 +85,56 @@ def test_a_large_reservation_is_not_overtaken_by_small_ones() -> None:
         t.join(5)
     assert log == ["small-1", "large", "small-2"]
     assert budget.reserved == 0
+
+
+def test_a_model_within_its_share_does_not_wait_behind_another_models_line() -> None:
+    """Two models, equal shares (50 bytes each of 100). The flooded one holds 80 and has a 30-byte
+    image waiting in line. The other's 20-byte image (within its 50) fits beside the 80 and is
+    served at once, out of line; its next 40 bytes would pass its share, so they wait in line
+    behind the flood's like any borrower, and get their turn after it."""
+    budget = ByteBudget(100)
+    flooded, steady = budget.share(1.0), budget.share(1.0)
+    assert (flooded.guaranteed, steady.guaranteed) == (50, 50)
+    release_flood, release_steady = threading.Event(), threading.Event()
+    log: list[str] = []
+    held = _holder(flooded, 80, release_flood, log, "flood-80")
+    _until(lambda: log == ["flood-80"])
+    queued = _holder(flooded, 30, release_flood, log, "flood-30")
+    _until(lambda: budget._queue)
+    small = _holder(steady, 20, release_steady, log, "steady-20")
+    _until(lambda: "steady-20" in log)  # at once: within its share, and it fits
+    assert log == ["flood-80", "steady-20"]
+    assert (steady.reserved, flooded.reserved, budget.reserved) == (20, 80, 100)
+    over = _holder(steady, 40, release_steady, log, "steady-40")  # 20 + 40 > 50: in line, behind flood-30
+    _until(lambda: len(budget._queue) == 2)
+    release_flood.set()
+    for t in (held, queued):
+        t.join(5)
+    _until(lambda: len(log) == 4)
+    assert log[2:] == ["flood-30", "steady-40"]
+    release_steady.set()
+    for t in (small, over):
+        t.join(5)
+    assert (budget.reserved, steady.reserved, flooded.reserved) == (0, 0, 0)
+
+
+def test_the_same_wait_without_shares_is_first_come_first_served() -> None:
+    """The comparison: one budget without shares, the same reservations: the 20 bytes wait behind
+    the 30 in line although they fit (what a flooded model's line did to every other model)."""
+    budget = ByteBudget(100)
+    release = threading.Event()
+    log: list[str] = []
+    held = _holder(budget, 80, release, log, "flood-80")
+    _until(lambda: log == ["flood-80"])
+    queued = _holder(budget, 30, release, log, "flood-30")
+    _until(lambda: budget._queue)
+    small = _holder(budget, 20, release, log, "steady-20")
+    time.sleep(0.1)
+    assert log == ["flood-80"]
+    release.set()
+    for t in (held, queued, small):
+        t.join(5)
+    assert log == ["flood-80", "flood-30", "steady-20"]
 
 
 def test_a_wait_ends_at_the_deadline_with_nothing_reserved_and_the_line_moves_on() -> None:
