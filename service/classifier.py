@@ -33,6 +33,23 @@ class ImageInput:
     content_type: str | None = None
 
 
+def _check(images: list[ImageInput], config: PreprocessConfig) -> None:
+    for i, image in enumerate(images):
+        try:
+            check_limits(probe(image.data), config)
+        except GatewayError as exc:
+            raise _naming_the_image(exc, i, images) from None
+
+
+async def validate(images: list[ImageInput], config: PreprocessConfig, executor: Executor) -> None:
+    """The cheap checks only (format, header, decoded size), for work queued to be decoded later:
+    nothing of a model is needed, so a model not loaded here is not loaded for them.
+
+    In the thread pool, like decoding: even a bounded header walk is CPU the event loop must not
+    spend."""
+    await asyncio.get_running_loop().run_in_executor(executor, _check, images, config)
+
+
 def _naming_the_image(exc: BaseException, index: int, images: list[ImageInput]) -> BaseException:
     """In a request of several images, say which one failed (a lone image needs no name)."""
     if isinstance(exc, GatewayError) and len(images) > 1:
@@ -174,19 +191,9 @@ class Classifier:
             arrays.append(outcome)
         return arrays
 
-    def _check(self, images: list[ImageInput]) -> None:
-        for i, image in enumerate(images):
-            try:
-                check_limits(probe(image.data), self.config)
-            except GatewayError as exc:
-                raise _naming_the_image(exc, i, images) from None
-
     async def validate(self, images: list[ImageInput]) -> None:
-        """The cheap checks only (format, header, decoded size), for work queued to be decoded later.
-
-        In the thread pool, like decoding: even a bounded header walk is CPU the event loop must not
-        spend."""
-        await asyncio.get_running_loop().run_in_executor(self.executor, self._check, images)
+        """The cheap checks only (``validate``)."""
+        await validate(images, self.config, self.executor)
 
     async def _rows(self, images: list[ImageInput], deadline: float | None) -> list[Scored | np.ndarray]:
         """Every image decoded, batched and scored: its row from the batcher."""

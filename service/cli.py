@@ -25,8 +25,10 @@ if TYPE_CHECKING:
     from service.backends.engine_supervisor import EngineSupervisor
 
 
-def _add_setting_flags(parser: argparse.ArgumentParser) -> None:
+def _add_setting_flags(parser: argparse.ArgumentParser, skip: frozenset[str] = frozenset()) -> None:
     for name, field in Settings.model_fields.items():
+        if name in skip:  # the command gives the flag a meaning of its own
+            continue
         parser.add_argument(
             f"--{name.replace('_', '-')}",
             dest=name,
@@ -45,8 +47,7 @@ def _settings(args: argparse.Namespace) -> Settings:
         sys.exit(f"gateway: invalid settings:\n{exc}")
     from service.models.profiles import PROFILES
 
-    lone = not settings.models.strip() and settings.models_file is None  # else ``model`` is not used
-    if lone and settings.model not in PROFILES:  # settings know no model table: a leaf
+    if settings.model not in PROFILES:  # settings know no model table: a leaf
         sys.exit(f"gateway: invalid settings:\nmodel: unknown model {settings.model!r}; known: {', '.join(PROFILES)}")
     from service.serving.catalog import CatalogError, load_catalog
 
@@ -324,7 +325,7 @@ def _ingest(args: argparse.Namespace) -> int:
             top_k=args.top_k,
             max_outstanding=args.max_outstanding,
             resend_after=args.resend_after,
-            model=args.model,
+            model=args.target_model,
             version=args.model_version,
         )
     )
@@ -419,7 +420,7 @@ def build_parser() -> argparse.ArgumentParser:
     reference = commands.add_parser("settings", help="print the settings reference (docs/settings.md's table)")
     reference.set_defaults(func=_settings_reference)
     ingest = commands.add_parser("ingest", help="classify a folder of photos through RabbitMQ into JSON lines")
-    _add_setting_flags(ingest)
+    _add_setting_flags(ingest, skip=frozenset({"model"}))  # --model: the model the jobs are for
     ingest.add_argument("paths", nargs="+", type=Path, help="image files or folders (searched recursively)")
     ingest.add_argument("--out", type=Path, required=True, help="results file (JSON lines); re-runs resume it")
     ingest.add_argument("--top-k", type=int, default=5, choices=range(1, 21), metavar="1-20")
@@ -429,6 +430,13 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=120.0,
         help="seconds without any new result before unfinished images are published again",
+    )
+    ingest.add_argument(
+        "--model",
+        dest="target_model",
+        metavar="NAME",
+        help="the model the jobs are for, one the models setting or file names (default: the default model; "
+        "its queue is the one its workers take: see docs/routing.md)",
     )
     ingest.add_argument(
         "--model-version",

@@ -268,6 +268,7 @@ class Metrics:
                 "acked",
                 "rejected",
                 "requeued",
+                "rerouted",
                 "retried",
                 "dead_lettered",
                 "results_published",

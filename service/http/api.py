@@ -14,7 +14,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.datastructures import UploadFile
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from service.classifier import Classification, ImageInput
+from service.classifier import Classification, ImageInput, validate
 from service.errors import (
     BackendUnavailable,
     BadImage,
@@ -313,7 +313,7 @@ async def _admitted(
     admission.enter(served.model)
     try:
         if mode == "offline":
-            return await _classify_offline(request, served, images, top_k, deadline, version)
+            return await _classify_offline(request, served, images, top_k, version)
         if WEBHOOK_URL in request.headers:
             raise BadRequest(f"{WEBHOOK_URL} is for mode=offline: an online answer is the result itself")
         if loader is not None:  # loads it (within the deadline) if it is not, holds it loaded
@@ -386,7 +386,7 @@ async def _classify_online(
 
 
 async def _classify_offline(
-    request: Request, served: ServedVersion, images: list[ImageInput], top_k: int, deadline: float, version: str | None
+    request: Request, served: ServedVersion, images: list[ImageInput], top_k: int, version: str | None
 ) -> JSONResponse:
     """Validate every image cheaply (type, header, dimensions), then publish each as a job to its
     model's queue, naming the version if the request did (else the workers pick one by weight)."""
@@ -395,11 +395,7 @@ async def _classify_offline(
         raise BadRequest("mode=offline is not available: this gateway has no message broker (GATEWAY_BROKER_URL)")
     key = _idempotency_key(request)
     webhook = await _webhook_url(request, gateway.settings)
-    loader = gateway.models.loader
-    if served.running is None and loader is not None:  # the checks need its classifier, not a request's hold
-        await loader.acquire(served, deadline)
-        loader.release(served)
-    await served.classifier.validate(images)  # the queue workers classify: nothing here holds it loaded
+    await validate(images, served.config, served.executor)  # the queue workers classify: nothing is loaded here
     offline = [OfflineImage(i.data, i.content_type or "application/octet-stream", i.filename) for i in images]
     owner = request.scope.get(API_KEY) or ""
     default = gateway.models.default.name

@@ -32,9 +32,9 @@ from service.images.imageinfo import probe
 from service.jobs.acks import Acks
 from service.jobs.broker import Broker
 from service.jobs.messages import new_job_id, request_message
-from service.jobs.topology import Names, Route, declare_replicated
-from service.serving.catalog import load_catalog
-from service.settings import Settings
+from service.jobs.topology import Names, Route, declare_replicated, queue_exists
+from service.serving.catalog import VERSION, load_catalog
+from service.settings import MODEL_NAME, Settings
 from service.tracing import Tracing, publishing
 
 logger = logging.getLogger(__name__)
@@ -88,20 +88,25 @@ def _result(body: bytes) -> dict[str, Any] | None:
     return result
 
 
-def target_route(settings: Settings, names: Names, model: str | None, version: str | None) -> Route:
-    """The queue of the jobs of ``model`` (None: the default model) at ``version``; a model or
-    version the models setting or file does not name is refused (a model found in Triton's index
-    only is taken on trust where the models file has a ``[triton]`` table)."""
+def target_route(settings: Settings, names: Names, model: str | None, version: str | None) -> tuple[Route, bool]:
+    """The queue of the jobs of ``model`` (None: the default model) at ``version``, and whether the
+    models setting or file names it. A model or version it does not name is refused, but for a
+    model that may be in Triton's index (the file has a ``[triton]`` table): that one is taken if
+    its queue exists (the gateways and workers that found it declared it)."""
     catalog = load_catalog(settings)
     name = model or catalog.default
+    if not MODEL_NAME.fullmatch(name):
+        raise SystemExit(f"gateway ingest: {name[:64]!r} is not a model name")
+    if version is not None and not VERSION.fullmatch(version):
+        raise SystemExit(f"gateway ingest: {version[:64]!r} is not a version (1-999999999)")
     spec = catalog.model(name)
     if spec is None and catalog.discovery is None:
         served = ", ".join(m.name for m in catalog.models)
-        raise SystemExit(f"gateway ingest: no model {name[:64]!r} is served (the models are {served})")
+        raise SystemExit(f"gateway ingest: no model {name!r} is served (the models are {served})")
     if version is not None and spec is not None and spec.version(version) is None:
         versions = ", ".join(v.version for v in spec.versions)
-        raise SystemExit(f"gateway ingest: model {name!r} has no version {version[:64]!r} (it has {versions})")
-    return names.route(name, catalog.default)
+        raise SystemExit(f"gateway ingest: model {name!r} has no version {version!r} (it has {versions})")
+    return names.route(name, catalog.default), spec is not None
 
 
 def content_type(data: bytes) -> str:
@@ -148,7 +153,7 @@ async def run_ingest(
     if not settings.broker_url:
         raise SystemExit("gateway ingest: GATEWAY_BROKER_URL is not set")
     names = Names(settings.queue_prefix)
-    route = target_route(settings, names, model, version)
+    route, named = target_route(settings, names, model, version)
     files = collect(paths)
     done_before = finished_paths(out)
     remaining = {str(p) for p in files} - done_before
@@ -159,9 +164,20 @@ async def run_ingest(
     run = run_id(out)
     tracing = Tracing.from_settings(settings, role="ingest")
     broker = Broker(
-        settings.broker_url, names, publish_timeout=settings.publish_timeout, prefetch=max_outstanding, routes=[route]
+        settings.broker_url,
+        names,
+        publish_timeout=settings.publish_timeout,
+        prefetch=max_outstanding,
+        routes=[route] if named else [],
     )
     await broker.connect()
+    assert broker.connection is not None
+    if not named and not await queue_exists(broker.connection, route.queue):
+        await broker.aclose()
+        raise SystemExit(
+            f"gateway ingest: no model {route.model!r} is served: it is not in the models file, and no gateway "
+            f"or worker has found it in Triton's index (no queue {route.queue})"
+        )
     assert broker.channel is not None
     assert broker.topology is not None
     assert broker.connection is not None

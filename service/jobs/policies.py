@@ -51,7 +51,7 @@ def gateway_policies(
     return [
         Policy(
             f"{names.prefix}-work",
-            f"^{prefix}\\.work(\\..+)?$",
+            f"^{prefix}\\.work(\\.[a-z0-9][a-z0-9_.-]*)?$",  # <prefix>.work and <prefix>.work.<model>
             "queues",  # "quorum_queues" is RabbitMQ 3.12+; the pattern names work queues only
             {"delivery-limit": delivery_limit, "dead-letter-exchange": names.dead},
         ),

@@ -141,12 +141,12 @@ async def declare(
 
 async def declare_replicated(connection: AbstractConnection, channel: AbstractChannel, name: str) -> AbstractQueue:
     """A durable quorum queue, or the queue of that name as an earlier version declared it."""
-    if await _exists(connection, name):
+    if await queue_exists(connection, name):
         return await channel.declare_queue(name, durable=True, passive=True)
     return await channel.declare_queue(name, durable=True, arguments={"x-queue-type": "quorum"})
 
 
-async def _exists(connection: AbstractConnection, name: str) -> bool:
+async def queue_exists(connection: AbstractConnection, name: str) -> bool:
     """Whether a queue exists (asked on a channel of its own: a failed passive declare closes it).
     An existing results queue is used as it is, whatever arguments an earlier version gave it."""
     probe = await connection.channel()

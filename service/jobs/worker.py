@@ -12,10 +12,14 @@ for a run of finished messages. Outcomes per message:
   ``x-gateway-detail``, input acked: dead-lettered once, never redelivered in a loop;
 * backend failure -> republished with ``x-retries`` + 1 (then acked) up to ``max_retries``, then
   dead-lettered like bad input;
-* overload or outage (queue full, batch deadline passed, backend unavailable), or a job for a model
-  or version this worker does not serve (the API's models changed before the workers' in a rolling
-  update; another worker may serve it) -> republished after a backoff with ``x-requeues`` + 1, then
-  acked: neither a retry nor a delivery is used up;
+* overload or outage (queue full, batch deadline passed, backend unavailable) -> republished after
+  a backoff with ``x-requeues`` + 1, then acked: neither a retry nor a delivery is used up;
+* a job for a model this worker does not serve, whose queue is another (the default model changed
+  while it waited) -> republished to its model's queue at once (``rerouted``), then acked;
+* a job for a model or version this worker does not serve, on the right queue (the API's models
+  changed before the workers' in a rolling update; another worker may serve it) -> requeued like
+  overload, up to ``NOT_SERVED_REQUEUES`` times (about 7 minutes), then failed and dead-lettered as
+  ``model_not_served``;
 * the broker does not take an outcome (a publish nacked, returned as unroutable, not confirmed
   within ``publish_timeout``, or no connection) -> that publish is tried again after a backoff
   (0.5 s, doubling, at most 30 s, with jitter; ``publish_retried`` counts them), for as long as the
@@ -55,6 +59,7 @@ import asyncio
 import logging
 import os
 import random
+import re
 import signal
 import socket
 import time
@@ -108,11 +113,11 @@ from service.jobs.webhooks import WebhookSender, delivery_message
 from service.logs import JOB_ID
 from service.metrics import Metrics
 from service.schemas import Label, ModelInfo
-from service.serving.catalog import Catalog, CatalogError, load_catalog
+from service.serving.catalog import VERSION, Catalog, CatalogError, load_catalog
 from service.serving.loading import Loader
 from service.serving.pipeline import open_models
 from service.serving.served import ServedModels, ServedVersion
-from service.settings import Settings
+from service.settings import MODEL_NAME, Settings
 from service.tracing import Tracing, current_headers
 
 logger = logging.getLogger(__name__)
@@ -126,10 +131,18 @@ class DeliveryLimit(GatewayError):
 
 
 class NotServedHere(GatewayError):
-    """The job names a model or version this worker does not serve: requeued for one that does."""
+    """The job names a model or version this worker does not serve: requeued for one that does
+    (for a while: ``NOT_SERVED_REQUEUES``)."""
 
     status_code = 503
     error = "model_not_served"
+
+
+class Misrouted(Exception):
+    """The job names a model of another queue: it goes there."""
+
+    def __init__(self, route: Route) -> None:
+        self.route = route
 
 
 POISON = (BadImage, BadRequest, PayloadTooLarge, UnsupportedMediaType, DeliveryLimit)
@@ -138,6 +151,9 @@ DELIVERY_COUNT_HEADER = "x-delivery-count"
 OVERLOAD_PAUSE = 0.5
 """Seconds before the first requeue of a job refused for overload; doubled at each requeue."""
 OVERLOAD_PAUSE_MAX = 30.0
+NOT_SERVED_REQUEUES = 20
+"""Requeues of a job no worker has served (pauses 0.5 s doubling to 30 s: about 7 minutes) before
+it fails as ``model_not_served``."""
 HEARTBEAT_INTERVAL = 1.0
 BROKER_CALLS_TIMEOUT = 15.0
 """Seconds the background broker calls get to finish at shutdown."""
@@ -179,12 +195,12 @@ def _filename(headers: Mapping[str, Any]) -> str | None:
     return str(headers["filename"]) if headers.get("filename") is not None else None
 
 
-def _name_header(headers: Mapping[str, Any], name: str) -> str | None:
-    """A model or version header: a string, or absent (None); else the job is a bad request."""
+def _name_header(headers: Mapping[str, Any], name: str, form: re.Pattern[str], what: str) -> str | None:
+    """A model or version header: a name of ``form``, or absent (None); else the job is a bad request."""
     value = headers.get(name)
-    if value is None or (isinstance(value, str) and 0 < len(value) <= 64):
+    if value is None or (isinstance(value, str) and form.fullmatch(value)):
         return value
-    raise BadRequest(f"bad message header: {name}={repr(value)[:100]} (a model or version name is 1-64 characters)")
+    raise BadRequest(f"bad message header: {name}={repr(value)[:100]} is not {what}")
 
 
 def _kept(headers: Mapping[str, Any], name: str) -> str | None:
@@ -221,6 +237,7 @@ class Worker:
         broker: Broker,
         metrics: Metrics,
         tracing: Tracing | None = None,
+        known: Mapping[str, Route] | None = None,
     ) -> None:
         self.settings = settings
         self.tracing = tracing
@@ -228,6 +245,8 @@ class Worker:
         """The models it serves (each one's versions by traffic weight)."""
         self.routes = routes
         """Their queues, each consumed."""
+        self.known = dict(known or {})
+        """The queue of every model the gateway serves (the ones served here, and the others)."""
         self.loader: Loader | None = models.loader
         self.broker = broker
         self.metrics = metrics
@@ -356,7 +375,7 @@ class Worker:
         retry nor a delivery of the quorum queue's delivery limit is used up."""
         headers = message.headers or {}
         requeues = _int_header(headers, REQUEUES_HEADER)
-        pause = min(OVERLOAD_PAUSE * 2**requeues, OVERLOAD_PAUSE_MAX) * random.uniform(0.5, 1.0)
+        pause = min(OVERLOAD_PAUSE * 2 ** min(requeues, 16), OVERLOAD_PAUSE_MAX) * random.uniform(0.5, 1.0)
         logger.warning(
             "worker: job %s not run (%s: %s); requeued in %.1f s", message.message_id, error.error, error.detail, pause
         )
@@ -399,17 +418,20 @@ class Worker:
 
     def _served(self, headers: Mapping[str, Any], route: Route) -> ServedVersion:
         """The model version the job names (by its headers; the model of its queue if none)."""
-        name = _name_header(headers, MODEL_HEADER) or route.model
-        version = _name_header(headers, VERSION_HEADER)
+        name = _name_header(headers, MODEL_HEADER, MODEL_NAME, "a model name") or route.model
+        version = _name_header(headers, VERSION_HEADER, VERSION, "a version (1-999999999)")
         model = self.models.models.get(name)
         if model is None:
+            home = self.known.get(name)
+            if home is not None and home.queue != route.queue:
+                raise Misrouted(home)
             raise NotServedHere(
-                f"this worker does not serve model {name!r} (it serves {', '.join(self.models.models)})"
+                f"no worker has served model {name!r} (this one serves {', '.join(self.models.models)})"
             )
         if version is None:
             return model.pick(None)
         if version not in model.versions:
-            raise NotServedHere(f"this worker does not serve version {version!r} of {name!r}")
+            raise NotServedHere(f"no worker has served version {version!r} of model {name!r}")
         return model.versions[version]
 
     async def _process(self, message: AbstractIncomingMessage, route: Route) -> None:
@@ -423,6 +445,8 @@ class Worker:
             base.timings["queued"] = max(0.0, time.time() - published)
         top_k, retries = 5, 0
         try:
+            served = self._served(headers, route)
+            base.model = ModelInfo(name=served.model, version=served.version, random_weights=served.random_weights)
             if UNDECODABLE_HEADER in headers:
                 raise BadRequest(f"the message's properties could not be decoded ({headers[UNDECODABLE_HEADER]!s})")
             if headers.get(WEBHOOK_HEADER) and _webhook(headers) is None:
@@ -437,8 +461,6 @@ class Worker:
                     f"delivered {deliveries + 1} times; every earlier worker died or hung while holding it "
                     "(a crashing codec or model input?)"
                 )
-            served = self._served(headers, route)
-            base.model = ModelInfo(name=served.model, version=served.version, random_weights=served.random_weights)
             deadline = asyncio.get_running_loop().time() + self.settings.request_timeout
             loader = self.loader
             if loader is not None:  # loads it within the deadline if the memory budget had unloaded it
@@ -458,7 +480,22 @@ class Worker:
             self.metrics.queue_events["acked"].inc()
         except POISON as exc:
             await self._fail(message, base, exc, reply_to)
-        except (BackendUnavailable, QueueFull, DeadlineExceeded, NotServedHere) as exc:
+        except Misrouted as exc:
+            logger.warning("worker: job %s is for model %s: moved to %s", job_id, exc.route.model, exc.route.queue)
+            await self._republish(
+                message,
+                exc.route,
+                top_k,
+                retries=_int_header(headers, RETRIES_HEADER),
+                requeues=_int_header(headers, REQUEUES_HEADER),
+            )
+            self.metrics.queue_events["rerouted"].inc()
+        except NotServedHere as exc:
+            if _int_header(headers, REQUEUES_HEADER) >= NOT_SERVED_REQUEUES:
+                await self._fail(message, base, exc, reply_to)
+            else:
+                await self._requeue_later(message, route, exc, top_k)
+        except (BackendUnavailable, QueueFull, DeadlineExceeded) as exc:
             await self._requeue_later(message, route, exc, top_k)
         except GatewayError as exc:
             if retries < self.settings.max_retries:
@@ -505,7 +542,7 @@ async def _sample_depth(broker: Broker, metrics: Metrics, stop: asyncio.Event, i
     AMQP call cancelled while its answer is due left its task waiting for ever at shutdown)."""
     while not stop.is_set():
         if broker.is_open and broker.channel is not None:
-            for name in (*(route.queue for route in broker.routes), broker.names.dead):
+            for name in (*{route.queue for route in broker.routes}, broker.names.dead):
                 try:
                     channel = await broker.channel.get_underlay_channel()
                     declared = await channel.queue_declare(queue=name, passive=True, timeout=5)
@@ -580,18 +617,26 @@ async def run_worker(settings: Settings, stop: asyncio.Event | None = None, back
         start_http_server(settings.worker_metrics_port, addr=settings.host, registry=metrics.registry)
     full = load_catalog(settings)
     catalog = worker_catalog(full, settings.worker_models)
-    # the messages it holds wait in its models' batchers: as many as the smallest holds (prefetch is
-    # per consumer, a queue each)
+    # the messages it holds wait in its models' batchers: as many as the smallest holds (prefetch
+    # counts per consumer: each of its models' queues holds that many at most; models found in
+    # Triton's index later take the same)
     prefetch = min(version.settings.prefetch for model in catalog.models for version in model.versions)
     names = Names(settings.queue_prefix)
     tracing = Tracing.from_settings(settings, role="worker")
     async with open_models(settings, metrics, backend, tracing, catalog) as models:
         routes = names.routes(models.models, full.default)  # with "*", the models found in Triton's index too
+        # every model's queue is declared and its depth sampled, served here or not: a queue no
+        # worker serves is seen growing; a job that waited in the wrong queue is moved to its own
+        known = {route.model: route for route in names.routes([m.name for m in full.models], full.default) + routes}
         broker = Broker(
-            settings.broker_url, names, publish_timeout=settings.publish_timeout, prefetch=prefetch, routes=routes
+            settings.broker_url,
+            names,
+            publish_timeout=settings.publish_timeout,
+            prefetch=prefetch,
+            routes=list(known.values()),
         )
         await broker.connect()
-        worker = Worker(settings, models, routes, broker, metrics, tracing)
+        worker = Worker(settings, models, routes, broker, metrics, tracing, known)
         await worker.start()
         webhooks = WebhookSender(settings, broker, metrics) if settings.webhook_secret is not None else None
         if webhooks is not None:

@@ -27,7 +27,7 @@ from service.errors import ModelNotLoaded
 from service.host.allocator import keep_image_buffers
 from service.host.gpu import start_gpu_sampler
 from service.images.budget import Budget, BudgetShare, ByteBudget
-from service.images.preprocess import PreprocessConfig, prepare
+from service.images.preprocess import prepare
 from service.metrics import Metrics
 from service.models.checkpoints import real_weights_hint
 from service.serving.catalog import Catalog, load_catalog, with_discovered
@@ -190,7 +190,7 @@ async def _start_version(
         batcher,
         served.executor,
         metrics,
-        PreprocessConfig(profile.image_size, profile.crop_fraction, settings.max_image_bytes),
+        served.config,
         budget,
         tracing,
         random_weights=random_weights,

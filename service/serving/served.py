@@ -18,6 +18,7 @@ from service.backends.health import BackendHealth
 from service.classifier import Classifier
 from service.errors import NotFound
 from service.images.budget import BudgetShare
+from service.images.preprocess import PreprocessConfig
 from service.metrics import ModelMetrics
 from service.models.checkpoints import weights_for
 from service.serving.catalog import Catalog, ModelSpec, VersionSpec
@@ -64,6 +65,12 @@ class ServedVersion:
     def __post_init__(self) -> None:
         profile = self.spec.profile
         self.random_weights = profile.random_without_weights and weights_for(self.spec.settings, profile.name) is None
+
+    @property
+    def config(self) -> PreprocessConfig:
+        """How its images are decoded and checked (known without loading it)."""
+        profile = self.spec.profile
+        return PreprocessConfig(profile.image_size, profile.crop_fraction, self.spec.settings.max_image_bytes)
 
     @property
     def failure(self) -> str | None:

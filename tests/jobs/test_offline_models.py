@@ -20,7 +20,7 @@ import pytest
 from service.jobs.messages import ERROR_HEADER, MODEL_HEADER, REQUEUES_HEADER, VERSION_HEADER
 from service.jobs.policies import gateway_policies, rabbitmqctl_commands
 from service.jobs.topology import Names
-from service.jobs.worker import run_worker
+from service.jobs.worker import NOT_SERVED_REQUEUES, run_worker
 from service.settings import Settings
 from tests.conftest import CAT_CLASSES, png_bytes, running_gateway, solid_image
 from tests.jobs.conftest import (
@@ -148,50 +148,63 @@ async def test_two_real_models_offline_on_one_worker(
     assert len(trivial["labels"]) == 5  # type: ignore[arg-type]
 
 
-async def test_jobs_a_worker_does_not_serve_are_requeued_and_bad_names_dead_lettered(
+async def test_jobs_a_worker_does_not_serve_are_moved_requeued_or_failed(
     gateway_factory: MakeSettings, prefix: str, tmp_path: Path
 ) -> None:
-    """On ``shop``'s queue: a job naming a model or a version this worker does not serve goes back
-    to that queue (``x-requeues`` + 1, its headers kept) for a worker that does, neither failed nor
-    dead-lettered; a model header that is not a name (a number, 65 characters) fails the job as a
-    bad request, dead-lettered once; a good job among them is classified."""
+    """Jobs on ``shop``'s queue, taken by a worker that serves shop alone:
+
+    * one naming the default model (``photos``, whose queue is another: the default changed while
+      it waited) is moved to ``<prefix>.work`` at once, its headers and counts kept;
+    * one naming a version shop does not have, or a model the gateway does not serve, goes back to
+      shop's queue (``x-requeues`` + 1) for a worker that does: neither failed nor dead-lettered;
+    * the same after ``NOT_SERVED_REQUEUES`` requeues fails as ``model_not_served``, dead-lettered;
+    * model or version headers that are not names (a number, 65 characters, a version "01") fail
+      as bad requests, dead-lettered once, naming the header;
+    * a good job among them is classified by shop."""
     settings = _settings(gateway_factory, prefix, models_file=_models_file(tmp_path), worker_models="shop")
     names = Names(prefix)
     route = names.route("shop", "photos")
-    unserved_model, unserved_version, number, long_name, good = (job(i, f"j{i}") for i in range(1, 6))
-    assert unserved_model.headers is not None
-    assert unserved_version.headers is not None
-    unserved_model.headers[MODEL_HEADER] = "photos"
-    unserved_version.headers[VERSION_HEADER] = "9"
-    assert number.headers is not None
-    assert long_name.headers is not None
-    number.headers[MODEL_HEADER] = 7
-    long_name.headers[MODEL_HEADER] = "x" * 65
-    await publish(names, unserved_model, unserved_version, number, long_name, good, route=route)
+    jobs = {f"j{i}": job(i, f"j{i}") for i in range(1, 9)}
+    headers = {job_id: message.headers for job_id, message in jobs.items()}
+    headers["j1"][MODEL_HEADER] = "photos"  # type: ignore[index]
+    headers["j2"][VERSION_HEADER] = "9"  # type: ignore[index]
+    headers["j3"][MODEL_HEADER] = "nope"  # type: ignore[index]
+    headers["j4"].update({VERSION_HEADER: "9", REQUEUES_HEADER: NOT_SERVED_REQUEUES})  # type: ignore[union-attr]
+    headers["j5"][MODEL_HEADER] = 7  # type: ignore[index]
+    headers["j6"][MODEL_HEADER] = "x" * 65  # type: ignore[index]
+    headers["j7"][VERSION_HEADER] = "01"  # type: ignore[index]
+    await publish(names, *jobs.values(), route=route)
     stop = asyncio.Event()
     worker = asyncio.create_task(run_worker(settings, stop))
-    results = await collect_results(names, 3)
+    results = await collect_results(names, 5)  # j4-j8
     await asyncio.sleep(0.5)  # the unserved ones each go round at least once
     stop.set()
     await worker
     by_id = {r.job_id: r for r in results}
-    assert by_id["j5"].status == "done"
-    assert by_id["j5"].model is not None
-    assert by_id["j5"].model.name == "shop"
-    for bad in ("j3", "j4"):
+    assert set(by_id) == {"j4", "j5", "j6", "j7", "j8"}
+    assert by_id["j8"].status == "done"
+    assert by_id["j8"].model is not None
+    assert by_id["j8"].model.name == "shop"
+    assert by_id["j4"].error is not None
+    assert by_id["j4"].error.error == "model_not_served"
+    assert "version '9' of model 'shop'" in by_id["j4"].error.detail
+    for bad, header in (("j5", MODEL_HEADER), ("j6", MODEL_HEADER), ("j7", VERSION_HEADER)):
         assert by_id[bad].status == "failed"
         assert by_id[bad].error is not None
         assert by_id[bad].error.error == "bad_request"
-        assert "x-model" in by_id[bad].error.detail
-    dead = await drain(names.dead)
-    assert sorted(m.message_id or "" for m in dead) == ["j3", "j4"]
-    assert {m.headers[ERROR_HEADER] for m in dead} == {"bad_request"}
+        assert f"bad message header: {header}=" in by_id[bad].error.detail
+    dead = {m.message_id: m.headers[ERROR_HEADER] for m in await drain(names.dead)}
+    assert dead == {"j4": "model_not_served", "j5": "bad_request", "j6": "bad_request", "j7": "bad_request"}
     back = {m.message_id: m.headers for m in await drain(route.queue)}
-    assert set(back) == {"j1", "j2"}  # not failed, not lost: back in shop's queue
-    assert back["j1"][MODEL_HEADER] == "photos"
+    assert set(back) == {"j2", "j3"}  # not failed, not lost: back in shop's queue
     assert back["j2"][VERSION_HEADER] == "9"
-    assert all(int(headers[REQUEUES_HEADER]) >= 1 for headers in back.values())
-    assert await queue_depth(names.work) == 0  # never moved to another model's queue
+    assert back["j3"][MODEL_HEADER] == "nope"
+    assert all(int(h[REQUEUES_HEADER]) >= 1 for h in back.values())
+    (moved,) = await drain(names.work)
+    assert moved.message_id == "j1"
+    assert moved.headers is not None
+    assert moved.headers[MODEL_HEADER] == "photos"
+    assert REQUEUES_HEADER not in moved.headers  # moved, not requeued: no backoff, nothing counted
 
 
 async def test_an_idempotency_key_names_its_model_and_version(
@@ -235,7 +248,7 @@ def test_ingest_model_sends_a_folder_to_that_models_workers(tmp_path: Path, pref
     ingest = [sys.executable, "-m", "service", "ingest", str(tmp_path / "photos"), "--out", str(tmp_path / "out.jsonl")]
     refused = [
         subprocess.run([*ingest, *extra], env=env, capture_output=True, text=True, timeout=60)
-        for extra in (["--model", "nope"], ["--model", "shop", "--model-version", "7"])
+        for extra in (["--model", "nope"], ["--model", "shop", "--model-version", "7"], ["--model", "Shop!"])
     ]
     log = tmp_path / "worker.log"
     worker = gateway_process(["worker"], {**env, "GATEWAY_WORKER_MODELS": "shop"}, log)
@@ -248,9 +261,10 @@ def test_ingest_model_sends_a_folder_to_that_models_workers(tmp_path: Path, pref
         worker.send_signal(signal.SIGTERM)
         worker.wait(timeout=60)
     assert done.returncode == 0, done.stderr
-    assert [r.returncode for r in refused] == [1, 1]
+    assert [r.returncode for r in refused] == [1, 1, 1]
     assert "no model 'nope' is served (the models are photos, shop)" in refused[0].stderr
     assert "model 'shop' has no version '7' (it has 1, 2)" in refused[1].stderr
+    assert "'Shop!' is not a model name" in refused[2].stderr
     results = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
     assert len(results) == 12
     assert {(r["model"]["name"], r["model"]["version"]) for r in results} == {("shop", "2")}
