@@ -542,7 +542,7 @@ async def _sample_depth(broker: Broker, metrics: Metrics, stop: asyncio.Event, i
     AMQP call cancelled while its answer is due left its task waiting for ever at shutdown)."""
     while not stop.is_set():
         if broker.is_open and broker.channel is not None:
-            for name in (*{route.queue for route in broker.routes}, broker.names.dead):
+            for name in sorted({broker.names.work, broker.names.dead, *(route.queue for route in broker.routes)}):
                 try:
                     channel = await broker.channel.get_underlay_channel()
                     declared = await channel.queue_declare(queue=name, passive=True, timeout=5)
