@@ -63,7 +63,6 @@ class TritonBackend:
         self._client: Any = None
         self._mod: Any = None
         self._shm: SharedMemoryPool | None = None
-        self._checked_metadata = False
         self._buffer = BatchBuffer()
 
     async def start(self) -> None:
@@ -164,7 +163,6 @@ class TritonBackend:
         if status == "StatusCode.DEADLINE_EXCEEDED":
             return DeadlineExceeded("Triton did not answer within the request deadline")
         if status in _UNAVAILABLE or "not ready" in message.lower() or "unknown model" in message.lower():
-            self._checked_metadata = False
             return BackendUnavailable(f"Triton at {self.url} cannot serve {self.model}: {message}")
         logger.error("triton rejected a batch for %s (%s): %s", self.model, status or "no status", message)
         return BackendError(f"Triton failed on the batch: {message}")
@@ -172,10 +170,9 @@ class TritonBackend:
     # -- readiness -------------------------------------------------------------------------------
 
     async def _metadata_problem(self) -> str | None:
-        """Check once per connection that the model takes what the gateway sends, in batches as
-        large as the gateway's."""
-        if self._checked_metadata:
-            return None
+        """Check that the model takes what the gateway sends, in batches as large as the gateway's:
+        at every readiness check (two calls), since Triton may have loaded another model under the
+        name since the last (an operator's load, its repository polled)."""
         if self.protocol == "grpc":
             meta = await self._client.get_model_metadata(self.model, self.version, as_json=True)
         else:
@@ -204,7 +201,6 @@ class TritonBackend:
             )
             logger.error("triton: %s", problem)
             return problem
-        self._checked_metadata = True
         return None
 
     async def ready(self) -> str | None:
@@ -218,7 +214,6 @@ class TritonBackend:
                     return f"model {self.model} is not ready on Triton at {self.url}"
                 return await self._metadata_problem()
         except (TimeoutError, InferenceServerException, aiohttp.ClientError, OSError) as exc:
-            self._checked_metadata = False
             return f"Triton at {self.url} is unreachable ({type(exc).__name__})"
 
     async def aclose(self) -> None:

@@ -55,6 +55,12 @@ def two_model_triton(
     server.stop()
 
 
+def _write_moderation(repository: Path, models_dir: Path, max_batch_size: int) -> None:
+    profile = get_profile("trivial")
+    options = TritonOptions(variant="python", max_batch_size=max_batch_size, intra_op_threads=1)
+    write_model(repository, profile, options, ensure_model(models_dir, profile), name="moderation")
+
+
 def _infer(url: str, model: str, image: bytes) -> triton_http.InferResult:
     client = triton_http.InferenceServerClient(url)
     try:
@@ -104,12 +110,16 @@ async def test_two_models_on_triton_each_reach_their_own(
 
 
 async def test_models_found_in_tritons_index_are_served_and_loaded_when_the_operator_asks(
-    gateway_factory: Callable[..., Settings], two_model_triton: LocalTriton, tmp_path: Path, coffee_jpeg: bytes
+    gateway_factory: Callable[..., Settings],
+    two_model_triton: LocalTriton,
+    tmp_path: Path,
+    coffee_jpeg: bytes,
+    models_dir: Path,
 ) -> None:
     """The models file names one model and Triton's index has a second: the gateway serves both;
     the operator unloads the second through the gateway (admin key), it is refused (503), the
     gateway and Triton say not ready; loads it again, it answers. Without the key, 403; the other
-    model never stops."""
+    model never stops. Reloaded as another model, it is checked again."""
     url = two_model_triton.grpc_url
     models = tmp_path / "models.toml"
     models.write_text(
@@ -140,3 +150,17 @@ async def test_models_found_in_tritons_index_are_served_and_loaded_when_the_oper
         products = await client.post("/v1/models/products/classify", content=coffee_jpeg, headers=JPEG)
         assert products.json()["results"][0]["labels"][0]["label"] == "espresso"
         assert (await client.post("/v1/models/nope/load", headers=admin)).status_code == 404
+
+        # reloaded as another model (batches of at most 4, where the gateway sends up to 32): the
+        # gateway checks what it loaded again, and says what is wrong, rather than trust the old check
+        await client.post("/v1/models/moderation/unload", headers=admin)
+        _write_moderation(two_model_triton.repository, models_dir, max_batch_size=4)
+        try:
+            swapped = await client.post("/v1/models/moderation/load", headers=admin)
+            assert swapped.json()["ready"] is False
+            checks = (await client.get("/readyz", headers=admin)).json()["checks"]
+            assert "exceeds model moderation's max_batch_size 4" in checks["backend moderation/1"]
+        finally:
+            await client.post("/v1/models/moderation/unload", headers=admin)
+            _write_moderation(two_model_triton.repository, models_dir, max_batch_size=32)
+            assert (await client.post("/v1/models/moderation/load", headers=admin)).json()["ready"] is True
