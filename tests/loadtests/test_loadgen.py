@@ -1,0 +1,56 @@
+"""The load generator against its trivial server: every connection used, an open loop's latency
+counted from the scheduled time (a stalled server shows in the percentiles, not only in the few
+requests that were on the wire), the rate search, and the command's output with its ceiling."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from loadtests import loadgen
+from loadtests.harness.loadgen import Load, find_rate, run, trivial_server
+
+
+def test_a_closed_loop_uses_every_connection_over_its_processes() -> None:
+    with trivial_server(1) as server:
+        result = run(Load(server.url, b"x" * 1000, connections=1024, processes=2, seconds=1.0))
+        accepted = server.accepted.value
+    assert accepted == 1024
+    assert result.errors == 0
+    assert result.completed > 1024  # every connection answered, and went round again
+
+
+def test_an_open_loop_counts_a_stall_from_each_requests_scheduled_time() -> None:
+    """500 requests/s on 8 connections; the server stalls for 0.5 s a second into the run. Every
+    arrival in the stall waits (for the server, then for a connection): about a quarter of the
+    requests are late, so p90 is far above the unstalled p50. Measured from the send, as a closed
+    loop does, only the 8 requests on the wire would have been slow (p90 well under a millisecond
+    or two here)."""
+    with trivial_server(1, freeze=(1.0, 1.5)) as server:
+        result = run(Load(server.url, b"x" * 1000, connections=8, processes=1, seconds=3.0, rate=500, seed=1))
+    assert result.errors == 0
+    assert result.waited > 100  # arrivals that found all 8 connections stuck
+    assert result.percentile_ms(50) < 20
+    assert result.percentile_ms(90) > 50
+    assert 400 < result.percentile_ms(99.9) < 700  # at most the stall, plus the backlog after it
+
+
+def test_the_rate_search_finds_a_rate_within_the_bound() -> None:
+    with trivial_server(1) as server:
+        # a loose bound: the search is tested here, not this (shared, 2-core) machine's latency
+        best, runs = find_rate(Load(server.url, b"x", connections=32, seconds=0.5), 200.0, 100.0, 400.0, steps=2)
+    assert best == 250.0  # 100 met the bound, then the midpoint did
+    assert [r.load.rate for r in runs] == [100.0, 250.0]
+
+
+def test_the_command_prints_its_figure_and_its_ceiling(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    body = tmp_path / "body.bin"
+    body.write_bytes(b"x" * 100)
+    with trivial_server(1) as server:
+        args = [server.url, "--body", str(body), "--connections", "16", "--seconds", "0.5", "--ceiling"]
+        assert loadgen.main(args) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("closed, 16 connections x 1 processes: ")
+    assert lines[1].startswith("generator ceiling (trivial server): closed, 16 connections x 1 processes: ")
+    assert all("0 errors" in line for line in lines)
