@@ -270,10 +270,12 @@ class Settings(BaseSettings):
     """How a ``torch`` backend thread waits for its batch on the GPU: ``blocking`` sleeps until it is
     done, leaving the core to decoding; ``spin`` busy-waits (CUDA's default with fewer processes than
     cores: a spinning core per waiting thread)."""
-    decoder: Literal["opencv", "nvjpeg"] = "opencv"
-    """Image decoder: ``opencv`` on the CPU, or ``nvjpeg``: JPEGs decoded, cropped and resized on the
-    GPU ``torch_device`` (torchvision's ``decode_jpeg``; ``pip install '.[gpu]'``), other formats and
-    JPEGs it refuses by OpenCV, per image (counted in ``gateway_decode_fallbacks_total``)."""
+    decoder: Literal["opencv", "nvjpeg", "nvimagecodec"] = "opencv"
+    """Image decoder: ``opencv`` on the CPU; ``nvjpeg``: JPEGs decoded, cropped and resized on the GPU
+    ``torch_device`` (torchvision's ``decode_jpeg``; ``pip install '.[gpu]'``); ``nvimagecodec``: the
+    same with nvImageCodec, on the GPU's hardware JPEG decoder where it has one (A100, H100; ``pip
+    install nvidia-nvimgcodec-cu13``). Other formats and JPEGs the GPU refuses go to OpenCV, per image
+    (counted in ``gateway_decode_fallbacks_total``)."""
     calibration_dir: Path | None = None
     """Photos like the traffic (at least 32) that calibrate the INT8 model; it is built once, on first
     start, into the models directory, and refused if its top-1 answers agree with FP32 on under 99 % of

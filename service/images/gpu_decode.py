@@ -1,4 +1,6 @@
-"""JPEG decoding on the GPU (nvJPEG through torchvision's ``decode_jpeg``): ``GATEWAY_DECODER=nvjpeg``.
+"""JPEG decoding on the GPU: ``GATEWAY_DECODER=nvjpeg`` (nvJPEG's CUDA decoder, through torchvision's
+``decode_jpeg``) or ``GATEWAY_DECODER=nvimagecodec`` (nvImageCodec: the GPU's hardware JPEG decoder,
+as on A100/H100, first, then its CUDA decoder).
 
 The same contract as ``service.images.preprocess.prepare`` (encoded bytes in, the model's uint8 RGB
 ``(size, size, 3)`` out, errors as ``GatewayError``), with the same semantics: the header is probed
@@ -12,12 +14,15 @@ Not every image goes to the GPU: other formats than JPEG, and JPEGs the GPU deco
 decoded by OpenCV in the same thread, counted in ``gateway_decode_fallbacks_total{reason}``. A
 corrupt image thus gets the same 400 ``bad_image`` as with the CPU decoder.
 
-The images of one request are decoded together (``prepare_many``): one batched nvJPEG call, each
-image cropped and resized on the GPU, and one copy of them all back to the host, instead of a
-synchronising copy per image.
+The images of one request are decoded together (``prepare_many``): one batched call, each image
+cropped and resized on the GPU, and one copy of them all back to the host, instead of a
+synchronising copy per image. nvJPEG's batched call fails whole when one image is refused (each is
+then tried alone); nvImageCodec's answers each image on its own (None where refused), so only the
+refused ones go to OpenCV. nvImageCodec is asked for RGB without its EXIF rotation: the square is
+oriented here, as on the CPU path.
 
-This module imports torch only when the decoder is built; the gateway without ``GATEWAY_DECODER``
-never needs it.
+This module imports torch (and nvImageCodec) only when the decoder is built; the gateway without
+``GATEWAY_DECODER`` never needs them.
 """
 
 from __future__ import annotations
@@ -41,6 +46,9 @@ logger = logging.getLogger(__name__)
 
 DecodeJpeg = Callable[..., Any]
 """torchvision's ``decode_jpeg(data, mode=..., device=...)``: uint8 CHW RGB."""
+DecodeImages = Callable[[list[bytes]], list[Any]]
+"""nvImageCodec's ``Decoder.decode`` with its parameters bound: per image, an HWC uint8 RGB image
+on the GPU (``__cuda_array_interface__``), or None where it was refused."""
 
 
 def orient_chw(img: torch.Tensor, orientation: int) -> torch.Tensor:
@@ -139,12 +147,12 @@ class NvJpegDecoder:
                 [datas[i] for i in jpegs], [info.orientation for info in jpegs.values()], config
             )
         except Exception as exc:  # one image the GPU decoder refuses fails the whole call
-            logger.debug("nvjpeg refused a batch of %d (%s)", len(jpegs), exc)
+            logger.debug("the GPU decoder refused a batch of %d (%s)", len(jpegs), exc)
             for i, info in jpegs.items():
                 out[i] = self._alone(datas[i], info, config, budget, deadline, retry=len(jpegs) > 1)
             return out
-        for i, square in zip(jpegs, squares, strict=True):
-            out[i] = square
+        for (i, info), square in zip(jpegs.items(), squares, strict=True):
+            out[i] = square if square is not None else self._alone(datas[i], info, config, budget, deadline, False)
         return out
 
     def _alone(
@@ -160,26 +168,83 @@ class NvJpegDecoder:
         (and names a bad image)."""
         if retry:
             with contextlib.suppress(Exception):
-                return self._decode_squares([data], [info.orientation], config)[0]
+                (square,) = self._decode_squares([data], [info.orientation], config)
+                if square is not None:
+                    return square
         self.on_fallback("refused")
         return _outcome(prepare, data, config, budget, deadline, info)
 
-    def _decode_squares(
-        self, datas: list[bytes], orientations: list[int], config: PreprocessConfig
-    ) -> list[np.ndarray]:
-        """JPEGs decoded in one nvJPEG call, cropped, resized and oriented on the device, then copied
-        back to the host together: HWC uint8 arrays."""
+    def _decode(self, datas: list[bytes]) -> list[torch.Tensor | None]:
+        """JPEGs decoded in one call: uint8 CHW RGB on the device, None where refused (or raise)."""
         import torch
 
         encoded = [torch.frombuffer(bytearray(data), dtype=torch.uint8) for data in datas]
-        decoded = self._decode_jpeg(encoded, device=self.device)
-        squares = []
-        for img, orientation in zip(decoded, orientations, strict=True):
+        return list(self._decode_jpeg(encoded, device=self.device))
+
+    def _decode_squares(
+        self, datas: list[bytes], orientations: list[int], config: PreprocessConfig
+    ) -> list[np.ndarray | None]:
+        """JPEGs decoded in one call, cropped, resized and oriented on the device, then copied back
+        to the host together: HWC uint8 arrays (None where the decoder refused the image)."""
+        import torch
+
+        squares: list[torch.Tensor | None] = []
+        for img, orientation in zip(self._decode(datas), orientations, strict=True):
+            if img is None:
+                squares.append(None)
+                continue
             if img.ndim != 3 or img.shape[0] != 3:
                 raise ValueError(f"decoded to {tuple(img.shape)}, not 3 channels")
             squares.append(orient_chw(square_resize(img, config.image_size, config.crop_fraction), orientation))
-        host: np.ndarray = torch.stack(squares).permute(0, 2, 3, 1).contiguous().cpu().numpy()
-        return list(host)
+        done = [square for square in squares if square is not None]
+        host = iter(list(torch.stack(done).permute(0, 2, 3, 1).contiguous().cpu().numpy()) if done else [])
+        return [next(host) if square is not None else None for square in squares]
+
+
+class NvImageCodecDecoder(NvJpegDecoder):
+    """``prepare`` with JPEGs decoded by nvImageCodec on ``device`` (see the module's docstring):
+    the hardware JPEG decoder where the GPU has one, else its CUDA decoder."""
+
+    def __init__(self, device: str, on_fallback: Callable[[str], None], decode: DecodeImages | None = None) -> None:
+        """``decode``: a stand-in for nvImageCodec's (tests); None builds nvImageCodec's."""
+        import torch
+
+        if decode is None:
+            decode = _nvimagecodec(device)
+        self.device = torch.device(device)
+        self.on_fallback = on_fallback
+        self._decode_images = decode
+
+    def _decode(self, datas: list[bytes]) -> list[torch.Tensor | None]:
+        import torch
+
+        return [
+            None if image is None else torch.as_tensor(image, device=self.device).permute(2, 0, 1)
+            for image in self._decode_images(datas)
+        ]
+
+
+def _nvimagecodec(device: str) -> DecodeImages:
+    """nvImageCodec's batched decode on ``device``: hardware decoder first, CUDA decoder next; RGB,
+    EXIF orientation not applied (the square is oriented after cropping, as on the CPU)."""
+    import torch
+
+    try:
+        from nvidia import nvimgcodec
+    except ImportError as exc:
+        raise RuntimeError(
+            f"GATEWAY_DECODER=nvimagecodec needs nvImageCodec (pip install nvidia-nvimgcodec-cu13): {exc}"
+        ) from None
+    if not device.startswith("cuda") or not torch.cuda.is_available():
+        raise RuntimeError(f"GATEWAY_DECODER=nvimagecodec needs a CUDA device; {device!r} is not one here")
+    index = torch.device(device).index or 0
+    backends = [
+        nvimgcodec.Backend(nvimgcodec.BackendKind.HW_GPU_ONLY),
+        nvimgcodec.Backend(nvimgcodec.BackendKind.GPU_ONLY),
+    ]
+    decoder = nvimgcodec.Decoder(device_id=index, backends=backends)
+    params = nvimgcodec.DecodeParams(color_spec=nvimgcodec.ColorSpec.RGB, apply_exif_orientation=False)
+    return partial(decoder.decode, params=params)
 
 
 _PENDING: Exception = Exception("not decoded yet")

@@ -58,12 +58,13 @@ async def open_models(
     keep_image_buffers()  # this process churns through image-sized buffers from here on
     decode: Prepare = prepare  # before anything starts: a missing GPU decoder fails here, with nothing to undo
     decode_many: PrepareMany | None = None
-    if settings.decoder == "nvjpeg":
-        from service.images.gpu_decode import NvJpegDecoder
+    if settings.decoder != "opencv":
+        from service.images.gpu_decode import NvImageCodecDecoder, NvJpegDecoder
 
-        gpu_decoder = NvJpegDecoder(settings.torch_device, lambda reason: metrics.decode_fallbacks.labels(reason).inc())
+        kind = NvJpegDecoder if settings.decoder == "nvjpeg" else NvImageCodecDecoder
+        gpu_decoder = kind(settings.torch_device, lambda reason: metrics.decode_fallbacks.labels(reason).inc())
         decode, decode_many = gpu_decoder.prepare, gpu_decoder.prepare_many
-        logger.info("decoder: JPEGs on %s (nvJPEG), other images on the CPU (OpenCV)", settings.torch_device)
+        logger.info("decoder: JPEGs on %s (%s), other images on the CPU (OpenCV)", settings.torch_device, kind.__name__)
     cv2.setNumThreads(1)  # parallelism comes from the preprocessing pool, one image per thread
     pool = ThreadPoolExecutor(max_workers=settings.preprocess_workers, thread_name_prefix="preprocess")
     fair = FairPool(pool, settings.preprocess_workers) if len(catalog.models) > 1 and settings.fair_sharing else None

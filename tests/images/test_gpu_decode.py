@@ -11,14 +11,16 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 import torch
+from PIL import Image
 
 from service.errors import BadImage
-from service.images.gpu_decode import NvJpegDecoder, orient_chw, square_resize
+from service.images.gpu_decode import NvImageCodecDecoder, NvJpegDecoder, orient_chw, square_resize
 from service.images.preprocess import PreprocessConfig, centre_crop_resize, orient, prepare
 from service.metrics import Metrics
 from service.models.profiles import get_profile
 from service.models.store import model_path
 from tests.conftest import encode, png_bytes
+from tests.images.test_preprocess import pil_bytes
 
 CONFIG = PreprocessConfig()
 
@@ -124,3 +126,64 @@ def test_a_requests_images_decode_together_and_each_keeps_its_own_outcome(cat_jp
 def test_without_a_gpu_decoder_the_setting_fails_at_start() -> None:
     with pytest.raises(RuntimeError, match="GATEWAY_DECODER=nvjpeg needs"):
         NvJpegDecoder("cuda", lambda reason: None)
+
+
+class NvImageCodecStandIn:
+    """Stands in for nvImageCodec's batched decode: per image, HWC uint8 RGB without the EXIF
+    rotation (as asked of it), or None where it refuses one (the images ``refuse`` names, and
+    anything it cannot decode); it records each call's batch size."""
+
+    def __init__(self, refuse: tuple[bytes, ...] = ()) -> None:
+        self.refuse = refuse
+        self.calls: list[int] = []
+
+    def __call__(self, datas: list[bytes]) -> list[np.ndarray | None]:
+        self.calls.append(len(datas))
+        flags = cv2.IMREAD_COLOR_RGB | cv2.IMREAD_IGNORE_ORIENTATION
+        return [None if data in self.refuse else cv2.imdecode(np.frombuffer(data, np.uint8), flags) for data in datas]
+
+
+def codec(metrics: Metrics, stand_in: NvImageCodecStandIn) -> NvImageCodecDecoder:
+    return NvImageCodecDecoder("cpu", lambda reason: metrics.decode_fallbacks.labels(reason).inc(), decode=stand_in)
+
+
+def test_nvimagecodec_refuses_per_image_and_only_those_go_to_opencv(cat_jpeg: bytes, coffee_jpeg: bytes) -> None:
+    """One batched call for a request's JPEGs; the one it refuses, and the PNG, are decoded by
+    OpenCV (exactly ``prepare``'s answer) and counted; the others are its own, within rounding of
+    ``prepare``'s; a corrupt JPEG (refused, then OpenCV's) is a bad image of its own."""
+    metrics = Metrics()
+    stand_in = NvImageCodecStandIn(refuse=(coffee_jpeg,))
+    gpu = codec(metrics, stand_in)
+    png = png_bytes(np.full((40, 60, 3), 90, np.uint8))
+    corrupt = cat_jpeg[:3000]  # its header is whole; the rest is cut off
+    outcomes = gpu.prepare_many([cat_jpeg, coffee_jpeg, png, corrupt], CONFIG)
+    assert stand_in.calls == [3]  # the three JPEGs together; nothing retried
+    assert np.array_equal(outcomes[1], prepare(coffee_jpeg, CONFIG))  # type: ignore[arg-type]
+    assert np.array_equal(outcomes[2], prepare(png, CONFIG))  # type: ignore[arg-type]
+    assert isinstance(outcomes[3], BadImage)
+    cat = outcomes[0]
+    assert isinstance(cat, np.ndarray)
+    assert cat.shape == (224, 224, 3)
+    assert np.abs(cat.astype(int) - prepare(cat_jpeg, CONFIG)).mean() < 1.5
+    assert metrics.decode_fallbacks.labels("refused")._value.get() == 2  # coffee, and the corrupt one
+    assert metrics.decode_fallbacks.labels("format")._value.get() == 1
+
+
+@pytest.mark.parametrize("orientation", [3, 6, 8])
+def test_nvimagecodec_squares_are_oriented_as_opencvs(orientation: int) -> None:
+    """nvImageCodec is asked not to rotate: the square is oriented after the crop, giving the
+    upright picture ``prepare`` gives."""
+    base = np.zeros((200, 300, 3), np.uint8)
+    base[:100, :150] = (255, 0, 0)  # a red quadrant top-left marks the orientation
+    base[100:, :, 2] = 200
+    stored = Image.fromarray(base)
+    exif = stored.getexif()
+    exif[0x0112] = orientation
+    encoded = pil_bytes(stored, "JPEG", exif=exif.tobytes(), quality=95)
+    ours = codec(Metrics(), NvImageCodecStandIn()).prepare(encoded, CONFIG)
+    assert np.abs(ours.astype(int) - prepare(encoded, CONFIG)).mean() < 2
+
+
+def test_without_nvimagecodec_the_setting_fails_at_start() -> None:
+    with pytest.raises(RuntimeError, match="GATEWAY_DECODER=nvimagecodec needs"):
+        NvImageCodecDecoder("cuda", lambda reason: None)
