@@ -67,6 +67,7 @@ async def _torch(settings: Settings, profile: ModelProfile) -> Backend:
         precision=settings.torch_precision,
         cuda_graphs=settings.torch_cuda_graphs,
         sync=settings.torch_sync,
+        compile=settings.torch_compile,
         image_size=profile.image_size,
         max_batch_size=settings.max_batch_size,
         max_concurrency=settings.max_inflight_batches,

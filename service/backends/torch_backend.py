@@ -20,6 +20,14 @@ several worker processes share the GPU on small batches. A thread's
 graphs share one memory pool: they never run at once, and each keeps its own output alive. A capture
 that fails leaves that thread on the eager path, said in ``detail`` and the log.
 
+With ``compile`` (``GATEWAY_TORCH_COMPILE``), the forward pass (layout, normalisation, the model,
+softmax) is compiled by ``torch.compile`` (Inductor, weights frozen into the graph as constants:
+fused kernels instead of one per layer), one graph per bucket, each compiled during the warm-up;
+the CUDA graphs above then capture the compiled pass. ``max-autotune`` also times the kernels'
+configurations while compiling (minutes per bucket on a GPU). Its answers are the eager pass's
+within float tolerance (tests on the CPU); what it gains is measured on a GPU
+(``loadtests.gpu_figures``).
+
 A backend thread waits for its batch on a blocking CUDA event (``sync="blocking"``): it sleeps
 until the GPU is done. CUDA's default wait, with fewer contexts than cores, spins a core at 100 %
 for the whole batch; with several worker processes time-slicing one GPU, those spinning threads
@@ -70,6 +78,7 @@ class TorchBackend(InProcessBackend):
         cudnn_benchmark: bool = True,
         cuda_graphs: bool = True,
         sync: str = "blocking",
+        compile: str = "off",
     ) -> None:
         super().__init__(weights or Path("resnet50 with random weights"), max_concurrency=max_concurrency)
         self._weights = weights
@@ -82,6 +91,9 @@ class TorchBackend(InProcessBackend):
         self._cuda_graphs = cuda_graphs and cuda
         self._graph_failures: list[str] = []
         self._sync = sync
+        self._compile = compile
+        self._compiled: Any = None
+        """The compiled forward pass (``compile``), else None: eager."""
         self._buffer = BatchBuffer(self._host_array)
         self._streams = threading.local()
         self._model: torch_resnet.ResNet50 | None = None
@@ -104,9 +116,19 @@ class TorchBackend(InProcessBackend):
         self._mean = torch.tensor(resnet.MEAN, device=self._device, dtype=self._dtype).reshape(shape)
         inv_std = 1.0 / torch.tensor(resnet.STD, device=self._device, dtype=torch.float32)
         self._inv_std = inv_std.to(self._dtype).reshape(shape)
+        if self._compile != "off":
+            from torch._dynamo import config as dynamo_config
+            from torch._inductor import config as inductor_config
+
+            inductor_config.freezing = True  # the weights are constants of the graph
+            # a graph per bucket, each compiled once (past the limit, dynamo falls back to eager)
+            dynamo_config.cache_size_limit = max(dynamo_config.cache_size_limit, len(self._buckets) + 1)
+            mode = "max-autotune-no-cudagraphs" if self._compile == "max-autotune" else "default"
+            self._compiled = torch.compile(self._forward_eager, mode=mode, dynamic=False, fullgraph=True)
         where = torch.cuda.get_device_name(self._device) if self._device.type == "cuda" else "CPU"
         precision = "fp16" if self._dtype == torch.float16 else "fp32"
-        self.detail = f"PyTorch {torch.__version__}, {where}, {precision}" + (
+        compiled = f", torch.compile ({self._compile})" if self._compiled is not None else ""
+        self.detail = f"PyTorch {torch.__version__}, {where}, {precision}{compiled}" + (
             ", RANDOM WEIGHTS (answers are meaningless)" if self.random_weights else ""
         )
 
@@ -159,7 +181,13 @@ class TorchBackend(InProcessBackend):
         return stream
 
     def _forward(self, x: torch.Tensor) -> torch.Tensor:
-        """A uint8 NHWC batch on the device to class probabilities on the device."""
+        """A uint8 NHWC batch on the device to class probabilities on the device (compiled, or eager)."""
+        if self._compiled is not None:
+            scores: torch.Tensor = self._compiled(x)
+            return scores
+        return self._forward_eager(x)
+
+    def _forward_eager(self, x: torch.Tensor) -> torch.Tensor:
         assert self._model is not None
         x = x.permute(0, 3, 1, 2).to(self._dtype).sub_(self._mean).mul_(self._inv_std)
         scores: torch.Tensor = self._model(x.contiguous(memory_format=torch.channels_last))
@@ -223,5 +251,6 @@ class TorchBackend(InProcessBackend):
 
     def _close(self) -> None:
         self._model = None
+        self._compiled = None
         if self._device.type == "cuda":
             torch.cuda.empty_cache()

@@ -87,6 +87,23 @@ async def test_concurrent_batches_on_several_threads_stay_apart(photos_rgb: np.n
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-7)
 
 
+@pytest.mark.slow
+async def test_the_compiled_pass_answers_as_the_eager_one(photos_rgb: np.ndarray) -> None:
+    """``compile="on"``: the bucket compiled by Inductor at warm-up (one bucket here: a compile
+    takes half a minute on 2 cores), the weights frozen in; the same photo then gets eager's
+    probabilities within float tolerance, and the same top-1. The detail says it is compiled."""
+    images = list(photos_rgb[:1])
+    async with started(TorchBackend(None, device="cpu", max_batch_size=1, max_concurrency=1)) as eager:
+        want = await eager.infer(images)
+    compiled = TorchBackend(None, device="cpu", max_batch_size=1, max_concurrency=1, compile="on")
+    async with started(compiled) as backend:
+        assert await backend.ready() is None
+        assert "torch.compile (on)" in (backend.detail or "")
+        got = await backend.infer(images)
+    np.testing.assert_allclose(got, want, rtol=1e-3, atol=1e-5)
+    assert got.argmax() == want.argmax()
+
+
 async def test_a_weights_file_missing_parameters_keeps_the_backend_unready(tmp_path: Path) -> None:
     import torch
 

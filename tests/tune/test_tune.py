@@ -45,7 +45,7 @@ def test_quick_tune_writes_settings_that_meet_the_slo(
             "--worker-counts",
             "1,2",
             "--max-concurrency",
-            "16",
+            "4",
             "--out",
             str(env_file),
             "--report",
