@@ -37,7 +37,7 @@ import traceback
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import suppress
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -46,9 +46,12 @@ import numpy as np
 
 from loadtests.harness.gpu_runs import GatewaySpec, Run, gateway_run, sampled, show
 from loadtests.harness.http_load import start_gateway, stop_process
+from loadtests.harness.loadgen import Load, ceiling, find_rate
 from loadtests.harness.resources import nvml
 from service.backends.torch_backend import TorchBackend
 from service.images.preprocess import PreprocessConfig, prepare
+
+BACKEND_MODES = ("graphs", "eager", "compiled", "compiled-max", "fp32")
 
 
 def environment(device: str) -> dict[str, str]:
@@ -110,16 +113,22 @@ async def backend_alone(
     tensors: list[np.ndarray], batches: list[int], in_flights: list[int], seconds: float, device: str, modes: list[str]
 ) -> list[Run]:
     """Every batch size with each number of batches in flight, for each mode: ``graphs`` (CUDA
-    graphs, the default) and ``eager`` (PyTorch launching every layer from Python), side by side."""
+    graphs, fp16, the default), ``eager`` (PyTorch launching every layer from Python), ``compiled``
+    (``torch.compile``, then CUDA graphs), ``compiled-max`` (its max-autotune) and ``fp32`` (CUDA
+    graphs in fp32: the reference the others' answers are compared with), side by side."""
     runs = []
     answers: dict[str, list[np.ndarray]] = {}
     for mode in modes:
+        if mode not in BACKEND_MODES:
+            raise SystemExit(f"--modes: {mode!r} is not one of {', '.join(BACKEND_MODES)}")
         backend = TorchBackend(
             None,
             device=device,
             max_batch_size=max(batches),
             max_concurrency=max(in_flights),
-            cuda_graphs=mode == "graphs",
+            cuda_graphs=mode != "eager",
+            precision="fp32" if mode == "fp32" else "fp16",
+            compile={"compiled": "on", "compiled-max": "max-autotune"}.get(mode, "off"),
         )
         started = time.perf_counter()
         await backend.start()
@@ -139,7 +148,7 @@ async def backend_alone(
         finally:
             await backend.aclose()
     if len(answers) > 1:
-        first, *others = answers
+        first, *others = sorted(answers, key=lambda mode: mode != "fp32")  # against fp32 where it ran
         for other in others:
             diff = max(float(np.abs(a - b).max()) for a, b in zip(answers[first], answers[other], strict=True))
             top1 = all(
@@ -222,6 +231,42 @@ def gpu_decode(photos: list[bytes], label: str, seconds: float, batch: int) -> R
     return run
 
 
+def nvimagecodec_decode(photos: list[bytes], label: str, seconds: float, batch: int) -> Run | None:
+    """nvImageCodec (``GATEWAY_DECODER=nvimagecodec``: the hardware JPEG decoder first) as the
+    gateway runs it: a batch decoded, each cropped, resized and oriented on the GPU, copied back."""
+    try:
+        from service.images.gpu_decode import NvImageCodecDecoder
+
+        decoder = NvImageCodecDecoder("cuda", lambda reason: None)
+    except (ImportError, RuntimeError) as exc:
+        print(f"nvImageCodec decode skipped: {exc}", file=sys.stderr)
+        return None
+    config = PreprocessConfig()
+    datas = [photos[i % len(photos)] for i in range(batch)]
+    fallbacks: list[str] = []
+    decoder.on_fallback = fallbacks.append
+    ours = decoder.prepare_many(photos[:16], config)
+    differences = [
+        float(np.abs(a.astype(np.int16) - prepare(photo, config)).mean())
+        for a, photo in zip(ours, photos[:16], strict=True)
+        if isinstance(a, np.ndarray)
+    ]
+    run = Run("decode", f"nvImageCodec GPU, {label}", batch=batch)
+    run.config["decoded on the GPU"] = f"{min(16, len(photos)) - len(fallbacks)} of {min(16, len(photos))}"
+    worst = run.config["mean_abs_pixel_difference_vs_opencv"] = max(differences) if differences else None
+    print(f"  nvImageCodec vs OpenCV, {label}: mean |pixel difference| at most {worst}", flush=True)
+    decoder.prepare_many(datas, config)  # warm
+    with sampled(run, {"server": os.getpid()}):
+        end = time.perf_counter() + seconds
+        start = time.perf_counter()
+        while time.perf_counter() < end:
+            decoder.prepare_many(datas, config)
+            run.images += batch
+        run.seconds = time.perf_counter() - start
+    show(run)
+    return run
+
+
 # --- gateway over HTTP -------------------------------------------------------------------------
 
 
@@ -263,11 +308,15 @@ def gateway_runs(
     max_batch: int,
     quick: bool,
     loads: list[tuple[int, int]] | None = None,
+    poisson: Poisson | None = None,
 ) -> list[Run]:
     """``loads`` (images per request, connections) replaces the spec's plan with those loads on 224 px
-    photos (e.g. a sweep over worker counts)."""
+    photos (e.g. a sweep over worker counts). ``poisson``: then the highest open-loop rate of one
+    image per request within its p99 bound (``loadtests.harness.loadgen``), its ceiling beside it."""
     cores = os.cpu_count() or 2
     workers, decoder = spec.workers, spec.decoder
+    most = max([c for _, c in loads or []] + [128, poisson.connections if poisson else 0])
+    in_flight = max(64, -(-2 * most // workers))  # every connection's request admitted, however they spread
     settings = {
         "GATEWAY_BACKEND": "torch",
         "GATEWAY_MODEL": "resnet50",
@@ -278,8 +327,10 @@ def gateway_runs(
         "GATEWAY_REQUEST_TIMEOUT": "30",
         "GATEWAY_PREPROCESS_WORKERS": str(max(2, 2 * cores // workers)),
         "GATEWAY_MAX_IMAGES_PER_REQUEST": "64",
+        "GATEWAY_MAX_CONCURRENT_REQUESTS": str(in_flight),
         "GATEWAY_DECODER": decoder,
-        "GATEWAY_TORCH_CUDA_GRAPHS": str(spec.mode == "graphs").lower(),
+        "GATEWAY_TORCH_CUDA_GRAPHS": str(spec.mode != "eager").lower(),
+        "GATEWAY_TORCH_COMPILE": "on" if spec.mode == "compiled" else "off",
         "GATEWAY_TORCH_SYNC": spec.sync,
         "GATEWAY_TORCH_ENGINE": spec.engine,
     }
@@ -321,10 +372,61 @@ def gateway_runs(
             runs.append(
                 gateway_run(url, proc.pid, name, images, per_request, connections, seconds, wrk, workdir, config)
             )
+        if poisson is not None:
+            runs += poisson_runs(url, spec, photos, poisson, config)
         gpu_series = [line for line in _metrics_text(url).splitlines() if line.startswith("gateway_gpu_")]
         print("  the gateway's own GPU series at the end:", *gpu_series, sep="\n    ", flush=True)
     finally:
         stop_process(proc, 30)
+    return runs
+
+
+@dataclass(frozen=True)
+class Poisson:
+    """The open-loop search: its p99 bound, the rates searched, the generator's shape."""
+
+    p99_ms: float
+    low: float
+    high: float
+    connections: int = 1024
+    processes: int = 4
+    steps: int = 6
+    seconds: float = 5.0
+
+
+def poisson_runs(
+    url: str, spec: GatewaySpec, photos: list[bytes], poisson: Poisson, config: dict[str, Any]
+) -> list[Run]:
+    """Bisect for the highest Poisson rate of one 224 px photo per request whose p99 (from each
+    request's scheduled time) stays within the bound with no error; each step a run of the report,
+    and the generator's ceiling with the same shape (a trivial server) as the last."""
+    load = Load(
+        f"{url}/classify",
+        photos[0],
+        connections=poisson.connections,
+        processes=poisson.processes,
+        seconds=poisson.seconds,
+    )
+    best, results = find_rate(load, poisson.p99_ms, poisson.low, poisson.high, poisson.steps)
+    limit = ceiling(load)
+    runs = []
+    for result in [*results, limit]:
+        is_ceiling = result is limit
+        what = "generator ceiling (trivial server, closed)" if is_ceiling else f"Poisson {result.load.rate:,.0f}/s"
+        run = Run("gateway", f"{spec.workers} workers, 224 px, 1/request, {what}{spec.label}", 1, poisson.connections)
+        run.images, run.seconds, run.errors = result.completed, result.elapsed, result.errors
+        run.p50_ms, run.p99_ms = result.percentile_ms(50), result.percentile_ms(99)
+        run.config = {
+            **config,
+            "offered_rate": result.load.rate,
+            "sender_lag_p99_ms": result.sender_lag_p99_ms,
+            "waited_for_a_connection": result.waited,
+            "highest_rate_within_p99": best,
+            "p99_bound_ms": poisson.p99_ms,
+        }
+        show(run)
+        runs.append(run)
+    print(f"  highest Poisson rate with p99 <= {poisson.p99_ms:g} ms: {best:,.0f} images/s", flush=True)
     return runs
 
 
@@ -473,11 +575,21 @@ def main() -> None:
         default="",
         help="PER_REQUEST:CONNECTIONS,... on 224 px photos for every gateway instead of its plan (e.g. 1:64,32:32)",
     )
-    parser.add_argument("--modes", default="graphs,eager", help="backend-alone modes: graphs, eager")
+    parser.add_argument(
+        "--modes",
+        default="graphs,eager",
+        help=f"backend-alone modes, of {', '.join(BACKEND_MODES)} (fp32: the reference)",
+    )
     parser.add_argument("--max-batch", type=int, default=128, help="the gateway's GATEWAY_MAX_BATCH_SIZE")
     parser.add_argument("--seconds", type=float, default=8.0)
     parser.add_argument("--gpu-hour-usd", type=float, default=3.0, help="assumed price of one GPU-hour")
     parser.add_argument("--skip", default="", help="sections to skip: backend,decode,gateway")
+    parser.add_argument(
+        "--poisson",
+        metavar="P99_MS:LOW:HIGH",
+        help="after each gateway's runs, the highest Poisson rate (one image per request, 1,024 connections from "
+        "4 processes) whose p99 stays within P99_MS, searched in [LOW, HIGH), e.g. 15:2000:40000",
+    )
     parser.add_argument("--quick", action="store_true", help="short runs (to check the script)")
     args = parser.parse_args()
     if args.wrk is None and "gateway" not in args.skip:
@@ -493,6 +605,10 @@ def main() -> None:
     seconds = 1.0 if args.quick else args.seconds
     gateways = [GatewaySpec.parse(text) for text in args.gateways.split(",") if text]
     loads = [(int(a), int(b)) for a, b in (text.split(":") for text in args.loads.split(",") if text)]
+    poisson = None
+    if args.poisson:
+        bound, low, high = (float(part) for part in args.poisson.split(":"))
+        poisson = Poisson(bound, low, high, seconds=min(seconds, 5.0))
 
     def report() -> None:  # after every section: a run cut off at its time limit keeps what it measured
         if runs:
@@ -514,9 +630,10 @@ def main() -> None:
         cores = os.cpu_count() or 2
         for label, images in (("224 px", photos), ("full-size", full)):
             runs.append(cpu_decode(images, label, seconds / 2, cores))
-            gpu = gpu_decode(images, label, seconds / 2, 64 if label == "224 px" else 16)
-            if gpu is not None:
-                runs.append(gpu)
+            for decode in (gpu_decode, nvimagecodec_decode):
+                gpu = decode(images, label, seconds / 2, 64 if label == "224 px" else 16)
+                if gpu is not None:
+                    runs.append(gpu)
         report()
     if "gateway" not in skip:
         with tempfile.TemporaryDirectory(prefix="gpu-figures-") as tmp:
@@ -524,7 +641,17 @@ def main() -> None:
                 print(f"gateway, {spec}...", flush=True)
                 try:
                     runs += gateway_runs(
-                        spec, photos, full, seconds, args.wrk, Path(tmp), args.device, args.max_batch, args.quick, loads
+                        spec,
+                        photos,
+                        full,
+                        seconds,
+                        args.wrk,
+                        Path(tmp),
+                        args.device,
+                        args.max_batch,
+                        args.quick,
+                        loads,
+                        poisson,
                     )
                 except (Exception, SystemExit):  # report what was measured before the failure
                     traceback.print_exc()

@@ -153,8 +153,9 @@ async def _batches(url: str) -> tuple[dict[str, float], dict[str, float]]:
 
 @dataclass(frozen=True)
 class GatewaySpec:
-    """One gateway configuration to run: ``WORKERS[:OPTION...]``, the options ``opencv``/``nvjpeg``
-    (decoder), ``graphs``/``eager`` (CUDA graphs or not), ``blocking``/``spin`` (how backend
+    """One gateway configuration to run: ``WORKERS[:OPTION...]``, the options ``opencv``/``nvjpeg``/
+    ``nvimagecodec`` (decoder), ``graphs``/``eager``/``compiled`` (CUDA graphs, none, or
+    ``torch.compile`` under CUDA graphs), ``blocking``/``spin`` (how backend
     threads wait for the GPU) and ``per-worker``/``shared`` (a model in every worker, or one engine
     process), e.g. ``14``, ``4:nvjpeg``, ``14:eager``, ``8:spin``, ``16:shared``. The default
     (OpenCV, graphs, blocking, a model per worker) gets every load; the others the loads that tell them apart."""
@@ -195,7 +196,7 @@ class GatewaySpec:
         )
 
 
-_SPEC_CHOICES = ("opencv|nvjpeg", "graphs|eager", "blocking|spin", "per-worker|shared")
+_SPEC_CHOICES = ("opencv|nvjpeg|nvimagecodec", "graphs|eager|compiled", "blocking|spin", "per-worker|shared")
 _SPEC_OPTIONS = {
     option: field
     for field, choices in zip(("decoder", "mode", "sync", "engine"), _SPEC_CHOICES, strict=True)

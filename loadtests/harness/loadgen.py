@@ -41,8 +41,8 @@ from urllib.parse import urlsplit
 
 import numpy as np
 
-START_DELAY = 1.5
-"""Seconds from launching the processes to the common start (they connect meanwhile)."""
+START_DELAY = 0.2
+"""Seconds from the last process being connected to the common start."""
 clock = time.monotonic
 """What every time is measured on: nanosecond resolution, shared by the machine's processes (the
 event loop's own clock under uvloop counts whole milliseconds)."""
@@ -275,9 +275,10 @@ async def _open(load: Load, clients: list[_Client], start: float, end: float, ra
     return {"latencies": latencies, "statuses": dict(statuses), "last": last, "lag": lag, "waited": waited}
 
 
-def _process(load: Load, part: int, start_at: float, out: multiprocessing.connection.Connection) -> None:
-    """One process's share: ``part`` of ``load.processes``. Times are on the monotonic clock, which
-    every process of the machine shares."""
+def _process(load: Load, part: int, link: multiprocessing.connection.Connection) -> None:
+    """One process's share: ``part`` of ``load.processes``. It connects, says so, and starts at the
+    time the parent then sends (on the monotonic clock, which every process of the machine shares),
+    once every process is connected: however long a process takes to start, none starts late."""
     with contextlib.suppress(ImportError):
         import uvloop
 
@@ -288,7 +289,8 @@ def _process(load: Load, part: int, start_at: float, out: multiprocessing.connec
     async def main() -> dict[str, Any]:
         request = load.request()
         clients = await _connect(load, request, connections)
-        start = start_at  # the monotonic clock is the machine's: every process starts together
+        link.send("connected")
+        start = float(await asyncio.to_thread(link.recv))
         end = start + load.seconds
         if rate is None:
             found = await _closed(load, clients, start, end)
@@ -303,30 +305,37 @@ def _process(load: Load, part: int, start_at: float, out: multiprocessing.connec
         return found
 
     try:
-        out.send(asyncio.run(main()))
+        link.send(asyncio.run(main()))
     except BaseException as exc:
-        out.send({"error": f"{type(exc).__name__}: {exc}"})
+        link.send({"error": f"{type(exc).__name__}: {exc}"})
         raise
     finally:
-        out.close()
+        link.close()
 
 
 def run(load: Load) -> Result:
     """Run ``load`` from ``load.processes`` processes and gather what they measured."""
     context = multiprocessing.get_context("spawn")  # no inherited event loop or threads
-    start_at = time.monotonic() + START_DELAY + 0.05 * load.connections / 64
-    pipes, workers = [], []
+    links, workers = [], []
     for part in range(load.processes):
-        receive, send = context.Pipe(duplex=False)
-        worker = context.Process(target=_process, args=(load, part, start_at, send), daemon=True)
+        mine, theirs = context.Pipe()
+        worker = context.Process(target=_process, args=(load, part, theirs), daemon=True)
         worker.start()
-        send.close()
-        pipes.append(receive)
+        theirs.close()
+        links.append(mine)
         workers.append(worker)
-    found = [pipe.recv() for pipe in pipes]
+    ready = [link.recv() for link in links]  # each connected (or failed: its error)
+    start_at = clock() + START_DELAY
+    for link in links:
+        if ready != ["connected"] * len(links):
+            break
+        link.send(start_at)
+    found = ready if ready != ["connected"] * len(links) else [link.recv() for link in links]
+    errors = [f["error"] for f in found if isinstance(f, dict) and "error" in f]
     for worker in workers:
+        if errors:
+            worker.kill()  # the others wait for a start that will not come
         worker.join(10)
-    errors = [f["error"] for f in found if "error" in f]
     if errors:
         raise RuntimeError(f"load generator process failed: {errors[0]}")
     statuses: collections.Counter[int] = collections.Counter()

@@ -106,8 +106,14 @@ def test_gateway_specs_name_what_differs_from_the_default() -> None:
     assert (spec.workers, spec.decoder, spec.mode, spec.sync) == (4, "nvjpeg", "graphs", "spin")
     assert spec.label == ", nvjpeg decode, spin wait"
     assert not spec.full_plan
+    hardware = GatewaySpec.parse("8:nvimagecodec:compiled")
+    assert (hardware.decoder, hardware.mode, hardware.label) == (
+        "nvimagecodec",
+        "compiled",
+        ", nvimagecodec decode, compiled",
+    )
     shared = GatewaySpec.parse("16:shared")
     assert (shared.engine, shared.label, shared.full_plan) == ("shared", ", shared engine", False)
-    for bad in ("0", "4:foo", "4:eager:graphs", "4:shared:per-worker", "x"):
+    for bad in ("0", "4:foo", "4:eager:graphs", "4:compiled:eager", "4:shared:per-worker", "x"):
         with pytest.raises(ValueError, match=r"spec|invalid literal"):
             GatewaySpec.parse(bad)
