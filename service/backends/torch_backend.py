@@ -39,6 +39,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+from collections.abc import Sequence
 from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
@@ -79,14 +80,17 @@ class TorchBackend(InProcessBackend):
         cuda_graphs: bool = True,
         sync: str = "blocking",
         compile: str = "off",
+        bucket_sizes: Sequence[int] | None = None,
     ) -> None:
+        """``bucket_sizes``: the batch shapes to run (default ``buckets(max_batch_size)``; a
+        measurement of some batch sizes alone need not compile or capture the others)."""
         super().__init__(weights or Path("resnet50 with random weights"), max_concurrency=max_concurrency)
         self._weights = weights
         self._device = torch.device(device)
         cuda = self._device.type == "cuda"
         self._dtype = torch.float16 if cuda and precision == "fp16" else torch.float32
         self._image_size = image_size
-        self._buckets = buckets(max_batch_size)
+        self._buckets = sorted(set(bucket_sizes)) if bucket_sizes else buckets(max_batch_size)
         self._cudnn_benchmark = cudnn_benchmark
         self._cuda_graphs = cuda_graphs and cuda
         self._graph_failures: list[str] = []

@@ -35,6 +35,8 @@ def test_buckets_are_powers_of_two_up_to_the_largest_batch() -> None:
     assert buckets(1) == [1]
     assert buckets(8) == [1, 2, 4, 8]
     assert buckets(24) == [1, 2, 4, 8, 16, 24]
+    measured = TorchBackend(None, device="cpu", max_batch_size=256, bucket_sizes=[64, 1, 8, 64])
+    assert measured._buckets == [1, 8, 64]  # some batch sizes alone (a measurement), each once
 
 
 @pytest.fixture(scope="module")
