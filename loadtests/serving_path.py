@@ -8,6 +8,7 @@ rest of the gateway's.
     python -m loadtests.serving_path --seconds 10 --repeat 3
     python -m loadtests.serving_path --decode-threads 2,4,8   # the decode pool's size, side by side
     python -m loadtests.serving_path --tracing 0.01,1 --baseline ../main-before   # what tracing costs
+    python -m loadtests.serving_path --granian 1,2   # the same app under Granian (pip install granian)
 
 With ``--tracing``, the traced gateways export to an OTLP/HTTP sink in this process that answers
 without decoding (a collector's cost is not the gateway's).
@@ -87,6 +88,33 @@ def gateway_server(
     return gateway(["--model", "trivial", "--backend", "embedded", *args], models_dir, cwd)
 
 
+@contextmanager
+def granian_server(workers: int, models_dir: Path) -> Iterator[tuple[int, str]]:
+    """The gateway's app (the same settings as ``gateway_server``'s) served by Granian instead of
+    uvicorn: its ASGI interface, uvloop, no access log. What uvicorn's protocol layer adds
+    (``service.http.protocol``: header and body timeouts, counted disconnects) is not there."""
+    granian = Path(sys.executable).with_name("granian")
+    if not granian.exists():
+        raise SystemExit("--granian: Granian is not installed here (pip install granian)")
+    port = free_port()
+    env = {
+        **os.environ,
+        "GATEWAY_MODEL": "trivial",
+        "GATEWAY_BACKEND": "embedded",
+        "GATEWAY_MODELS_DIR": str(models_dir),
+        "GATEWAY_LOG_LEVEL": "warning",
+    }
+    command = [str(granian), "--interface", "asgi", "--factory", "--workers", str(workers), "--host", "127.0.0.1"]
+    command += ["--port", str(port), "--loop", "uvloop", "--no-access-log", "service.http.app:app_from_environment"]
+    proc = subprocess.Popen(command, env=env)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_ready(proc, f"{url}/readyz", 120, "the gateway under Granian")
+        yield proc.pid, url
+    finally:
+        stop_process(proc)
+
+
 def _cpu(pid: int) -> float:
     """CPU seconds of the server and its worker processes (those still running)."""
     total = 0.0
@@ -147,6 +175,11 @@ def main(argv: list[str] | None = None) -> None:
         help="also measure one worker tracing at each of these sample ratios, e.g. 0.01,1",
     )
     parser.add_argument(
+        "--granian",
+        default="",
+        help="also measure the gateway's app under Granian with each of these worker counts, e.g. 1,2",
+    )
+    parser.add_argument(
         "--baseline",
         type=Path,
         help="another checkout (e.g. a git worktree of main) whose gateway is measured in the same run",
@@ -167,6 +200,10 @@ def main(argv: list[str] | None = None) -> None:
         for n in (int(w) for w in args.workers.split(",")):
             servers[f"gateway, {n} worker{'s' if n > 1 else ''}"] = partial(
                 gateway_server, ["--workers", str(n)], args.models_dir
+            )
+        for n in (int(w) for w in args.granian.split(",") if w):
+            servers[f"gateway under Granian, {n} worker{'s' if n > 1 else ''}"] = partial(
+                granian_server, n, args.models_dir
             )
         for n in (int(t) for t in args.decode_threads.split(",") if t):
             servers[f"gateway, 1 worker, {n} decode threads"] = partial(
