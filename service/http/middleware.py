@@ -42,12 +42,14 @@ class BodyBudget:
             return parts[3]
         return self.default
 
-    def refusal(self, model: str) -> QueueFull:
-        if self.shares.total >= self.limit or not self.shares.fair:
-            return QueueFull(f"request bodies being handled hold over {self.limit} bytes; retry later")
+    def refusal(self, shares: Admission, model: str, size: int) -> QueueFull:
+        """Why ``size`` more bytes for ``model`` were refused by ``shares`` (the pool its request
+        started with)."""
+        if shares.total + size > shares.limit or not shares.fair:
+            return QueueFull(f"request bodies being handled hold over {shares.limit} bytes; retry later")
         return QueueFull(
-            f"request bodies for model {model!r} hold {self.shares.active[model]} bytes, its share of the "
-            f"{self.limit} bytes and all it may borrow from the other models now; retry later"
+            f"request bodies for model {model!r} hold {shares.active[model]} bytes, its share of the "
+            f"{shares.limit} bytes and all it may borrow from the other models now; retry later"
         )
 
 
@@ -101,8 +103,8 @@ class BodyLimitMiddleware:
             complete = not message.get("more_body", False)
             if received + size > self.max_bytes:
                 raise PayloadTooLarge(f"request body is over the limit of {self.max_bytes} bytes")
-            if not shares.room(model, size):
-                raise budget.refusal(model)
+            if size and not shares.room(model, size):  # (an empty last chunk takes nothing)
+                raise budget.refusal(shares, model, size)
             shares.enter(model, size)
             received += size
             return message

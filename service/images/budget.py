@@ -13,7 +13,10 @@ model is guaranteed ``capacity x weight / sum(weights)`` bytes, and a reservatio
 model within that does not wait in line behind the other models' reservations; it waits only for
 the bytes to be free (decodes give them back within milliseconds). Beyond its guarantee a model
 borrows in line as before, so a flooded model's images queued for memory cannot stand between
-another model's image and the budget.
+another model's image and the budget. Passing the line stops while the reservation first in it has
+waited ``HEAD_GRACE``: an image larger than its model's guarantee (with three models or more, the
+default budget of two of the largest images leaves each less than one) is then served next rather
+than starved by the other models' stream of small ones.
 """
 
 from __future__ import annotations
@@ -26,6 +29,16 @@ from contextlib import AbstractContextManager, contextmanager
 from typing import Protocol
 
 from service.errors import DeadlineExceeded
+
+HEAD_GRACE = 0.1
+"""Seconds the reservation first in line may be passed by reservations within their guarantee."""
+
+
+class _Ticket:
+    __slots__ = ("since",)
+
+    def __init__(self) -> None:
+        self.since = time.monotonic()
 
 
 class Budget(Protocol):
@@ -40,7 +53,7 @@ class ByteBudget:
             raise ValueError("a budget needs a positive capacity")
         self.capacity = capacity
         self._reserved = 0
-        self._queue: deque[object] = deque()
+        self._queue: deque[_Ticket] = deque()
         self._changed = threading.Condition()
         self._on_wait = on_wait
         """Called (in the waiting thread) for each reservation that cannot be served at once."""
@@ -80,7 +93,7 @@ class ByteBudget:
         if size > self.capacity:
             raise ValueError(f"{size} bytes can never fit a budget of {self.capacity}")
         with self._changed:
-            if not self._may(size, share, first=not self._queue):
+            if not self._may(size, share, None):
                 if self._on_wait is not None:
                     self._on_wait()
                 self._wait_turn(size, deadline, share)
@@ -96,19 +109,23 @@ class ByteBudget:
                     share.reserved -= size
                 self._changed.notify_all()
 
-    def _may(self, size: int, share: BudgetShare | None, *, first: bool) -> bool:
-        """Whether a reservation may be served now: it fits, and it is first in line or within its
-        share's guarantee."""
+    def _may(self, size: int, share: BudgetShare | None, ticket: _Ticket | None) -> bool:
+        """Whether a reservation (``ticket``: its place in line, if it has one) may be served now:
+        it fits, and it is first in line, or within its share's guarantee while the first in line
+        has waited less than ``HEAD_GRACE``."""
         if self._reserved + size > self.capacity:
             return False
-        return first or (share is not None and share.reserved + size <= share.guaranteed)
+        if not self._queue or self._queue[0] is ticket:
+            return True
+        within = share is not None and share.reserved + size <= share.guaranteed
+        return within and time.monotonic() - self._queue[0].since < HEAD_GRACE
 
     def _wait_turn(self, size: int, deadline: float | None, share: BudgetShare | None) -> None:
         """Queue up and wait (the lock held by the caller) until ``size`` may be served."""
-        ticket = object()
+        ticket = _Ticket()
         self._queue.append(ticket)
         try:
-            while not self._may(size, share, first=self._queue[0] is ticket):
+            while not self._may(size, share, ticket):
                 timeout = None if deadline is None else deadline - time.monotonic()
                 if timeout is not None and timeout <= 0:
                     raise DeadlineExceeded("the request deadline passed while waiting for decoder memory")

@@ -6,12 +6,13 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import httpx
 import pytest
 
 from service.backends.fake import FakeBackend
+from service.errors import QueueFull
 from service.settings import Settings
 from tests.conftest import png_bytes, running_gateway, solid_image
 
@@ -205,3 +206,39 @@ async def test_slow_headers_are_cut_off(gateway_factory: MakeSettings) -> None:
             assert (await silent_reader.read()).startswith(b"HTTP/1.1 408")
         silent_writer.close()
         assert (await client.post("/classify", content=PNG, headers={"content-type": "image/png"})).status_code == 200
+
+
+async def test_an_empty_last_chunk_is_never_refused_and_a_refusal_names_the_right_limit() -> None:
+    """At the edge of the shared body bytes (model a borrowing, b within its guarantee, the total
+    full): the empty chunk that ends a body (a chunked body's terminator in a packet of its own)
+    takes nothing and passes; a byte more is refused, naming the total, not a's share."""
+    from service.http.middleware import BodyBudget, BodyLimitMiddleware
+    from service.metrics import Metrics
+    from service.serving.fair import Admission
+
+    shares = Admission(100, {"a": 1.0, "b": 1.0})
+    shares.enter("a", 60)
+    shares.enter("b", 40)
+    budget = BodyBudget(100)
+    budget.serve(shares, "a")
+    bodies: list[bytes] = []
+
+    async def app(scope: dict[str, object], receive: object, send: object) -> None:
+        message = await receive()  # type: ignore[operator]
+        bodies.append(message["body"])
+
+    for chunk in (b"", b"x"):
+        messages = iter([{"type": "http.request", "body": chunk, "more_body": False}])
+
+        async def receive(messages: Iterator[dict[str, object]] = messages) -> dict[str, object]:
+            return next(messages)
+
+        middleware = BodyLimitMiddleware(app, max_bytes=1000, budget=budget, metrics=Metrics())  # type: ignore[arg-type]
+        scope = {"type": "http", "path": "/v1/models/a/classify", "headers": []}
+        if chunk:
+            with pytest.raises(QueueFull, match="request bodies being handled hold over 100 bytes"):
+                await middleware(scope, receive, None)  # type: ignore[arg-type]
+        else:
+            await middleware(scope, receive, None)  # type: ignore[arg-type]
+    assert bodies == [b""]
+    assert (shares.total, shares.active["a"]) == (100, 60)  # nothing left held by either request

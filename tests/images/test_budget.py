@@ -15,6 +15,7 @@ from loadtests.harness.photos import noise_png
 from service.batching.batcher import DynamicBatcher
 from service.classifier import Classifier, ImageInput
 from service.errors import BadImage, DeadlineExceeded
+from service.images import budget as budget_module
 from service.images.budget import Budget, ByteBudget
 from service.images.imageinfo import probe
 from service.images.preprocess import PreprocessConfig, decoded_bytes, prepare
@@ -87,11 +88,12 @@ def test_a_large_reservation_is_not_overtaken_by_small_ones() -> None:
     assert budget.reserved == 0
 
 
-def test_a_model_within_its_share_does_not_wait_behind_another_models_line() -> None:
+def test_a_model_within_its_share_does_not_wait_behind_another_models_line(monkeypatch: pytest.MonkeyPatch) -> None:
     """Two models, equal shares (50 bytes each of 100). The flooded one holds 80 and has a 30-byte
     image waiting in line. The other's 20-byte image (within its 50) fits beside the 80 and is
     served at once, out of line; its next 40 bytes would pass its share, so they wait in line
     behind the flood's like any borrower, and get their turn after it."""
+    monkeypatch.setattr(budget_module, "HEAD_GRACE", 10.0)  # however slow this machine starts threads
     budget = ByteBudget(100)
     flooded, steady = budget.share(1.0), budget.share(1.0)
     assert (flooded.guaranteed, steady.guaranteed) == (50, 50)
@@ -116,6 +118,36 @@ def test_a_model_within_its_share_does_not_wait_behind_another_models_line() -> 
     for t in (small, over):
         t.join(5)
     assert (budget.reserved, steady.reserved, flooded.reserved) == (0, 0, 0)
+
+
+def test_an_image_larger_than_its_share_is_not_starved_by_another_models_small_ones() -> None:
+    """Model B's 60-byte image is over its 50-byte share, so it waits in line; model A's stream of
+    5-byte images, each within A's share, may pass it only while it has waited less than
+    HEAD_GRACE. It is then served next, within a second, where it used to meet its deadline while
+    A's images kept the freed bytes."""
+    budget = ByteBudget(100)
+    a, b = budget.share(1.0), budget.share(1.0)
+    stop = threading.Event()
+
+    def stream() -> None:
+        while not stop.is_set():
+            with a.hold(5, deadline=time.monotonic() + 5):
+                time.sleep(0.002)
+
+    streams = [threading.Thread(target=stream) for _ in range(12)]  # about 60 bytes of A's held at once
+    for thread in streams:
+        thread.start()
+    try:
+        time.sleep(0.1)
+        started = time.monotonic()
+        with b.hold(60, deadline=started + 3):
+            waited = time.monotonic() - started
+    finally:
+        stop.set()
+        for thread in streams:
+            thread.join(5)
+    assert waited < 1.0
+    assert budget.reserved == 0
 
 
 def test_the_same_wait_without_shares_is_first_come_first_served() -> None:
