@@ -40,7 +40,7 @@ import asyncio
 import logging
 import threading
 from collections.abc import Sequence
-from contextlib import nullcontext
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +52,8 @@ from service.backends.inprocess import InProcessBackend
 from service.models import resnet, torch_resnet
 
 logger = logging.getLogger(__name__)
+
+_COMPILE_LOCK = threading.Lock()
 
 
 def buckets(max_batch_size: int) -> list[int]:
@@ -122,11 +124,11 @@ class TorchBackend(InProcessBackend):
         self._inv_std = inv_std.to(self._dtype).reshape(shape)
         if self._compile != "off":
             from torch._dynamo import config as dynamo_config
-            from torch._inductor import config as inductor_config
 
-            inductor_config.freezing = True  # the weights are constants of the graph
-            # a graph per bucket, each compiled once (past the limit, dynamo falls back to eager)
-            dynamo_config.cache_size_limit = max(dynamo_config.cache_size_limit, len(self._buckets) + 1)
+            with _COMPILE_LOCK:  # the limit counts the graphs of the one function every instance compiles
+                dynamo_config.cache_size_limit += len(self._buckets) + 1
+                if hasattr(dynamo_config, "recompile_limit"):
+                    dynamo_config.recompile_limit = dynamo_config.cache_size_limit
             mode = "max-autotune-no-cudagraphs" if self._compile == "max-autotune" else "default"
             self._compiled = torch.compile(self._forward_eager, mode=mode, dynamic=False, fullgraph=True)
         where = torch.cuda.get_device_name(self._device) if self._device.type == "cuda" else "CPU"
@@ -148,7 +150,7 @@ class TorchBackend(InProcessBackend):
 
         def warm() -> None:
             barrier.wait(timeout=600)  # one call per thread: none returns until all have started
-            with lock:  # one search at a time, so each times its candidates on an otherwise idle GPU
+            with lock, self._compiling():  # one search at a time, each timed on an otherwise idle GPU
                 for size in self._buckets:
                     self._infer_batch(np.zeros((size, self._image_size, self._image_size, 3), np.uint8))
                 if self._cuda_graphs:
@@ -169,6 +171,15 @@ class TorchBackend(InProcessBackend):
             )
         if self.random_weights:
             logger.warning("torch backend: ResNet-50 has RANDOM weights, its answers are meaningless (MODEL_WEIGHTS)")
+
+    def _compiling(self) -> AbstractContextManager[object]:
+        """While the warm-up compiles: Inductor's freezing on (the weights are constants of the
+        graph), for these compiles only, not for the process's others."""
+        if self._compiled is None:
+            return nullcontext()
+        from torch._inductor import config as inductor_config
+
+        return inductor_config.patch(freezing=True)  # type: ignore[no-any-return]
 
     def _run(self, images: Images) -> np.ndarray:
         count = len(images)

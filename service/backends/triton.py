@@ -212,6 +212,7 @@ class TritonBackend:
                     return f"Triton at {self.url} is not ready"
                 if not await self._client.is_model_ready(self.model, self.version):
                     return f"model {self.model} is not ready on Triton at {self.url}"
+            async with asyncio.timeout(2.0):  # its own time: two calls more must not make a busy Triton look gone
                 return await self._metadata_problem()
         except (TimeoutError, InferenceServerException, aiohttp.ClientError, OSError) as exc:
             return f"Triton at {self.url} is unreachable ({type(exc).__name__})"

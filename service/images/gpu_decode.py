@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 from collections.abc import Callable
 from functools import partial
 from typing import TYPE_CHECKING, Any
@@ -238,13 +239,22 @@ def _nvimagecodec(device: str) -> DecodeImages:
     if not device.startswith("cuda") or not torch.cuda.is_available():
         raise RuntimeError(f"GATEWAY_DECODER=nvimagecodec needs a CUDA device; {device!r} is not one here")
     index = torch.device(device).index or 0
-    backends = [
-        nvimgcodec.Backend(nvimgcodec.BackendKind.HW_GPU_ONLY),
-        nvimgcodec.Backend(nvimgcodec.BackendKind.GPU_ONLY),
-    ]
-    decoder = nvimgcodec.Decoder(device_id=index, backends=backends)
     params = nvimgcodec.DecodeParams(color_spec=nvimgcodec.ColorSpec.RGB, apply_exif_orientation=False)
-    return partial(decoder.decode, params=params)
+    local = threading.local()
+
+    def decode(datas: list[bytes]) -> list[Any]:
+        """On this decode thread's own decoder (nothing says one may be called from several threads
+        at once), on the thread's current CUDA stream, where the crop and resize then run."""
+        decoder = getattr(local, "decoder", None)
+        if decoder is None:
+            kinds = (nvimgcodec.BackendKind.HW_GPU_ONLY, nvimgcodec.BackendKind.GPU_ONLY)
+            decoder = local.decoder = nvimgcodec.Decoder(
+                device_id=index, backends=[nvimgcodec.Backend(kind) for kind in kinds]
+            )
+        stream = torch.cuda.current_stream(index).cuda_stream
+        return list(decoder.decode(datas, params=params, cuda_stream=stream))
+
+    return decode
 
 
 _PENDING: Exception = Exception("not decoded yet")

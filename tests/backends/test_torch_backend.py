@@ -106,6 +106,18 @@ async def test_the_compiled_pass_answers_as_the_eager_one(photos_rgb: np.ndarray
     assert got.argmax() == want.argmax()
 
 
+def test_each_compiled_version_adds_its_graphs_to_the_recompile_limit() -> None:
+    """Every instance compiles the one method, so the limit on its graphs is shared: each adds its
+    buckets (two versions of 7 buckets passed the old ``max(limit, 8)`` and the second's warm-up
+    failed). Loading compiles nothing yet (that is the warm-up's)."""
+    from torch._dynamo import config as dynamo_config
+
+    before = dynamo_config.cache_size_limit
+    for _ in range(2):
+        TorchBackend(None, device="cpu", max_batch_size=64, compile="on")._load()
+    assert dynamo_config.cache_size_limit == before + 2 * (len(buckets(64)) + 1)
+
+
 async def test_a_weights_file_missing_parameters_keeps_the_backend_unready(tmp_path: Path) -> None:
     import torch
 
