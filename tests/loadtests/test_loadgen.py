@@ -4,11 +4,10 @@ requests that were on the wire), the rate search, and the command's output with 
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
-import pytest
-
-from loadtests import loadgen
 from loadtests.harness.loadgen import Load, find_rate, run, trivial_server
 
 
@@ -44,13 +43,17 @@ def test_the_rate_search_finds_a_rate_within_the_bound() -> None:
     assert [r.load.rate for r in runs] == [100.0, 250.0]
 
 
-def test_the_command_prints_its_figure_and_its_ceiling(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_the_command_prints_its_figure_and_its_ceiling(tmp_path: Path) -> None:
+    """``python -m loadtests.loadgen`` as a user runs it, against the trivial server."""
     body = tmp_path / "body.bin"
     body.write_bytes(b"x" * 100)
     with trivial_server(1) as server:
         args = [server.url, "--body", str(body), "--connections", "16", "--seconds", "0.5", "--ceiling"]
-        assert loadgen.main(args) == 0
-    lines = capsys.readouterr().out.splitlines()
+        done = subprocess.run(
+            [sys.executable, "-m", "loadtests.loadgen", *args], capture_output=True, text=True, timeout=120
+        )
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
     assert lines[0].startswith("closed, 16 connections x 1 processes: ")
     assert lines[1].startswith("generator ceiling (trivial server): closed, 16 connections x 1 processes: ")
     assert all("0 errors" in line for line in lines)
