@@ -38,6 +38,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import suppress
 from dataclasses import asdict, dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +50,7 @@ from loadtests.harness.http_load import start_gateway, stop_process
 from loadtests.harness.loadgen import Load, ceiling, find_rate
 from loadtests.harness.resources import nvml
 from service.backends.torch_backend import TorchBackend
+from service.images.gpu_decode import GpuDecoder
 from service.images.preprocess import PreprocessConfig, prepare
 
 BACKEND_MODES = ("graphs", "eager", "compiled", "compiled-max", "fp32")
@@ -212,15 +214,29 @@ def gpu_decode(photos: list[bytes], label: str, seconds: float, batch: int) -> R
     run = Run("decode", f"nvJPEG GPU, {label}", batch=batch)
     from service.images.gpu_decode import NvJpegDecoder
 
-    ours = NvJpegDecoder("cuda", lambda reason: None).prepare_many(photos[:16], config)
+    _versus_opencv(run, "nvJPEG", label, NvJpegDecoder("cuda", lambda reason: None), photos, config)
+    return _batches(run, one_batch, batch, seconds)
+
+
+def _versus_opencv(
+    run: Run, what: str, label: str, decoder: GpuDecoder, photos: list[bytes], config: PreprocessConfig
+) -> None:
+    """How many of 16 photos the GPU decoded, and its pixels' largest mean difference from OpenCV's."""
+    fallbacks: list[str] = []
+    decoder.on_fallback = fallbacks.append
+    ours = decoder.prepare_many(photos[:16], config)
     differences = [
         float(np.abs(a.astype(np.int16) - prepare(photo, config)).mean())
         for a, photo in zip(ours, photos[:16], strict=True)
         if isinstance(a, np.ndarray)
     ]
-    run.config["decoded"] = f"{len(differences)} of {min(16, len(photos))}"
+    run.config["decoded on the GPU"] = f"{len(ours) - len(fallbacks)} of {len(ours)}"
     worst = run.config["mean_abs_pixel_difference_vs_opencv"] = max(differences) if differences else None
-    print(f"  nvJPEG vs OpenCV, {label}: mean |pixel difference| at most {worst}", flush=True)
+    print(f"  {what} vs OpenCV, {label}: mean |pixel difference| at most {worst}", flush=True)
+
+
+def _batches(run: Run, one_batch: Callable[[], object], batch: int, seconds: float) -> Run:
+    """``one_batch`` of ``batch`` images again and again for ``seconds``, measured into ``run``."""
     with sampled(run, {"server": os.getpid()}):
         end = time.perf_counter() + seconds
         start = time.perf_counter()
@@ -244,28 +260,10 @@ def nvimagecodec_decode(photos: list[bytes], label: str, seconds: float, batch: 
         return None
     config = PreprocessConfig()
     datas = [photos[i % len(photos)] for i in range(batch)]
-    fallbacks: list[str] = []
-    decoder.on_fallback = fallbacks.append
-    ours = decoder.prepare_many(photos[:16], config)
-    differences = [
-        float(np.abs(a.astype(np.int16) - prepare(photo, config)).mean())
-        for a, photo in zip(ours, photos[:16], strict=True)
-        if isinstance(a, np.ndarray)
-    ]
     run = Run("decode", f"nvImageCodec GPU, {label}", batch=batch)
-    run.config["decoded on the GPU"] = f"{min(16, len(photos)) - len(fallbacks)} of {min(16, len(photos))}"
-    worst = run.config["mean_abs_pixel_difference_vs_opencv"] = max(differences) if differences else None
-    print(f"  nvImageCodec vs OpenCV, {label}: mean |pixel difference| at most {worst}", flush=True)
+    _versus_opencv(run, "nvImageCodec", label, decoder, photos, config)
     decoder.prepare_many(datas, config)  # warm
-    with sampled(run, {"server": os.getpid()}):
-        end = time.perf_counter() + seconds
-        start = time.perf_counter()
-        while time.perf_counter() < end:
-            decoder.prepare_many(datas, config)
-            run.images += batch
-        run.seconds = time.perf_counter() - start
-    show(run)
-    return run
+    return _batches(run, partial(decoder.prepare_many, datas, config), batch, seconds)
 
 
 # --- gateway over HTTP -------------------------------------------------------------------------

@@ -69,17 +69,23 @@ def jpeg_224(folder: Path) -> Path:
 
 
 @contextmanager
-def reference_server(preprocess: str = "minimal") -> Iterator[tuple[int, str]]:
-    port = free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "loadtests.harness.reference_app", "--port", str(port), "--preprocess", preprocess]
-    )
+def _server(
+    command: list[str], port: int, ready: str, what: str, env: dict[str, str] | None = None
+) -> Iterator[tuple[int, str]]:
+    """A server process on ``port``, once ``ready`` (a path) answers 200; stopped on exit."""
+    proc = subprocess.Popen(command, env=env)
     url = f"http://127.0.0.1:{port}"
     try:
-        wait_ready(proc, f"{url}/docs", 60, "reference app")
+        wait_ready(proc, f"{url}{ready}", 120, what)
         yield proc.pid, url
     finally:
         stop_process(proc)
+
+
+def reference_server(preprocess: str = "minimal") -> AbstractContextManager[tuple[int, str]]:
+    port = free_port()
+    command = [sys.executable, "-m", "loadtests.harness.reference_app", "--port", str(port), "--preprocess", preprocess]
+    return _server(command, port, "/docs", "reference app")
 
 
 def gateway_server(
@@ -88,8 +94,7 @@ def gateway_server(
     return gateway(["--model", "trivial", "--backend", "embedded", *args], models_dir, cwd)
 
 
-@contextmanager
-def granian_server(workers: int, models_dir: Path) -> Iterator[tuple[int, str]]:
+def granian_server(workers: int, models_dir: Path) -> AbstractContextManager[tuple[int, str]]:
     """The gateway's app (the same settings as ``gateway_server``'s) served by Granian instead of
     uvicorn: its ASGI interface, uvloop, no access log. What uvicorn's protocol layer adds
     (``service.http.protocol``: header and body timeouts, counted disconnects) is not there."""
@@ -106,13 +111,7 @@ def granian_server(workers: int, models_dir: Path) -> Iterator[tuple[int, str]]:
     }
     command = [str(granian), "--interface", "asgi", "--factory", "--workers", str(workers), "--host", "127.0.0.1"]
     command += ["--port", str(port), "--loop", "uvloop", "--no-access-log", "service.http.app:app_from_environment"]
-    proc = subprocess.Popen(command, env=env)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_ready(proc, f"{url}/readyz", 120, "the gateway under Granian")
-        yield proc.pid, url
-    finally:
-        stop_process(proc)
+    return _server(command, port, "/readyz", "the gateway under Granian", env)
 
 
 def _cpu(pid: int) -> float:

@@ -398,8 +398,7 @@ async def _classify_offline(
     await validate(images, served.config, served.executor)  # the queue workers classify: nothing is loaded here
     offline = [OfflineImage(i.data, i.content_type or "application/octet-stream", i.filename) for i in images]
     owner = request.scope.get(API_KEY) or ""
-    default = gateway.models.default.name
-    target = JobTarget(gateway.jobs.names.route(served.model, default), version, default=served.model == default)
+    target = JobTarget(gateway.jobs.names.route(served.model, gateway.models.default.name), version)
     submitted = await gateway.jobs.submit(offline, top_k, owner=owner, key=key, webhook=webhook, target=target)
     body = JobsAccepted(
         jobs=[

@@ -85,28 +85,25 @@ def square_resize(img: torch.Tensor, size: int, crop_fraction: float) -> torch.T
     return resized.squeeze(0).round_().clamp_(0, 255).to(img.dtype)
 
 
-class NvJpegDecoder:
-    """``prepare`` with JPEGs decoded on ``device`` (see the module's docstring)."""
+def _cuda_device(device: str, setting: str) -> None:
+    """Refuse a GPU decoder where ``device`` is no CUDA device this process sees."""
+    import torch
 
-    def __init__(self, device: str, on_fallback: Callable[[str], None], decode_jpeg: DecodeJpeg | None = None) -> None:
+    if not device.startswith("cuda") or not torch.cuda.is_available():
+        raise RuntimeError(f"GATEWAY_DECODER={setting} needs a CUDA device; {device!r} is not one here")
+
+
+class GpuDecoder:
+    """``prepare`` with JPEGs decoded on ``device`` by a GPU decoder (``_decode``: a subclass's);
+    everything else as the module's docstring says, whichever decoder."""
+
+    def __init__(self, device: str, on_fallback: Callable[[str], None]) -> None:
         """``on_fallback(reason)`` is told of each image decoded on the CPU instead: ``format`` (not
         a JPEG) or ``refused`` (a JPEG the GPU decoder refused)."""
         import torch
 
-        if decode_jpeg is None:
-            try:
-                from torchvision.io import ImageReadMode
-                from torchvision.io import decode_jpeg as torchvision_decode_jpeg
-            except ImportError as exc:
-                raise RuntimeError(
-                    f"GATEWAY_DECODER=nvjpeg needs torchvision built for CUDA (pip install '.[gpu]'): {exc}"
-                ) from None
-            if not device.startswith("cuda") or not torch.cuda.is_available():
-                raise RuntimeError(f"GATEWAY_DECODER=nvjpeg needs a CUDA device; {device!r} is not one here")
-            decode_jpeg = partial(torchvision_decode_jpeg, mode=ImageReadMode.RGB)  # grey and CMYK too
         self.device = torch.device(device)
         self.on_fallback = on_fallback
-        self._decode_jpeg = decode_jpeg
 
     def prepare(
         self, data: bytes, config: PreprocessConfig, budget: Budget | None = None, deadline: float | None = None
@@ -177,10 +174,7 @@ class NvJpegDecoder:
 
     def _decode(self, datas: list[bytes]) -> list[torch.Tensor | None]:
         """JPEGs decoded in one call: uint8 CHW RGB on the device, None where refused (or raise)."""
-        import torch
-
-        encoded = [torch.frombuffer(bytearray(data), dtype=torch.uint8) for data in datas]
-        return list(self._decode_jpeg(encoded, device=self.device))
+        raise NotImplementedError
 
     def _decode_squares(
         self, datas: list[bytes], orientations: list[int], config: PreprocessConfig
@@ -202,19 +196,39 @@ class NvJpegDecoder:
         return [next(host) if square is not None else None for square in squares]
 
 
-class NvImageCodecDecoder(NvJpegDecoder):
-    """``prepare`` with JPEGs decoded by nvImageCodec on ``device`` (see the module's docstring):
-    the hardware JPEG decoder where the GPU has one, else its CUDA decoder."""
+class NvJpegDecoder(GpuDecoder):
+    """``GATEWAY_DECODER=nvjpeg``: nvJPEG's CUDA decoder, through torchvision's batched ``decode_jpeg``."""
+
+    def __init__(self, device: str, on_fallback: Callable[[str], None], decode_jpeg: DecodeJpeg | None = None) -> None:
+        """``decode_jpeg``: a stand-in for torchvision's (tests); None takes torchvision's."""
+        if decode_jpeg is None:
+            try:
+                from torchvision.io import ImageReadMode
+                from torchvision.io import decode_jpeg as torchvision_decode_jpeg
+            except ImportError as exc:
+                raise RuntimeError(
+                    f"GATEWAY_DECODER=nvjpeg needs torchvision built for CUDA (pip install '.[gpu]'): {exc}"
+                ) from None
+            _cuda_device(device, "nvjpeg")
+            decode_jpeg = partial(torchvision_decode_jpeg, mode=ImageReadMode.RGB)  # grey and CMYK too
+        super().__init__(device, on_fallback)
+        self._decode_jpeg = decode_jpeg
+
+    def _decode(self, datas: list[bytes]) -> list[torch.Tensor | None]:
+        import torch
+
+        encoded = [torch.frombuffer(bytearray(data), dtype=torch.uint8) for data in datas]
+        return list(self._decode_jpeg(encoded, device=self.device))
+
+
+class NvImageCodecDecoder(GpuDecoder):
+    """``GATEWAY_DECODER=nvimagecodec``: nvImageCodec, the hardware JPEG decoder where the GPU has
+    one, else its CUDA decoder."""
 
     def __init__(self, device: str, on_fallback: Callable[[str], None], decode: DecodeImages | None = None) -> None:
         """``decode``: a stand-in for nvImageCodec's (tests); None builds nvImageCodec's."""
-        import torch
-
-        if decode is None:
-            decode = _nvimagecodec(device)
-        self.device = torch.device(device)
-        self.on_fallback = on_fallback
-        self._decode_images = decode
+        super().__init__(device, on_fallback)
+        self._decode_images = decode if decode is not None else _nvimagecodec(device)
 
     def _decode(self, datas: list[bytes]) -> list[torch.Tensor | None]:
         import torch
@@ -236,8 +250,7 @@ def _nvimagecodec(device: str) -> DecodeImages:
         raise RuntimeError(
             f"GATEWAY_DECODER=nvimagecodec needs nvImageCodec (pip install nvidia-nvimgcodec-cu13): {exc}"
         ) from None
-    if not device.startswith("cuda") or not torch.cuda.is_available():
-        raise RuntimeError(f"GATEWAY_DECODER=nvimagecodec needs a CUDA device; {device!r} is not one here")
+    _cuda_device(device, "nvimagecodec")
     index = torch.device(device).index or 0
     params = nvimgcodec.DecodeParams(color_spec=nvimgcodec.ColorSpec.RGB, apply_exif_orientation=False)
     local = threading.local()

@@ -108,17 +108,18 @@ class JobTarget:
     route: Route
     version: str | None = None
     """None: the worker picks one by the model's traffic weights."""
-    default: bool = False
-    """The route is the default model's (``/classify``'s)."""
 
     @property
     def fingerprint(self) -> str:
-        """What the idempotency fingerprint takes of it: nothing for the default model at a
-        version the workers pick, so that the keys of submits made before models existed replay."""
-        return "" if self.default and self.version is None else f"{self.route.model}\0{self.version or ''}"
+        """What the idempotency fingerprint takes of it: nothing for the default model (its route's
+        key is the one of the versions that served one model) at a version the workers pick, so
+        that the keys of submits made before models existed replay."""
+        if self.route.key == REQUEST_KEY and self.version is None:
+            return ""
+        return f"{self.route.model}\0{self.version or ''}"
 
 
-DEFAULT_TARGET = JobTarget(Route("", "", REQUEST_KEY), default=True)
+DEFAULT_TARGET = JobTarget(Route("", "", REQUEST_KEY))
 """The default model's queue, without naming the model (as submits of earlier versions did)."""
 
 
