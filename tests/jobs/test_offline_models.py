@@ -294,3 +294,23 @@ def test_the_work_policy_covers_every_models_queue(prefix: str) -> None:
     assert policies[names.work] == policies[f"{names.work}.shop"] == policies[f"{names.work}.v2.model"] == work
     assert policies[names.dead] != work
     assert policies[names.webhooks] == f"{prefix}-webhooks"
+
+
+def test_a_worker_given_models_not_served_refuses_to_start(tmp_path: Path, prefix: str, models_dir: Path) -> None:
+    """``GATEWAY_WORKER_MODELS`` naming a model the models file does not (a typo, a path-like name)
+    stops ``gateway worker`` at once with the names it knows, before it takes any job."""
+    env = {
+        **os.environ,
+        "GATEWAY_BROKER_URL": BROKER_URL,
+        "GATEWAY_QUEUE_PREFIX": prefix,
+        "GATEWAY_MODELS_DIR": str(models_dir),
+        "GATEWAY_MODELS_FILE": str(_models_file(tmp_path)),
+        "GATEWAY_WORKER_METRICS_PORT": "0",
+        "GATEWAY_WORKER_MODELS": "shop,../photos",
+    }
+    done = subprocess.run(
+        [sys.executable, "-m", "service", "worker"], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 1
+    assert "worker_models names '../photos', not among the models served (photos, shop)" in done.stderr
+    assert "Traceback" not in done.stderr
