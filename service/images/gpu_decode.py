@@ -252,7 +252,9 @@ def _nvimagecodec(device: str) -> DecodeImages:
         ) from None
     _cuda_device(device, "nvimagecodec")
     index = torch.device(device).index or 0
-    params = nvimgcodec.DecodeParams(color_spec=nvimgcodec.ColorSpec.RGB, apply_exif_orientation=False)
+    params = nvimgcodec.DecodeParams(
+        color_spec=nvimgcodec.ColorSpec.SRGB, sample_format=nvimgcodec.SampleFormat.I_RGB, apply_exif_orientation=False
+    )
     local = threading.local()
 
     def decode(datas: list[bytes]) -> list[Any]:
@@ -264,10 +266,22 @@ def _nvimagecodec(device: str) -> DecodeImages:
             decoder = local.decoder = nvimgcodec.Decoder(
                 device_id=index, backends=[nvimgcodec.Backend(kind) for kind in kinds]
             )
+        streams = [_code_stream(nvimgcodec, data) for data in datas]
+        parsed = [code for code in streams if code is not None]
         stream = torch.cuda.current_stream(index).cuda_stream
-        return list(decoder.decode(datas, params=params, cuda_stream=stream))
+        images = iter(decoder.decode(parsed, params=params, cuda_stream=stream) if parsed else ())
+        return [None if code is None else next(images) for code in streams]
 
     return decode
+
+
+def _code_stream(nvimgcodec: Any, data: bytes) -> Any:
+    """nvImageCodec's parsed header of ``data``, or None where it cannot parse one (that image goes
+    to OpenCV, which gives the client its error)."""
+    try:
+        return nvimgcodec.CodeStream(data)
+    except Exception:
+        return None
 
 
 _PENDING: Exception = Exception("not decoded yet")
