@@ -28,11 +28,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--processes", type=int, default=1)
     parser.add_argument("--seconds", type=float, default=10.0)
     parser.add_argument("--rate", type=float, help="open loop: requests per second (Poisson); default: closed loop")
+    parser.add_argument(
+        "--warmup", type=float, default=0.0, help="open loop: seconds of arrivals sent before measuring, not counted"
+    )
     parser.add_argument("--find-rate", metavar="LOW:HIGH", help="search the highest rate within --p99-ms")
     parser.add_argument("--p99-ms", type=float, default=15.0)
     parser.add_argument("--steps", type=int, default=6, help="runs of the --find-rate search")
     parser.add_argument("--ceiling", action="store_true", help="also run the same shape against a trivial server")
     args = parser.parse_args(argv)
+    if not 0 <= args.warmup <= 3600:
+        parser.error("--warmup must be between 0 and 3600 seconds")
     if args.connections < args.processes or args.processes < 1:
         parser.error("--connections must be at least --processes, which must be at least 1")
     load = Load(
@@ -43,6 +48,7 @@ def main(argv: list[str] | None = None) -> int:
         processes=args.processes,
         seconds=args.seconds,
         rate=args.rate,
+        warmup=args.warmup,
     )
     if args.find_rate:
         low, _, high = args.find_rate.partition(":")

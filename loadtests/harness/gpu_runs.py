@@ -6,12 +6,14 @@ gateway run under ``wrk``, and the gateway configurations (``GatewaySpec``) a ru
 from __future__ import annotations
 
 import asyncio
+import csv
+import json
 import os
 import subprocess
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +27,7 @@ BOUNDARY = "gpufiguresboundary7d1f"
 @dataclass
 class Run:
     section: str
-    """``backend``, ``decode`` or ``gateway``."""
+    """``backend``, ``decode``, ``gateway`` (closed loop) or ``poisson`` (open loop, and the generator's ceiling)."""
     name: str
     batch: int | None = None
     in_flight: int | None = None
@@ -54,6 +56,43 @@ class Run:
         if self.server_cpu_cores is None or not self.images:
             return None
         return 1000 * self.server_cpu_cores * self.seconds / self.images
+
+
+_COMPUTED = ("images_per_s", "server_cpu_ms_per_image")
+
+
+def write_runs(path: Path, runs: list[Run]) -> None:
+    """Every run as a CSV row: its fields (``config`` as JSON) and the figures computed from them."""
+    with path.open("w", newline="") as f:
+        writer = csv.DictWriter(f, [*(f.name for f in fields(Run)), *_COMPUTED])
+        writer.writeheader()
+        for run in runs:
+            row: dict[str, Any] = {**asdict(run), "config": json.dumps(run.config)}
+            row.update((name, getattr(run, name)) for name in _COMPUTED)
+            writer.writerow(row)
+
+
+def read_runs(path: Path) -> list[Run]:
+    """The runs ``write_runs`` wrote (a report can be written again from them)."""
+    types = {f.name: f.type for f in fields(Run)}
+    runs = []
+    with path.open(newline="") as f:
+        for row in csv.DictReader(f):
+            values: dict[str, Any] = {}
+            for name, text in row.items():
+                if name not in types:
+                    continue  # computed
+                kind = str(types[name])
+                if name == "config":
+                    values[name] = json.loads(text)
+                elif kind.startswith("str"):
+                    values[name] = text
+                elif text == "":
+                    values[name] = None
+                else:
+                    values[name] = int(text) if kind.startswith("int") else float(text)
+            runs.append(Run(**values))
+    return runs
 
 
 @contextmanager
@@ -169,13 +208,13 @@ class GatewaySpec:
     @classmethod
     def parse(cls, text: str) -> GatewaySpec:
         workers, *options = text.split(":")
-        fields: dict[str, str] = {}
+        chosen: dict[str, str] = {}
         for option in options:
-            field = _SPEC_OPTIONS.get(option)
-            if field is None or field in fields:
+            name = _SPEC_OPTIONS.get(option)
+            if name is None or name in chosen:
                 raise ValueError(f"not a gateway spec: {text!r} (WORKERS{''.join(f'[:{c}]' for c in _SPEC_CHOICES)})")
-            fields[field] = option
-        spec = cls(int(workers), **fields)
+            chosen[name] = option
+        spec = cls(int(workers), **chosen)
         if spec.workers < 1:
             raise ValueError(f"not a gateway spec: {text!r}")
         return spec

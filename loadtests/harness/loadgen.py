@@ -62,6 +62,9 @@ class Load:
     seconds: float = 10.0
     rate: float | None = None
     seed: int = 0
+    warmup: float = 0.0
+    """Open loop: seconds of arrivals at ``rate`` before ``seconds`` of measurement, sent and not
+    counted (each connection's first requests, the server's first batches of each size)."""
 
     def request(self) -> bytes:
         parts = urlsplit(self.url)
@@ -217,6 +220,7 @@ async def _closed(load: Load, clients: list[_Client], start: float, end: float) 
 
 
 async def _open(load: Load, clients: list[_Client], start: float, end: float, rate: float) -> dict[str, Any]:
+    """Poisson arrivals from ``start - load.warmup`` to ``end``; those before ``start`` are not counted."""
     loop = asyncio.get_running_loop()
     request = load.request()
     rng = np.random.default_rng(load.seed)
@@ -239,10 +243,11 @@ async def _open(load: Load, clients: list[_Client], start: float, end: float, ra
             except (OSError, TimeoutError, asyncio.IncompleteReadError):
                 status = 0
             now = clock()
-            last = max(last, now)
-            statuses[status] += 1
-            if status == 200:
-                latencies.append(now - scheduled)
+            if scheduled >= start:
+                last = max(last, now)
+                statuses[status] += 1
+                if status == 200:
+                    latencies.append(now - scheduled)
             if not backlog:
                 idle.append(client)
                 return
@@ -250,16 +255,17 @@ async def _open(load: Load, clients: list[_Client], start: float, end: float, ra
 
     def dispatch(scheduled: float) -> None:
         nonlocal waited
-        lag.append(clock() - scheduled)
+        if scheduled >= start:
+            lag.append(clock() - scheduled)
         if not idle:
-            waited += 1
+            waited += scheduled >= start
             backlog.append(scheduled)
             return
         task = loop.create_task(one(idle.popleft(), scheduled))
         running.add(task)
         task.add_done_callback(running.discard)
 
-    scheduled = start
+    scheduled = start - load.warmup
     while True:
         scheduled += float(rng.exponential(1 / rate))
         if scheduled >= end:
@@ -271,7 +277,7 @@ async def _open(load: Load, clients: list[_Client], start: float, end: float, ra
     while running:
         await asyncio.gather(*list(running))
     if backlog:  # arrivals never sent (every connection stuck until the drain ended)
-        statuses[0] += len(backlog)
+        statuses[0] += sum(1 for scheduled in backlog if scheduled >= start)
     return {"latencies": latencies, "statuses": dict(statuses), "last": last, "lag": lag, "waited": waited}
 
 
@@ -296,7 +302,7 @@ def _process(load: Load, part: int, link: multiprocessing.connection.Connection)
             found = await _closed(load, clients, start, end)
         else:
             mine = replace(load, seed=load.seed * 1000 + part)
-            await asyncio.sleep(max(0.0, start - clock()))
+            await asyncio.sleep(max(0.0, start - load.warmup - clock()))
             found = await _open(mine, clients, start, end, rate)
         found["last"] -= start
         for client in clients:
@@ -325,7 +331,7 @@ def run(load: Load) -> Result:
         links.append(mine)
         workers.append(worker)
     ready = [link.recv() for link in links]  # each connected (or failed: its error)
-    start_at = clock() + START_DELAY
+    start_at = clock() + START_DELAY + (load.warmup if load.rate is not None else 0.0)
     for link in links:
         if ready != ["connected"] * len(links):
             break

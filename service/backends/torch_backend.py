@@ -216,9 +216,9 @@ class TorchBackend(InProcessBackend):
         graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
         try:
             for size in self._buckets:
-                static = torch.zeros(
-                    (size, self._image_size, self._image_size, 3), dtype=torch.uint8, device=self._device
-                )
+                static = self._static_input(size)
+                with torch.inference_mode(), torch.cuda.stream(stream):
+                    self._forward(static)  # anything left to compile or choose, outside the capture
                 graph = torch.cuda.CUDAGraph()
                 with (
                     torch.inference_mode(),
@@ -231,6 +231,16 @@ class TorchBackend(InProcessBackend):
             self._graph_failures.append(str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
             return
         self._streams.graphs = graphs
+
+    def _static_input(self, size: int) -> torch.Tensor:
+        """A captured graph's input of ``size`` images: an inference tensor, like the warm-up's, so
+        the compiled pass's guards hold for it. With the pass run once on the capture stream before
+        capturing (PyTorch's recipe: lazy work such as a compile, cuDNN's choice or a kernel's first
+        load must not happen inside a capture), nothing is compiled inside it. On an H100 every
+        capture of the compiled pass once failed ("a previous error during capture"); the cause was
+        not pinned down there, and this is the fix a next device run checks."""
+        with torch.inference_mode():
+            return torch.zeros((size, self._image_size, self._image_size, 3), dtype=torch.uint8, device=self._device)
 
     def _infer_batch(self, batch: np.ndarray) -> np.ndarray:
         stream = self._stream()

@@ -93,7 +93,12 @@ async def test_concurrent_batches_on_several_threads_stay_apart(photos_rgb: np.n
 async def test_the_compiled_pass_answers_as_the_eager_one(photos_rgb: np.ndarray) -> None:
     """``compile="on"``: the bucket compiled by Inductor at warm-up (one bucket here: a compile
     takes half a minute on 2 cores), the weights frozen in; the same photo then gets eager's
-    probabilities within float tolerance, and the same top-1. The detail says it is compiled."""
+    probabilities within float tolerance, and the same top-1. The detail says it is compiled. A
+    CUDA graph's input passes the compiled pass's guards: running the pass on it compiles nothing
+    again (a guard for the capture, which must not compile; on the CPU there is no capture)."""
+    import torch
+    from torch._dynamo.utils import counters
+
     images = list(photos_rgb[:1])
     async with started(TorchBackend(None, device="cpu", max_batch_size=1, max_concurrency=1)) as eager:
         want = await eager.infer(images)
@@ -102,6 +107,10 @@ async def test_the_compiled_pass_answers_as_the_eager_one(photos_rgb: np.ndarray
         assert await backend.ready() is None
         assert "torch.compile (on)" in (backend.detail or "")
         got = await backend.infer(images)
+        compiled_graphs = counters["stats"]["unique_graphs"]
+        with torch.inference_mode():
+            backend._forward(backend._static_input(1))
+        assert counters["stats"]["unique_graphs"] == compiled_graphs
     np.testing.assert_allclose(got, want, rtol=1e-3, atol=1e-5)
     assert got.argmax() == want.argmax()
 

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from loadtests.harness.gpu_runs import GatewaySpec, bodies, gateway_run
+from loadtests.gpu_figures import write_report
+from loadtests.harness.gpu_runs import GatewaySpec, Run, bodies, gateway_run, read_runs
 from loadtests.harness.http_load import start_gateway
 from loadtests.harness.photos import sample_photos
 from loadtests.harness.wrk import parse
@@ -117,3 +118,53 @@ def test_gateway_specs_name_what_differs_from_the_default() -> None:
     for bad in ("0", "4:foo", "4:eager:graphs", "4:compiled:eager", "4:shared:per-worker", "x"):
         with pytest.raises(ValueError, match=r"spec|invalid literal"):
             GatewaySpec.parse(bad)
+
+
+def _runs() -> list[Run]:
+    """Runs as a device call records them: two backend modes, a closed-loop gateway run in one of
+    them, and a Poisson search whose last run is the generator's ceiling (far above everything)."""
+
+    def measured(run: Run, images: int, **config: object) -> Run:
+        run.images, run.seconds, run.p50_ms, run.p99_ms = images, 1.0, 5.0, 9.0
+        run.config.update(config)
+        return run
+
+    gateway = {"mode": "graphs", "engine": "shared", "gateway": "16 workers, shared engine"}
+    gateway |= {"p99_bound_ms": 15.0, "highest_rate_within_p99": 3000.0}
+    return [
+        measured(Run("backend", "torch graphs b256 x4", 256, 4), 10_000, mode="graphs"),
+        measured(Run("backend", "torch compiled b256 x4", 256, 4), 20_000, mode="compiled"),
+        measured(Run("gateway", "16 workers, 1/request, shared engine", 1, 1024), 8_000, mode="graphs"),
+        measured(
+            Run("poisson", "16 workers, Poisson 3,000/s", 1, 1024),
+            3_000,
+            **gateway,
+            ceiling=False,
+            offered_rate=3000.0,
+            p90_ms=7.0,
+        ),
+        measured(Run("poisson", "16 workers, ceiling", 1, 1024), 250_000, **gateway, ceiling=True, offered_rate=0.0),
+    ]
+
+
+def test_the_report_heads_with_the_gateway_against_its_own_mode_and_never_the_ceiling(tmp_path: Path) -> None:
+    runs = _runs()
+    write_report(tmp_path, {"gpu": "test"}, runs, "python -m loadtests.gpu_figures --quick", 60.0, 3.0)
+    report = (tmp_path / "report.md").read_text()
+    headline = report.split("## Headline")[1].split("\n## ")[0]
+    assert "**8,000 img/s** (16 workers, 1/request, shared engine)" in headline
+    assert "250,000" not in headline.split("generator alone")[0]  # the ceiling is not a gateway figure
+    assert "in the gateway's mode (graphs): 10,000 img/s (torch graphs b256 x4); the gateway: **0.800x**\n" in headline
+    assert "any mode: 20,000 img/s (torch compiled b256 x4); the gateway: **0.400x**" in headline
+    assert "p99 <= 15 ms: **3,000 img/s** (the generator alone: 250,000/s)" in headline
+    poisson = report.split("## Poisson arrivals")[1]
+    assert "| 16 workers, shared engine | 3,000 | 3,000 | 5.0 | 7.0 | 9.0 |" in poisson
+    assert "| 16 workers, shared engine | ceiling (trivial server, closed) | 250,000 |" in poisson
+    assert "Poisson" not in report.split("## Gateway end to end")[1].split("## Poisson")[0]
+    runs[3].config["highest_rate_within_p99"] = runs[4].config["highest_rate_within_p99"] = 0.0
+    write_report(tmp_path, {"gpu": "test"}, runs, "python -m loadtests.gpu_figures --quick", 60.0, 3.0)
+    assert (
+        "p99 <= 15 ms: **none of the rates tried** (the lowest, 3,000/s: p99 9.0 ms)"
+        in (tmp_path / "report.md").read_text()
+    )
+    assert read_runs(tmp_path / "runs.csv") == runs  # a report can be written again from its runs

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 from loadtests.harness.loadgen import Load, find_rate, run, trivial_server
@@ -33,6 +34,24 @@ def test_an_open_loop_counts_a_stall_from_each_requests_scheduled_time() -> None
     assert result.percentile_ms(50) < 20
     assert result.percentile_ms(90) > 50
     assert 400 < result.percentile_ms(99.9) < 700  # at most the stall, plus the backlog after it
+
+
+def test_an_open_loops_warmup_is_sent_and_not_counted() -> None:
+    """The same stall inside a second of warm-up: those arrivals are sent (the server froze on
+    them) and none is counted, so the measured second is the unstalled server's; its throughput is
+    over the measured second alone. Without the warm-up the stall is in the figures."""
+    load = Load("", b"x" * 1000, connections=8, processes=1, seconds=1.5, rate=500, seed=1, warmup=1.0)
+    with trivial_server(1, freeze=(0.2, 0.7)) as server:
+        warmed = run(replace(load, url=server.url))
+    with trivial_server(1, freeze=(0.2, 0.7)) as server:
+        cold = run(replace(load, url=server.url, warmup=0.0))
+    assert warmed.errors == cold.errors == 0
+    assert warmed.waited == 0
+    assert warmed.percentile_ms(99) < 50
+    assert 500 < warmed.completed < 1000  # 1.5 s at 500/s, not 2.5 s
+    assert 400 < warmed.throughput < 600
+    assert cold.waited > 50
+    assert cold.percentile_ms(99) > 200
 
 
 def test_the_rate_search_finds_a_rate_within_the_bound() -> None:
