@@ -9,22 +9,27 @@ does for the microservice architecture, without leaving the host or copying imag
 
 The wire, per worker, over a Unix socket:
 
-* the worker makes a block of ``slots`` batch slots (``max_inflight_batches`` of ``max_batch_size``
-  images each) in an anonymous memory file (``memfd``) sealed against shrinking, and hands the
-  engine its file descriptor with ``HELLO`` (``SCM_RIGHTS``); the engine maps it read-only and
+* the worker makes a block of image cells in an anonymous memory file (``memfd``) sealed against
+  shrinking, and hands the engine its file descriptor with ``HELLO`` (``SCM_RIGHTS``) with the
+  number of cells and the most images a call may carry; the engine maps it read-only and
   answers with its backend's description once its model is ready (it listens only then). Nothing
   has a name in ``/dev/shm``: the kernel frees the memory when the last of the two processes lets
   go of it, so a SIGKILLed worker leaves nothing behind, and a client can make the engine map only
   memory it already holds, never a file by name; the seal means it cannot truncate the block under
   the engine's reads (a SIGBUS in the engine);
-* a batch: the worker copies its images into a free slot and sends ``(id, slot, count, seconds
-  left)``; the engine queues views of those images (no copy) in its batcher and answers ``(id,
-  status, count)`` with the ``float32 [count, classes]`` scores, or a status and an error message.
-  The slot is the worker's again once the answer arrives (or the connection is gone).
+* the block's cells: ``slots`` batch slots first (``max_inflight_batches`` of ``max_batch_size``
+  cells each), then ``pool_images`` cells the worker's decoders write their images into
+  (``service.backends.image_cells``: decoded straight into the memory the engine reads);
+* a batch: ``(id, count, seconds left)`` and the ``count`` cells its images are in. A batch whose
+  images were all decoded into cells is sent as it is, with no copy; any other (every cell was
+  taken, a GPU decoder's images) is first copied into a free slot. The engine queues views of those
+  cells (no copy) in its batcher and answers ``(id, status, count)`` with the ``float32 [count,
+  classes]`` scores, or a status and an error message. The worker holds the batch's images (so
+  their cells stay taken), or its slot, until the answer arrives (or the connection is gone).
 
 The engine refuses (closes) a connection that breaks the wire: no HELLO within 5 s, a block that is
-not a sealed memory file of the announced size, a slot or count out of range, more batches at once
-than slots.
+not a sealed memory file of the announced size, a cell or count out of range, more calls at once
+than cells.
 
 Each connection is a generation in the worker: its calls fail together with 503 when it drops
 (those waiting for a slot too), ids are the connection's own, and a call's ``timeout`` (its
@@ -55,17 +60,20 @@ from typing import Any
 import numpy as np
 
 from service.backends.base import Images, stack_into
+from service.backends.image_cells import ImageCells
 from service.errors import BackendError, BackendUnavailable, DeadlineExceeded, QueueFull
 
 logger = logging.getLogger(__name__)
 
-_MAGIC = b"GWE2"
-_HELLO = struct.Struct("<4sIII")  # magic, slots, images per slot, image bytes (+ the block's fd)
-_REQUEST = struct.Struct("<QIIf")  # id, slot, count, seconds left (0: no deadline)
+_MAGIC = b"GWE3"
+_HELLO = struct.Struct("<4sIII")  # magic, cells, images per call at most, image bytes (+ the block's fd)
+_REQUEST = struct.Struct("<QIf")  # id, count, seconds left (0: no deadline); then count uint32 cells
+_CELLS = np.dtype("<u4")
 _REPLY = struct.Struct("<QIII")  # id, status (_OK, _FAILED, _FULL, _UNAVAILABLE), count, payload bytes
 _OK, _FAILED, _FULL, _UNAVAILABLE, _LATE = range(5)
 _READY = struct.Struct("<I")  # length of the engine's JSON description
-MAX_SLOTS, MAX_IMAGES_PER_SLOT = 64, 1024  # the settings' bounds (max_inflight_batches, max_batch_size)
+MAX_SLOTS, MAX_IMAGES_PER_CALL = 64, 1024  # the settings' bounds (max_inflight_batches, max_batch_size)
+MAX_CELLS = 3 * MAX_SLOTS * MAX_IMAGES_PER_CALL  # the slots, and a pool of twice as many at most
 HELLO_TIMEOUT = 5.0
 """Seconds a new connection has to say HELLO before the engine closes it."""
 ACCEPT_RETRY = 1.0
@@ -159,24 +167,24 @@ async def receive_hello(sock: socket.socket) -> tuple[bytes, list[int]]:
 
 @dataclass(frozen=True)
 class _Hello:
-    slots: int
-    per_slot: int
+    cells: int
+    per_call: int
     block: mmap.mmap
 
 
 def _check_hello(data: bytes, fds: list[int], geometry: Geometry) -> _Hello:
     """The worker's block, mapped, if its HELLO is one this engine serves; closes ``fds``."""
     try:
-        magic, slots, per_slot, image_bytes = _HELLO.unpack(data)
+        magic, cells, per_call, image_bytes = _HELLO.unpack(data)
         if magic != _MAGIC:
-            raise Refused(f"not an engine client (magic {magic!r})")
+            raise Refused(f"not an engine client of this version (magic {magic!r}, this engine's {_MAGIC!r})")
         if image_bytes != geometry.image_bytes:
             raise Refused(f"worker images are {image_bytes} bytes, the engine's {geometry.image_bytes}")
-        if not (1 <= slots <= MAX_SLOTS and 1 <= per_slot <= MAX_IMAGES_PER_SLOT):
-            raise Refused(f"{slots} slots of {per_slot} images is out of range")
+        if not (1 <= cells <= MAX_CELLS and 1 <= per_call <= MAX_IMAGES_PER_CALL):
+            raise Refused(f"{cells} cells with up to {per_call} images a call is out of range")
         if len(fds) != 1:
             raise Refused(f"the HELLO came with {len(fds)} file descriptors, not 1")
-        return _Hello(slots, per_slot, map_block(fds[0], slots * per_slot * image_bytes))
+        return _Hello(cells, per_call, map_block(fds[0], cells * image_bytes))
     finally:
         for fd in fds:
             os.close(fd)
@@ -226,36 +234,52 @@ ANSWER_GRACE = 5.0
 """Seconds past a call's deadline after which an engine that has not answered it counts as stuck."""
 
 
+_Held = int | Images
+"""What a call holds until the engine answers: the slot its images were copied into, or the images
+themselves, decoded into cells (holding them keeps those cells taken)."""
+
+
+@dataclass
+class _Pending:
+    future: asyncio.Future[np.ndarray]
+    """Done when the call gave up (its deadline) before the answer."""
+    held: _Held
+    owed_by: float
+    """When the engine owes the answer by (monotonic: the call's deadline, or ``owed_within`` after
+    it was sent when it has none, plus ``grace``)."""
+
+
 class _Connection:
     """One connection to the engine: a generation of calls, with its own ids."""
 
     def __init__(self, generation: int, writer: asyncio.StreamWriter) -> None:
         self.generation = generation
         self.writer = writer
-        self.pending: dict[int, tuple[asyncio.Future[np.ndarray], int, float]] = {}
-        """Calls sent and not answered: their future (done when the call gave up), slot, and when
-        the engine owes the answer by (monotonic: the call's deadline, or ``owed_within`` after it
-        was sent when it has none, plus ``grace``)."""
+        self.pending: dict[int, _Pending] = {}
+        """Calls sent and not answered."""
         self.next_id = 0
         self.lost: str | None = None
 
     def send(
-        self, slot: int, count: int, timeout: float | None, owed_within: float, grace: float
+        self, cells: list[int], held: _Held, timeout: float | None, owed_within: float, grace: float
     ) -> asyncio.Future[np.ndarray]:
+        """The call for the images in ``cells``; ``held`` (their slot, or the images themselves)
+        stays the engine's until it answers."""
         if self.lost is not None:
             raise BackendUnavailable(self.lost)
         self.next_id += 1
         future: asyncio.Future[np.ndarray] = asyncio.get_running_loop().create_future()
         owed_by = time.monotonic() + (timeout if timeout else owed_within) + grace
-        self.pending[self.next_id] = (future, slot, owed_by)
-        self.writer.write(_REQUEST.pack(self.next_id, slot, count, timeout or 0.0))
+        self.pending[self.next_id] = _Pending(future, held, owed_by)
+        header = _REQUEST.pack(self.next_id, len(cells), timeout or 0.0)
+        self.writer.write(header + np.asarray(cells, _CELLS).tobytes())
         return future
 
     def overdue_since(self) -> float | None:
         """Since when the engine has owed an answer it has not given (None: it owes none yet). The
         engine answers every call by its deadline, late ones with 504: one still unanswered well
         after it means the engine is stuck, though its connection is up."""
-        owed = min((owed_by for _, _, owed_by in self.pending.values()), default=None)
+        owed = min((call.owed_by for call in self.pending.values()), default=None)
         return owed if owed is not None and owed < time.monotonic() else None
 
 
@@ -271,22 +295,28 @@ class EngineClient:
         *,
         max_batch_size: int,
         slots: int,
+        pool_images: int | None = None,
         down_limit: float = 120.0,
         answer_grace: float = ANSWER_GRACE,
     ) -> None:
-        """``down_limit``: seconds without the engine (gone, or stuck) after which ``liveness``
-        reports it. ``answer_grace``: seconds past a call's deadline after which an engine that has
-        not answered it counts as stuck."""
+        """``slots`` batches of ``max_batch_size`` images copied in at once; ``pool_images``: cells
+        decoders write into (``allocate_image``; default twice the slots' images). ``down_limit``:
+        seconds without the engine (gone, or stuck) after which ``liveness`` reports it.
+        ``answer_grace``: seconds past a call's deadline after which an engine that has not
+        answered it counts as stuck."""
         self.socket_path = socket_path
         self.geometry = geometry
         self.max_batch_size = max_batch_size
         self.down_limit = down_limit
         self.answer_grace = answer_grace
         self.detail: str | None = None
-        self._fd, self._block = create_block(slots * max_batch_size * geometry.image_bytes)
+        pool = 2 * slots * max_batch_size if pool_images is None else pool_images
+        slotted = slots * max_batch_size
+        self._fd, self._block = create_block((slotted + pool) * geometry.image_bytes)
         size = geometry.image_size
         self._slots_view = np.ndarray((slots, max_batch_size, size, size, 3), np.uint8, buffer=self._block)
         self._slots = _Slots(slots)
+        self._cells = ImageCells(self._block, (size, size, 3), slotted, pool)
         self._connection: _Connection | None = None
         self._generation = 0
         self._problem: str | None = "connecting to the engine"
@@ -306,8 +336,8 @@ class EngineClient:
         try:
             sock.setblocking(False)
             await loop.sock_connect(sock, self.socket_path)
-            slots, per_slot = self._slots_view.shape[:2]
-            hello = _HELLO.pack(_MAGIC, slots, per_slot, self.geometry.image_bytes)
+            cells = len(self._block) // self.geometry.image_bytes
+            hello = _HELLO.pack(_MAGIC, cells, self.max_batch_size, self.geometry.image_bytes)
             if socket.send_fds(sock, [hello], [self._fd]) != len(hello):  # a fresh socket's buffer is empty
                 raise ConnectionError("the HELLO did not fit in the socket's buffer")
             return await asyncio.open_unix_connection(sock=sock)
@@ -358,10 +388,15 @@ class EngineClient:
         error = BackendUnavailable(problem)
         self._slots.fail_waiters(connection.generation, error)
         pending, connection.pending = connection.pending, {}
-        for future, slot, _ in pending.values():
-            self._slots.release(slot)
-            if not future.done():
-                future.set_exception(error)
+        for call in pending.values():
+            self._let_go(call.held)
+            if not call.future.done():
+                call.future.set_exception(error)
+
+    def _let_go(self, held: _Held) -> None:
+        """A call's slot is free again (its images, held until now, are simply dropped)."""
+        if isinstance(held, int):
+            self._slots.release(held)
 
     async def _read(self, reader: asyncio.StreamReader, connection: _Connection) -> None:
         classes = self.geometry.classes
@@ -370,11 +405,12 @@ class EngineClient:
             if status == _OK and length != count * classes * 4:
                 raise ConnectionError(f"the engine answered {length} bytes for {count} rows")
             payload = await reader.readexactly(length)
-            entry = connection.pending.pop(request_id, None)
-            if entry is None:
+            call = connection.pending.pop(request_id, None)
+            if call is None:
                 raise ConnectionError(f"the engine answered call {request_id}, which it was not sent")
-            future, slot, _ = entry
-            self._slots.release(slot)  # the engine is done with it
+            future = call.future
+            self._let_go(call.held)  # the engine is done with it
+            del call  # and with its images: their cells are free once the request lets go of them too
             if future.done():  # the call gave up (its deadline)
                 continue
             if status == _OK:
@@ -391,19 +427,28 @@ class EngineClient:
             raise BackendUnavailable(self._problem or "not connected to the engine")
         if timeout is not None and timeout <= 0:
             raise DeadlineExceeded("the request deadline passed before the batch reached the engine")
+        cells = self._cells.indices(images)
         try:
             async with asyncio.timeout(timeout):
-                slot = await self._slots.acquire(connection.generation)
-                await self._copy(slot, images)
+                held: _Held = images
+                if cells is None:  # not decoded into cells: copied into a slot
+                    held = slot = await self._slots.acquire(connection.generation)
+                    await self._copy(slot, images)
+                    cells = list(range(slot * self.max_batch_size, slot * self.max_batch_size + count))
                 try:
-                    answer = connection.send(slot, count, timeout, self.down_limit, self.answer_grace)
+                    answer = connection.send(cells, held, timeout, self.down_limit, self.answer_grace)
                 except BackendUnavailable:  # lost while copying
-                    self._slots.release(slot)
+                    self._let_go(held)
                     raise
-                # cancelled at the deadline: the slot stays the engine's until it answers or the connection goes
+                # cancelled at the deadline: what it holds stays the engine's until it answers or the connection goes
                 return await answer
         except TimeoutError:
             raise DeadlineExceeded(f"the engine did not answer within the request deadline ({timeout:.3f} s)") from None
+
+    def allocate_image(self) -> np.ndarray | None:
+        """A cell of the block to decode an image into (then its batch is sent with no copy), or
+        None when every cell is taken. Any thread."""
+        return self._cells.allocate()
 
     async def _copy(self, slot: int, images: Images) -> None:
         """The images into ``slot``, off the loop. A call that gives up meanwhile (deadline, shutdown)

@@ -20,6 +20,7 @@ from prometheus_client import REGISTRY, CollectorRegistry, Histogram
 
 from service.backends.engine import (
     _ACCEPT_RETRY_ERRORS,
+    _CELLS,
     _FAILED,
     _FULL,
     _LATE,
@@ -124,17 +125,21 @@ class EngineServer:
                 data, fds = await receive_hello(conn)
             hello = _check_hello(data, fds, self.geometry)
             size = self.geometry.image_size
-            images = np.ndarray((hello.slots, hello.per_slot, size, size, 3), np.uint8, buffer=hello.block)
+            images = np.ndarray((hello.cells, size, size, 3), np.uint8, buffer=hello.block)
             reader, writer = await asyncio.open_unix_connection(sock=conn)
             ready = json.dumps({"detail": self.detail, "classes": self.geometry.classes}).encode()
             writer.write(_READY.pack(len(ready)) + ready)
             while True:
-                request_id, slot, count, seconds = _REQUEST.unpack(await reader.readexactly(_REQUEST.size))
-                if slot >= hello.slots or not 1 <= count <= hello.per_slot:
-                    raise Refused(f"slot {slot} with {count} images is outside the block")
-                if len(tasks) >= hello.slots:
-                    raise Refused("more batches at once than slots")
-                task = asyncio.create_task(self._answer(writer, request_id, images[slot, :count], seconds))
+                request_id, count, seconds = _REQUEST.unpack(await reader.readexactly(_REQUEST.size))
+                if not 1 <= count <= hello.per_call:
+                    raise Refused(f"a call of {count} images (at most {hello.per_call})")
+                cells = np.frombuffer(await reader.readexactly(count * _CELLS.itemsize), _CELLS)
+                if cells.max() >= hello.cells:
+                    raise Refused(f"cell {cells.max()} is outside the block of {hello.cells}")
+                if len(tasks) >= hello.cells:
+                    raise Refused("more calls at once than cells")
+                batch = [images[cell] for cell in cells.tolist()]
+                task = asyncio.create_task(self._answer(writer, request_id, batch, seconds))
                 tasks.add(task)
                 task.add_done_callback(tasks.discard)
         except Refused as exc:
@@ -158,10 +163,12 @@ class EngineServer:
             # them: a SIGSEGV). The views keep the mmap alive; the last one to go unmaps it.
             del images, hello
 
-    async def _answer(self, writer: asyncio.StreamWriter, request_id: int, images: np.ndarray, seconds: float) -> None:
+    async def _answer(
+        self, writer: asyncio.StreamWriter, request_id: int, images: list[np.ndarray], seconds: float
+    ) -> None:
         try:
             deadline = asyncio.get_running_loop().time() + seconds if seconds > 0 else None
-            rows = await self.batcher.submit(list(images), deadline=deadline)
+            rows = await self.batcher.submit(images, deadline=deadline)
             scores = np.ascontiguousarray(np.stack(rows), dtype=np.float32)
             payload = scores.tobytes()
             writer.write(_REPLY.pack(request_id, _OK, len(rows), len(payload)) + payload)

@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Executor, ThreadPoolExecutor
 from contextlib import asynccontextmanager
+from functools import partial
 
 import cv2
 import numpy as np
@@ -27,7 +28,7 @@ from service.errors import ModelNotLoaded
 from service.host.allocator import keep_image_buffers
 from service.host.gpu import start_gpu_sampler
 from service.images.budget import Budget, BudgetShare, ByteBudget
-from service.images.preprocess import prepare
+from service.images.preprocess import PreprocessConfig, prepare
 from service.metrics import Metrics
 from service.models.checkpoints import real_weights_hint
 from service.serving.catalog import Catalog, load_catalog, with_discovered
@@ -139,6 +140,18 @@ async def open_models(
         pool.shutdown(wait=True, cancel_futures=True)
 
 
+def _decode_into(
+    allocate: Callable[[], np.ndarray | None],
+    data: bytes,
+    config: PreprocessConfig,
+    budget: Budget | None,
+    deadline: float | None,
+) -> np.ndarray:
+    """``prepare`` writing the image into memory the backend hands out (the shared engine's cells:
+    its batch then goes to the engine with no copy), or, when it has none free, anywhere."""
+    return prepare(data, config, budget, deadline, out=allocate())
+
+
 async def _start_version(
     served: ServedVersion,
     metrics: Metrics,
@@ -152,6 +165,9 @@ async def _start_version(
     name, spec = served.model, served.spec
     settings, profile = spec.settings, spec.profile
     chosen = backend if backend is not None else await build_backend(settings, profile)
+    allocate: Callable[[], np.ndarray | None] | None = getattr(chosen, "allocate_image", None)
+    if allocate is not None and decode is prepare:  # OpenCV decodes into the backend's memory
+        decode = partial(_decode_into, allocate)
     if settings.breaker_threshold:
         probe = np.zeros((1, profile.image_size, profile.image_size, 3), np.uint8)
         chosen = CircuitBreaker(

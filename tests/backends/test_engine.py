@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import os
 import signal
 import subprocess
@@ -473,3 +474,67 @@ async def test_a_stuck_engine_is_not_ready_then_not_live_and_recovers(tmp_path: 
                 assert list((await client.infer(process_images(3), timeout=30)).argmax(axis=1)) == [3]
             assert await client.ready() is None
             assert client.liveness() is None
+
+
+def _into_cells(client: EngineClient, *classes: int) -> list[np.ndarray]:
+    """Images whose fake-backend answer is ``classes``, written into the client's cells as a
+    decoder writes them."""
+    out = []
+    for image in process_images(*classes):
+        cell = client.allocate_image()
+        assert cell is not None
+        cell[...] = image
+        out.append(cell)
+    return out
+
+
+async def test_images_decoded_into_cells_reach_the_engine_without_a_copy(tmp_path: Path) -> None:
+    """A batch whose images are all in the worker's cells is sent as their cell numbers: no slot,
+    no copy, and each image gets its own answer. A batch with one image elsewhere is copied into a
+    slot as before, with the same answers."""
+    socket = tmp_path / "engine.sock"
+    with engine_process(socket):
+        async with engine_client(socket, slots=1) as client:
+            copies: list[int] = []
+            copy = client._copy
+
+            async def counted(slot: int, images: object) -> None:
+                copies.append(slot)
+                await copy(slot, images)  # type: ignore[arg-type]
+
+            client._copy = counted  # type: ignore[method-assign]
+            cells = _into_cells(client, 3, 5, 7)
+            answers = await asyncio.gather(
+                client.infer(cells[:2], timeout=30), client.infer(cells[2:], timeout=30)
+            )  # two calls at once with one slot: neither waits for it
+            assert [list(a.argmax(axis=1)) for a in answers] == [[3, 5], [7]]
+            assert copies == []
+            mixed = await client.infer([cells[0], *process_images(9)], timeout=30)
+            assert list(mixed.argmax(axis=1)) == [3, 9]
+            assert copies == [0]
+
+
+async def test_a_cell_stays_taken_until_the_engine_is_done_with_it(tmp_path: Path) -> None:
+    """A call that gives up at its deadline while the engine still has it (SIGSTOP): its image's
+    cell is not handed to another decoder, though the request dropped the image, until the engine
+    answers; then it is free again. When every cell is taken a decoder gets none (and writes
+    where it always did)."""
+    socket = tmp_path / "engine.sock"
+    with engine_process(socket) as process:
+        async with engine_client(socket, slots=1, pool_images=1) as client:
+            (cell,) = _into_cells(client, 4)
+            assert client.allocate_image() is None
+            process.send_signal(signal.SIGSTOP)
+            try:
+                with pytest.raises(DeadlineExceeded):
+                    await client.infer([cell], timeout=0.3)
+                del cell
+                gc.collect()
+                assert client.allocate_image() is None  # the stopped engine may still read it
+            finally:
+                process.send_signal(signal.SIGCONT)
+            async with asyncio.timeout(10):
+                while (again := client.allocate_image()) is None:  # noqa: ASYNC110 (freed by the GC, no event)
+                    await asyncio.sleep(0.05)
+            again[...] = process_images(6)[0]
+            assert list((await client.infer([again], timeout=30)).argmax(axis=1)) == [6]

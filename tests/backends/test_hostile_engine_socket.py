@@ -16,12 +16,13 @@ from pathlib import Path
 
 import pytest
 
-from service.backends.engine import _HELLO, _MAGIC, _READY, _REQUEST, HELLO_TIMEOUT, create_block
+from service.backends.engine import _HELLO, _MAGIC, _READY, _REQUEST, HELLO_TIMEOUT, MAX_CELLS, create_block
 from service.errors import DeadlineExceeded
 from tests.backends.engine_process import GEOMETRY, engine_client, engine_process, images
 
 SLOTS, PER_SLOT = 2, 4
-BLOCK_BYTES = SLOTS * PER_SLOT * GEOMETRY.image_bytes
+CELLS = 3 * SLOTS * PER_SLOT  # a worker's: its slots, and a pool of twice as many cells
+BLOCK_BYTES = CELLS * GEOMETRY.image_bytes
 
 
 @pytest.fixture(scope="module")
@@ -31,8 +32,14 @@ def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, sub
         yield socket_path, process
 
 
-def hello(slots: int = SLOTS, per_slot: int = PER_SLOT, image_bytes: int = GEOMETRY.image_bytes) -> bytes:
-    return _HELLO.pack(_MAGIC, slots, per_slot, image_bytes)
+def hello(cells: int = CELLS, per_call: int = PER_SLOT, image_bytes: int = GEOMETRY.image_bytes) -> bytes:
+    return _HELLO.pack(_MAGIC, cells, per_call, image_bytes)
+
+
+def request(request_id: int, *cells: int, count: int | None = None) -> bytes:
+    """A call for the images in ``cells`` (``count``: what the header says, if not their number)."""
+    header = _REQUEST.pack(request_id, len(cells) if count is None else count, 0.0)
+    return header + b"".join(cell.to_bytes(4, "little") for cell in cells)
 
 
 async def connect(path: Path) -> socket.socket:
@@ -97,17 +104,20 @@ def pipe(tmp_path: Path) -> int:
 
 HOSTILE_HELLOS = {
     "wrong magic": (b"HTTP" + hello()[4:], ["memfd"]),
+    "the previous wire's magic": (b"GWE2" + hello()[4:], ["memfd"]),
     "no file descriptor": (hello(), []),
     "two file descriptors": (hello(), ["memfd", "memfd"]),
     "a regular file": (hello(), ["file"]),
     "a /dev/shm block": (hello(), ["dev_shm"]),
     "a pipe": (hello(), ["pipe"]),
     "an unsealed memfd": (hello(), ["unsealed"]),
-    "a sealed memfd too small for its slots": (hello(), ["small"]),
+    "a sealed memfd too small for its cells": (hello(), ["small"]),
     "images of another size": (hello(image_bytes=12), ["memfd"]),
-    "no slots": (hello(slots=0), ["memfd"]),
-    "huge slot count": (hello(slots=2**32 - 1), ["memfd"]),
-    "huge images per slot": (hello(per_slot=2**32 - 1), ["memfd"]),
+    "no cells": (hello(cells=0), ["memfd"]),
+    "more cells than any worker has": (hello(cells=MAX_CELLS + 1), ["memfd"]),
+    "huge cell count": (hello(cells=2**32 - 1), ["memfd"]),
+    "no images per call": (hello(per_call=0), ["memfd"]),
+    "huge images per call": (hello(per_call=2**32 - 1), ["memfd"]),
     "random bytes": (random.Random(31).randbytes(_HELLO.size), ["memfd"]),
 }
 
@@ -129,7 +139,7 @@ async def test_a_hello_the_engine_does_not_serve_closes_the_connection(
     engine: tuple[Path, subprocess.Popen[bytes]], tmp_path: Path, case: str
 ) -> None:
     """A HELLO with the wrong magic, sizes out of range, or anything but one sealed memory file
-    big enough for its slots (a regular file, a /dev/shm block, a pipe, an unsealed or short
+    big enough for its cells (a regular file, a /dev/shm block, a pipe, an unsealed or short
     memfd: each could be truncated under the engine's reads, or is not memory at all): the engine
     closes the connection without mapping it, and serves the next worker."""
     data, kinds = HOSTILE_HELLOS[case]
@@ -145,12 +155,13 @@ async def test_a_hello_the_engine_does_not_serve_closes_the_connection(
 
 
 BAD_REQUESTS = {
-    "slot past the block": _REQUEST.pack(1, SLOTS, 1, 0.0),
-    "huge slot": _REQUEST.pack(1, 2**32 - 1, 1, 0.0),
-    "no images": _REQUEST.pack(1, 0, 0, 0.0),
-    "more images than a slot holds": _REQUEST.pack(1, 0, PER_SLOT + 1, 0.0),
-    "huge image count": _REQUEST.pack(1, 1, 2**32 - 1, 0.0),
-    "more batches at once than slots": b"".join(_REQUEST.pack(i, 0, 1, 0.0) for i in range(SLOTS + 1)),
+    "a cell just past the block": request(1, CELLS),
+    "a cell past the block after good ones": request(1, 0, 1, CELLS + 5),
+    "huge cell": request(1, 2**32 - 1),
+    "no images": request(1),
+    "more images than a call may carry": request(1, *range(PER_SLOT + 1)),
+    "huge image count": request(1, 0, count=2**32 - 1),
+    "more calls at once than cells": b"".join(request(i, 0) for i in range(CELLS + 1)),
     "random bytes": random.Random(13).randbytes(4096),
 }
 
@@ -159,9 +170,9 @@ BAD_REQUESTS = {
 async def test_a_request_outside_the_block_closes_the_connection(
     engine: tuple[Path, subprocess.Popen[bytes]], case: str
 ) -> None:
-    """After a good HELLO, a request naming a slot or an image count outside the block (or more
-    batches at once than slots, which a worker never sends): the engine reads nothing outside the
-    block, closes that connection, and serves the next worker."""
+    """After a good HELLO, a request naming a cell outside the block or more images than a call
+    may carry (or more calls at once than cells, which a worker never sends): the engine reads
+    nothing outside the block, closes that connection, and serves the next worker."""
     fd = memfd(BLOCK_BYTES)
     sock = await connect(engine[0])
     try:
@@ -180,8 +191,9 @@ async def test_silent_truncated_and_vanishing_clients_hold_nothing(
     engine: tuple[Path, subprocess.Popen[bytes]],
 ) -> None:
     """A client that connects and says nothing, one that sends half a HELLO and waits, one that
-    sends half a HELLO and goes, and one that goes in the middle of a request: a worker is served
-    while they hang on, and the engine closes the silent ones at the HELLO deadline."""
+    sends half a HELLO and goes, one that goes in the middle of a request's header and one in the
+    middle of its list of cells: a worker is served while they hang on, and the engine closes the
+    silent ones at the HELLO deadline."""
     loop = asyncio.get_running_loop()
     silent = await connect(engine[0])
     half_hello = await connect(engine[0])
@@ -189,14 +201,15 @@ async def test_silent_truncated_and_vanishing_clients_hold_nothing(
     gone = await connect(engine[0])
     await loop.sock_sendall(gone, hello()[:7])
     gone.close()
-    mid_request = await connect(engine[0])
-    fd = memfd(BLOCK_BYTES)
-    try:
-        socket.send_fds(mid_request, [hello() + _REQUEST.pack(1, 0, 1, 0.0)[:5]], [fd])
-    finally:
-        os.close(fd)
-    await loop.sock_recv(mid_request, 65536)  # its READY
-    mid_request.close()
+    for cut in (5, _REQUEST.size + 5):
+        mid_request = await connect(engine[0])
+        fd = memfd(BLOCK_BYTES)
+        try:
+            socket.send_fds(mid_request, [hello() + request(1, 0, 1)[:cut]], [fd])
+        finally:
+            os.close(fd)
+        await loop.sock_recv(mid_request, 65536)  # its READY
+        mid_request.close()
     await still_serving(engine)
     await asyncio.gather(closed_by_engine(silent, HELLO_TIMEOUT + 10), closed_by_engine(half_hello, HELLO_TIMEOUT + 10))
     await still_serving(engine)

@@ -327,3 +327,41 @@ async def test_large_images_take_turns_for_decoder_memory(gateway_factory: MakeS
     assert float(waits.group(1)) >= 1
     assert reserved is not None
     assert float(reserved.group(1)) == 0
+
+
+class WithCells(FakeBackend):
+    """A backend that hands out memory to decode into (as the shared engine's client does) and
+    records, for each image it is given, whether it is one of those cells."""
+
+    def __init__(self, cells: int) -> None:
+        super().__init__()
+        import mmap
+
+        from service.backends.image_cells import ImageCells
+
+        self.cells = ImageCells(mmap.mmap(-1, max(1, cells) * 224 * 224 * 3), (224, 224, 3), 0, cells)
+        self.in_cells: list[bool] = []
+
+    def allocate_image(self) -> np.ndarray | None:
+        return self.cells.allocate()
+
+    async def infer(self, images: Images, *, timeout: float | None = None) -> np.ndarray:
+        self.in_cells += [self.cells.index(image) is not None for image in images]
+        return await super().infer(images, timeout=timeout)
+
+
+@pytest.mark.parametrize("cells", [64, 0])
+async def test_images_are_decoded_into_the_memory_the_backend_hands_out(
+    gateway_factory: MakeSettings, cells: int
+) -> None:
+    """Every image of every kind of request is decoded straight into a cell of the backend's when
+    it has one free (the shared engine then gets the batch with no copy); with none free, the same
+    answers from images decoded where they always were."""
+    backend = WithCells(cells)
+    async with running_gateway(gateway_factory(backend="fake", max_batch_size=8), backend) as client:
+        one = await client.post("/classify", content=png_of_class(5), headers={"content-type": "image/png"})
+        files = [("file", (f"{v}.png", png_of_class(v), "image/png")) for v in (3, 7)]
+        several = await client.post("/classify", files=files)
+    assert one.status_code == several.status_code == 200
+    assert [r["labels"][0]["index"] for r in [*one.json()["results"], *several.json()["results"]]] == [5, 3, 7]
+    assert backend.in_cells == [cells > 0] * 3

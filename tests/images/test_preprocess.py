@@ -224,3 +224,35 @@ def test_hostile_jpeg_headers_are_refused_by_a_bounded_walk(data: bytes, message
     are refused from the header, before any decoding."""
     with pytest.raises(BadImage, match=message):
         probe(data)
+
+
+def _images_of_every_path() -> dict[str, bytes]:
+    """One image down each way ``prepare`` ends: RGB as it is, every EXIF orientation, grey, alpha,
+    16 bits, CMYK."""
+    photo = Image.fromarray(skdata.chelsea())
+    cases = {"rgb jpeg": pil_bytes(photo, "JPEG"), "rgb png": pil_bytes(photo, "PNG")}
+    for orientation in range(2, 9):
+        exif = photo.getexif()
+        exif[0x0112] = orientation
+        cases[f"orientation {orientation}"] = pil_bytes(photo, "JPEG", exif=exif.tobytes())
+    cases["grey"] = pil_bytes(photo.convert("L"), "PNG")
+    cases["alpha"] = pil_bytes(photo.convert("RGBA"), "PNG")
+    cases["cmyk"] = pil_bytes(photo.convert("CMYK"), "JPEG")
+    ok, wide = cv2.imencode(".png", (skdata.chelsea().astype(np.uint16) * 257))
+    assert ok
+    cases["16 bits"] = wide.tobytes()
+    return cases
+
+
+@pytest.mark.parametrize("case", list(_images_of_every_path()))
+def test_an_image_is_written_into_the_array_it_is_given(case: str) -> None:
+    """``out`` (the shared engine's cell): whichever way the image is decoded it ends in that very
+    array, with the pixels it gets without one; an array of another shape is left alone."""
+    encoded = _images_of_every_path()[case]
+    cell = np.full((224, 224, 3), 7, np.uint8)
+    got = prepare(encoded, CONFIG, out=cell)
+    assert got is cell
+    np.testing.assert_array_equal(got, prepare(encoded, CONFIG))
+    wrong = np.zeros((100, 100, 3), np.uint8)
+    assert prepare(encoded, CONFIG, out=wrong).shape == (224, 224, 3)
+    assert not wrong.any()
