@@ -247,19 +247,24 @@ def _batches(run: Run, one_batch: Callable[[], object], batch: int, seconds: flo
     return run
 
 
-def nvimagecodec_decode(photos: list[bytes], label: str, seconds: float, batch: int) -> Run | None:
+def nvimagecodec_decode(
+    photos: list[bytes], label: str, seconds: float, batch: int, backends: tuple[str, ...] | None = None
+) -> Run | None:
     """nvImageCodec (``GATEWAY_DECODER=nvimagecodec``: the hardware JPEG decoder first) as the
-    gateway runs it: a batch decoded, each cropped, resized and oriented on the GPU, copied back."""
+    gateway runs it: a batch decoded, each cropped, resized and oriented on the GPU, copied back.
+    ``backends``: only these of its decoders (``("HW_GPU_ONLY",)``: its images decoded on the GPU
+    say whether the hardware decoder took them; the others fall back to OpenCV)."""
     try:
-        from service.images.gpu_decode import NvImageCodecDecoder
+        from service.images.gpu_decode import NVIMAGECODEC_BACKENDS, NvImageCodecDecoder
 
-        decoder = NvImageCodecDecoder("cuda", lambda reason: None)
+        decoder = NvImageCodecDecoder("cuda", lambda reason: None, backends=backends or NVIMAGECODEC_BACKENDS)
     except (ImportError, RuntimeError) as exc:
         print(f"nvImageCodec decode skipped: {exc}", file=sys.stderr)
         return None
     config = PreprocessConfig()
     datas = [photos[i % len(photos)] for i in range(batch)]
-    run = Run("decode", f"nvImageCodec GPU, {label}", batch=batch)
+    only = f", {' + '.join(backends)} only" if backends else ""
+    run = Run("decode", f"nvImageCodec GPU, {label}{only}", batch=batch)
     _versus_opencv(run, "nvImageCodec", label, decoder, photos, config)
     decoder.prepare_many(datas, config)  # warm
     return _batches(run, partial(decoder.prepare_many, datas, config), batch, seconds)
@@ -687,7 +692,8 @@ def main() -> None:
         cores = os.cpu_count() or 2
         for label, images in (("224 px", photos), ("full-size", full)):
             runs.append(cpu_decode(images, label, seconds / 2, cores))
-            for decode in (gpu_decode, nvimagecodec_decode):
+            hardware_only = partial(nvimagecodec_decode, backends=("HW_GPU_ONLY",))
+            for decode in (gpu_decode, nvimagecodec_decode, hardware_only):
                 gpu = decode(images, label, seconds / 2, 64 if label == "224 px" else 16)
                 if gpu is not None:
                     runs.append(gpu)

@@ -221,14 +221,25 @@ class NvJpegDecoder(GpuDecoder):
         return list(self._decode_jpeg(encoded, device=self.device))
 
 
+NVIMAGECODEC_BACKENDS = ("HW_GPU_ONLY", "GPU_ONLY")
+"""nvImageCodec's decoders the gateway uses, in order: the hardware JPEG engines, then CUDA."""
+
+
 class NvImageCodecDecoder(GpuDecoder):
     """``GATEWAY_DECODER=nvimagecodec``: nvImageCodec, the hardware JPEG decoder where the GPU has
     one, else its CUDA decoder."""
 
-    def __init__(self, device: str, on_fallback: Callable[[str], None], decode: DecodeImages | None = None) -> None:
-        """``decode``: a stand-in for nvImageCodec's (tests); None builds nvImageCodec's."""
+    def __init__(
+        self,
+        device: str,
+        on_fallback: Callable[[str], None],
+        decode: DecodeImages | None = None,
+        backends: tuple[str, ...] = NVIMAGECODEC_BACKENDS,
+    ) -> None:
+        """``decode``: a stand-in for nvImageCodec's (tests); None builds nvImageCodec's, with
+        ``backends`` (its ``BackendKind`` names) in the order it tries them."""
         super().__init__(device, on_fallback)
-        self._decode_images = decode if decode is not None else _nvimagecodec(device)
+        self._decode_images = decode if decode is not None else _nvimagecodec(device, backends)
 
     def _decode(self, datas: list[bytes]) -> list[torch.Tensor | None]:
         import torch
@@ -239,9 +250,10 @@ class NvImageCodecDecoder(GpuDecoder):
         ]
 
 
-def _nvimagecodec(device: str) -> DecodeImages:
-    """nvImageCodec's batched decode on ``device``: hardware decoder first, CUDA decoder next; RGB,
-    EXIF orientation not applied (the square is oriented after cropping, as on the CPU)."""
+def _nvimagecodec(device: str, backends: tuple[str, ...]) -> DecodeImages:
+    """nvImageCodec's batched decode on ``device`` with ``backends`` (e.g. the hardware decoder
+    first, the CUDA decoder next); RGB, EXIF orientation not applied (the square is oriented after
+    cropping, as on the CPU)."""
     import torch
 
     try:
@@ -251,6 +263,10 @@ def _nvimagecodec(device: str) -> DecodeImages:
             f"GATEWAY_DECODER=nvimagecodec needs nvImageCodec (pip install nvidia-nvimgcodec-cu13): {exc}"
         ) from None
     _cuda_device(device, "nvimagecodec")
+    try:
+        kinds = [getattr(nvimgcodec.BackendKind, name) for name in backends]
+    except AttributeError as exc:
+        raise RuntimeError(f"nvImageCodec has no such backend: {exc}") from None
     index = torch.device(device).index or 0
     params = nvimgcodec.DecodeParams(
         color_spec=nvimgcodec.ColorSpec.SRGB, sample_format=nvimgcodec.SampleFormat.I_RGB, apply_exif_orientation=False
@@ -262,7 +278,6 @@ def _nvimagecodec(device: str) -> DecodeImages:
         at once), on the thread's current CUDA stream, where the crop and resize then run."""
         decoder = getattr(local, "decoder", None)
         if decoder is None:
-            kinds = (nvimgcodec.BackendKind.HW_GPU_ONLY, nvimgcodec.BackendKind.GPU_ONLY)
             decoder = local.decoder = nvimgcodec.Decoder(
                 device_id=index, backends=[nvimgcodec.Backend(kind) for kind in kinds]
             )
