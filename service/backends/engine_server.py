@@ -192,7 +192,10 @@ class EngineServer:
 async def run_engine(socket_path: str, stop: asyncio.Event, on_ready: Callable[[], None] | None = None) -> None:
     """The engine process's life: load the backend, then serve the workers until ``stop``;
     ``on_ready`` is called once it listens."""
-    settings = Settings(torch_engine="per-worker", engine_socket=None)  # type: ignore[call-arg]
+    inflight = Settings().engine_inflight_batches  # type: ignore[call-arg]
+    settings = Settings(  # type: ignore[call-arg]
+        torch_engine="per-worker", engine_socket=None, max_inflight_batches=inflight
+    )
     profile = get_profile(settings.model)
     backend = await build_backend(settings, profile)
     await backend.start()

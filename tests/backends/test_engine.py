@@ -538,3 +538,26 @@ async def test_a_cell_stays_taken_until_the_engine_is_done_with_it(tmp_path: Pat
                     await asyncio.sleep(0.05)
             again[...] = process_images(6)[0]
             assert list((await client.infer([again], timeout=30)).argmax(axis=1)) == [6]
+
+
+@pytest.mark.parametrize("inflight", [1, 3])
+async def test_the_engine_runs_its_own_number_of_batches_at_once(tmp_path: Path, inflight: int) -> None:
+    """``GATEWAY_ENGINE_INFLIGHT_BATCHES``, not the workers' ``GATEWAY_MAX_INFLIGHT_BATCHES``:
+    three workers' one-image calls (batches of one, each taking 0.5 s) end together with 3 batches
+    at once, one after another with 1."""
+    socket = tmp_path / "engine.sock"
+    settings = {"GATEWAY_MAX_BATCH_SIZE": "1", "GATEWAY_FAKE_DELAY": "0.5", "GATEWAY_MAX_INFLIGHT_BATCHES": "1"}
+    with engine_process(socket, GATEWAY_ENGINE_INFLIGHT_BATCHES=str(inflight), **settings):
+        async with (
+            engine_client(socket, slots=1) as a,
+            engine_client(socket, slots=1) as b,
+            engine_client(socket, slots=1) as c,
+        ):
+            started = time.perf_counter()
+            answers = await asyncio.gather(*(w.infer(process_images(i), timeout=30) for i, w in enumerate((a, b, c))))
+            took = time.perf_counter() - started
+    assert [list(answer.argmax(axis=1)) for answer in answers] == [[0], [1], [2]]
+    if inflight == 3:
+        assert took < 1.0  # one round of 0.5 s
+    else:
+        assert took >= 1.45  # three rounds
