@@ -336,6 +336,7 @@ def gateway_runs(
         "GATEWAY_TORCH_COMPILE": "on" if spec.mode == "compiled" else "off",
         "GATEWAY_TORCH_SYNC": spec.sync,
         "GATEWAY_TORCH_ENGINE": spec.engine,
+        "GATEWAY_BATCH_POLICY": spec.policy,
     }
     started = time.perf_counter()
     proc, url = start_gateway([], workdir / "models", timeout=600, env=settings)
@@ -353,6 +354,7 @@ def gateway_runs(
         "mode": spec.mode,
         "sync": spec.sync,
         "engine": spec.engine,
+        "policy": spec.policy,
     }
     runs = []
     try:

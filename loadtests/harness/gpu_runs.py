@@ -195,15 +195,17 @@ class GatewaySpec:
     """One gateway configuration to run: ``WORKERS[:OPTION...]``, the options ``opencv``/``nvjpeg``/
     ``nvimagecodec`` (decoder), ``graphs``/``eager``/``compiled`` (CUDA graphs, none, or
     ``torch.compile`` under CUDA graphs), ``blocking``/``spin`` (how backend
-    threads wait for the GPU) and ``per-worker``/``shared`` (a model in every worker, or one engine
-    process), e.g. ``14``, ``4:nvjpeg``, ``14:eager``, ``8:spin``, ``16:shared``. The default
-    (OpenCV, graphs, blocking, a model per worker) gets every load; the others the loads that tell them apart."""
+    threads wait for the GPU), ``per-worker``/``shared`` (a model in every worker, or one engine
+    process) and ``fixed``/``adaptive`` (``GATEWAY_BATCH_POLICY``), e.g. ``14``, ``4:nvjpeg``,
+    ``14:eager``, ``8:spin``, ``16:shared:compiled:adaptive``. The default (OpenCV, graphs, blocking,
+    a model per worker, fixed) gets every load; the others the loads that tell them apart."""
 
     workers: int
     decoder: str = "opencv"
     mode: str = "graphs"
     sync: str = "blocking"
     engine: str = "per-worker"
+    policy: str = "fixed"
 
     @classmethod
     def parse(cls, text: str) -> GatewaySpec:
@@ -226,7 +228,13 @@ class GatewaySpec:
     @property
     def label(self) -> str:
         """What differs from the default, for run names."""
-        names = {"decoder": "{} decode", "mode": "{}", "sync": "{} wait", "engine": "{} engine"}
+        names = {
+            "decoder": "{} decode",
+            "mode": "{}",
+            "sync": "{} wait",
+            "engine": "{} engine",
+            "policy": "{} batching",
+        }
         default = GatewaySpec(self.workers)
         return "".join(
             f", {form.format(getattr(self, field))}"
@@ -235,10 +243,16 @@ class GatewaySpec:
         )
 
 
-_SPEC_CHOICES = ("opencv|nvjpeg|nvimagecodec", "graphs|eager|compiled", "blocking|spin", "per-worker|shared")
+_SPEC_CHOICES = (
+    "opencv|nvjpeg|nvimagecodec",
+    "graphs|eager|compiled",
+    "blocking|spin",
+    "per-worker|shared",
+    "fixed|adaptive",
+)
 _SPEC_OPTIONS = {
     option: field
-    for field, choices in zip(("decoder", "mode", "sync", "engine"), _SPEC_CHOICES, strict=True)
+    for field, choices in zip(("decoder", "mode", "sync", "engine", "policy"), _SPEC_CHOICES, strict=True)
     for option in choices.split("|")
 }
 """Each option of a gateway spec to the field it sets."""

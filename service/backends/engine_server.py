@@ -210,6 +210,7 @@ async def run_engine(socket_path: str, stop: asyncio.Event, on_ready: Callable[[
         max_inflight_batches=settings.max_inflight_batches,
         on_batch=lambda report: engine.observe(report.size),  # bound below, before the first batch
         backend_name=backend.name,
+        policy=settings.batch_policy,
     )
     detail = f"engine shared by the workers: {getattr(backend, 'detail', None) or backend.name}"
     engine = EngineServer(batcher, Geometry(profile.image_size, len(profile.labels)), detail)

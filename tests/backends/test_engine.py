@@ -561,3 +561,27 @@ async def test_the_engine_runs_its_own_number_of_batches_at_once(tmp_path: Path,
         assert took < 1.0  # one round of 0.5 s
     else:
         assert took >= 1.45  # three rounds
+
+
+@pytest.mark.parametrize("policy", ["fixed", "adaptive"])
+async def test_the_engine_batches_by_the_gateways_policy(tmp_path: Path, policy: str) -> None:
+    """``GATEWAY_BATCH_POLICY`` holds in the engine too. A call that arrives while one batch (0.5 s)
+    runs and a second could: under ``fixed`` it waits for company until the backend is idle (within
+    the 10 s ``max_delay``); under ``adaptive`` it goes at once (the engine batched ``fixed``
+    whatever the setting, adding that wait to the workers' own)."""
+    socket = tmp_path / "engine.sock"
+    settings = {"GATEWAY_MAX_DELAY": "10", "GATEWAY_FAKE_DELAY": "0.5", "GATEWAY_ENGINE_INFLIGHT_BATCHES": "2"}
+    with engine_process(socket, GATEWAY_BATCH_POLICY=policy, **settings):
+        async with engine_client(socket, slots=1) as first, engine_client(socket, slots=1) as second:
+            for value in (1, 2, 3):  # the adaptive policy's first batches teach it the backend's time
+                running = asyncio.create_task(first.infer(process_images(value), timeout=30))
+                await asyncio.sleep(0.05)  # in the backend now
+                started = time.perf_counter()
+                answer = await second.infer(process_images(value + 10), timeout=30)
+                took = time.perf_counter() - started
+                assert list(answer.argmax(axis=1)) == [value + 10]
+                await running
+    if policy == "fixed":
+        assert took >= 0.85  # the rest of the first batch, then its own
+    else:
+        assert took < 0.8  # its own batch only

@@ -115,7 +115,9 @@ def test_gateway_specs_name_what_differs_from_the_default() -> None:
     )
     shared = GatewaySpec.parse("16:shared")
     assert (shared.engine, shared.label, shared.full_plan) == ("shared", ", shared engine", False)
-    for bad in ("0", "4:foo", "4:eager:graphs", "4:compiled:eager", "4:shared:per-worker", "x"):
+    served = GatewaySpec.parse("16:shared:compiled:adaptive")
+    assert (served.policy, served.label) == ("adaptive", ", compiled, shared engine, adaptive batching")
+    for bad in ("0", "4:foo", "4:eager:graphs", "4:compiled:eager", "4:shared:per-worker", "4:fixed:adaptive", "x"):
         with pytest.raises(ValueError, match=r"spec|invalid literal"):
             GatewaySpec.parse(bad)
 
