@@ -260,8 +260,8 @@ class Settings(BaseSettings):
     GPU, and the workers (decoding, batching) hand it their batches through shared memory, where one
     batcher merges them (``service.backends.engine``; metric ``gateway_engine_batch_size``). Workers
     decode straight into that memory: each worker's block holds ``max_inflight_batches x
-    max_batch_size`` images for batches that must be copied and twice as many cells its decode
-    threads write into (about 150 KB an image at 224 px, touched only as used). The engine runs
+    max_batch_size`` images for those that must be copied and ``max_queue_size`` + as many cells its
+    decode threads write into (about 150 KB an image at 224 px, touched only as used). The engine runs
     ``max_inflight_batches`` batches at once. See docs/performance/gpu_figures.md for when each wins."""
     engine_socket: str | None = None
     """The shared engine's Unix socket (set by ``gateway serve`` for its workers; or an engine run

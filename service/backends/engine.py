@@ -20,16 +20,17 @@ The wire, per worker, over a Unix socket:
 * the block's cells: ``slots`` batch slots first (``max_inflight_batches`` of ``max_batch_size``
   cells each), then ``pool_images`` cells the worker's decoders write their images into
   (``service.backends.image_cells``: decoded straight into the memory the engine reads);
-* a batch: ``(id, count, seconds left)`` and the ``count`` cells its images are in. A batch whose
-  images were all decoded into cells is sent as it is, with no copy; any other (every cell was
-  taken, a GPU decoder's images) is first copied into a free slot. The engine queues views of those
+* a batch: ``(id, count, seconds left)`` and the ``count`` cells its images are in. Images decoded
+  into cells are sent as they are, with no copy; any others (every cell was taken, a GPU
+  decoder's images) are first copied into a free slot. The engine queues views of those
   cells (no copy) in its batcher and answers ``(id, status, count)`` with the ``float32 [count,
   classes]`` scores, or a status and an error message. The worker holds the batch's images (so
   their cells stay taken), or its slot, until the answer arrives (or the connection is gone).
 
 The engine refuses (closes) a connection that breaks the wire: no HELLO within 5 s, a block that is
-not a sealed memory file of the announced size, a cell or count out of range, more calls at once
-than cells.
+not a sealed memory file of the announced size, a cell or count out of range, more images in calls
+at once than cells (each holds one in a worker). It reads no more calls from a worker that does
+not read its answers.
 
 Each connection is a generation in the worker: its calls fail together with 503 when it drops
 (those waiting for a slot too), ids are the connection's own, and a call's ``timeout`` (its
@@ -234,16 +235,15 @@ ANSWER_GRACE = 5.0
 """Seconds past a call's deadline after which an engine that has not answered it counts as stuck."""
 
 
-_Held = int | Images
-"""What a call holds until the engine answers: the slot its images were copied into, or the images
-themselves, decoded into cells (holding them keeps those cells taken)."""
-
-
 @dataclass
 class _Pending:
+    """A call sent and not answered. Until the engine answers it holds the slot its copied images
+    are in, and its images (holding those decoded into cells keeps the cells taken)."""
+
     future: asyncio.Future[np.ndarray]
     """Done when the call gave up (its deadline) before the answer."""
-    held: _Held
+    slot: int | None
+    images: Images
     owed_by: float
     """When the engine owes the answer by (monotonic: the call's deadline, or ``owed_within`` after
     it was sent when it has none, plus ``grace``)."""
@@ -261,16 +261,21 @@ class _Connection:
         self.lost: str | None = None
 
     def send(
-        self, cells: list[int], held: _Held, timeout: float | None, owed_within: float, grace: float
+        self,
+        cells: list[int],
+        slot: int | None,
+        images: Images,
+        timeout: float | None,
+        owed_within: float,
+        grace: float,
     ) -> asyncio.Future[np.ndarray]:
-        """The call for the images in ``cells``; ``held`` (their slot, or the images themselves)
-        stays the engine's until it answers."""
+        """The call for ``images``, in ``cells`` (some copied into ``slot``): held until it is answered."""
         if self.lost is not None:
             raise BackendUnavailable(self.lost)
         self.next_id += 1
         future: asyncio.Future[np.ndarray] = asyncio.get_running_loop().create_future()
         owed_by = time.monotonic() + (timeout if timeout else owed_within) + grace
-        self.pending[self.next_id] = _Pending(future, held, owed_by)
+        self.pending[self.next_id] = _Pending(future, slot, images, owed_by)
         header = _REQUEST.pack(self.next_id, len(cells), timeout or 0.0)
         self.writer.write(header + np.asarray(cells, _CELLS).tobytes())
         return future
@@ -300,7 +305,8 @@ class EngineClient:
         answer_grace: float = ANSWER_GRACE,
     ) -> None:
         """``slots`` batches of ``max_batch_size`` images copied in at once; ``pool_images``: cells
-        decoders write into (``allocate_image``; default twice the slots' images). ``down_limit``:
+        decoders write into (``allocate_image``; default twice the slots' images; the gateway's
+        workers take ``max_queue_size`` more than the slots', every image queued or in flight). ``down_limit``:
         seconds without the engine (gone, or stuck) after which ``liveness`` reports it.
         ``answer_grace``: seconds past a call's deadline after which an engine that has not
         answered it counts as stuck."""
@@ -310,8 +316,8 @@ class EngineClient:
         self.down_limit = down_limit
         self.answer_grace = answer_grace
         self.detail: str | None = None
-        pool = 2 * slots * max_batch_size if pool_images is None else pool_images
         slotted = slots * max_batch_size
+        pool = min(2 * slotted if pool_images is None else pool_images, MAX_CELLS - slotted)
         self._fd, self._block = create_block((slotted + pool) * geometry.image_bytes)
         size = geometry.image_size
         self._slots_view = np.ndarray((slots, max_batch_size, size, size, 3), np.uint8, buffer=self._block)
@@ -389,14 +395,10 @@ class EngineClient:
         self._slots.fail_waiters(connection.generation, error)
         pending, connection.pending = connection.pending, {}
         for call in pending.values():
-            self._let_go(call.held)
+            if call.slot is not None:
+                self._slots.release(call.slot)
             if not call.future.done():
                 call.future.set_exception(error)
-
-    def _let_go(self, held: _Held) -> None:
-        """A call's slot is free again (its images, held until now, are simply dropped)."""
-        if isinstance(held, int):
-            self._slots.release(held)
 
     async def _read(self, reader: asyncio.StreamReader, connection: _Connection) -> None:
         classes = self.geometry.classes
@@ -409,7 +411,8 @@ class EngineClient:
             if call is None:
                 raise ConnectionError(f"the engine answered call {request_id}, which it was not sent")
             future = call.future
-            self._let_go(call.held)  # the engine is done with it
+            if call.slot is not None:
+                self._slots.release(call.slot)  # the engine is done with it
             del call  # and with its images: their cells are free once the request lets go of them too
             if future.done():  # the call gave up (its deadline)
                 continue
@@ -427,18 +430,22 @@ class EngineClient:
             raise BackendUnavailable(self._problem or "not connected to the engine")
         if timeout is not None and timeout <= 0:
             raise DeadlineExceeded("the request deadline passed before the batch reached the engine")
-        cells = self._cells.indices(images)
+        found = self._cells.indices(images)
+        copied = [i for i, cell in enumerate(found) if cell is None]  # not decoded into cells
         try:
             async with asyncio.timeout(timeout):
-                held: _Held = images
-                if cells is None:  # not decoded into cells: copied into a slot
-                    held = slot = await self._slots.acquire(connection.generation)
-                    await self._copy(slot, images)
-                    cells = list(range(slot * self.max_batch_size, slot * self.max_batch_size + count))
+                slot = None
+                if copied:  # into a slot, the rest of the batch staying where it is
+                    slot = await self._slots.acquire(connection.generation)
+                    await self._copy(slot, [images[i] for i in copied])
+                    for row, i in enumerate(copied):
+                        found[i] = slot * self.max_batch_size + row
+                cells = [cell for cell in found if cell is not None]
                 try:
-                    answer = connection.send(cells, held, timeout, self.down_limit, self.answer_grace)
+                    answer = connection.send(cells, slot, images, timeout, self.down_limit, self.answer_grace)
                 except BackendUnavailable:  # lost while copying
-                    self._let_go(held)
+                    if slot is not None:
+                        self._slots.release(slot)
                     raise
                 # cancelled at the deadline: what it holds stays the engine's until it answers or the connection goes
                 return await answer

@@ -14,6 +14,7 @@ import os
 import socket
 import stat
 from collections.abc import Callable
+from functools import partial
 
 import numpy as np
 from prometheus_client import REGISTRY, CollectorRegistry, Histogram
@@ -129,17 +130,25 @@ class EngineServer:
             reader, writer = await asyncio.open_unix_connection(sock=conn)
             ready = json.dumps({"detail": self.detail, "classes": self.geometry.classes}).encode()
             writer.write(_READY.pack(len(ready)) + ready)
+            in_flight = 0  # images of this connection's calls not answered yet
+
+            def answered(count: int) -> None:  # before the answer is sent: the worker may reuse the cells then
+                nonlocal in_flight
+                in_flight -= count
+
             while True:
+                await writer.drain()  # a worker that does not read its answers is not read either
                 request_id, count, seconds = _REQUEST.unpack(await reader.readexactly(_REQUEST.size))
                 if not 1 <= count <= hello.per_call:
                     raise Refused(f"a call of {count} images (at most {hello.per_call})")
                 cells = np.frombuffer(await reader.readexactly(count * _CELLS.itemsize), _CELLS)
                 if cells.max() >= hello.cells:
                     raise Refused(f"cell {cells.max()} is outside the block of {hello.cells}")
-                if len(tasks) >= hello.cells:
-                    raise Refused("more calls at once than cells")
+                if in_flight + count > hello.cells:  # a worker's images in flight each hold a cell
+                    raise Refused(f"{in_flight + count} images in calls at once, more than the {hello.cells} cells")
+                in_flight += count
                 batch = [images[cell] for cell in cells.tolist()]
-                task = asyncio.create_task(self._answer(writer, request_id, batch, seconds))
+                task = asyncio.create_task(self._answer(writer, request_id, batch, seconds, partial(answered, count)))
                 tasks.add(task)
                 task.add_done_callback(tasks.discard)
         except Refused as exc:
@@ -164,14 +173,26 @@ class EngineServer:
             del images, hello
 
     async def _answer(
-        self, writer: asyncio.StreamWriter, request_id: int, images: list[np.ndarray], seconds: float
+        self,
+        writer: asyncio.StreamWriter,
+        request_id: int,
+        images: list[np.ndarray],
+        seconds: float,
+        answered: Callable[[], None],
     ) -> None:
+        reply = await self._reply(request_id, images, seconds)
+        del images  # not held while the reply waits for the worker to read it
+        answered()
+        writer.write(reply)
+        await writer.drain()  # a worker that does not read holds this call, and then is not read either
+
+    async def _reply(self, request_id: int, images: list[np.ndarray], seconds: float) -> bytes:
         try:
             deadline = asyncio.get_running_loop().time() + seconds if seconds > 0 else None
             rows = await self.batcher.submit(images, deadline=deadline)
             scores = np.ascontiguousarray(np.stack(rows), dtype=np.float32)
             payload = scores.tobytes()
-            writer.write(_REPLY.pack(request_id, _OK, len(rows), len(payload)) + payload)
+            return _REPLY.pack(request_id, _OK, len(rows), len(payload)) + payload
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # the worker raises the same kind: full is 429, shutting down 503
@@ -185,8 +206,7 @@ class EngineServer:
                 else _FAILED
             )
             message = (str(exc) if status != _FAILED else f"{type(exc).__name__}: {exc}").encode()
-            writer.write(_REPLY.pack(request_id, status, 0, len(message)) + message)
-        await writer.drain()  # a worker that does not read holds this batch, and then refuses itself more
+            return _REPLY.pack(request_id, status, 0, len(message)) + message
 
 
 async def run_engine(socket_path: str, stop: asyncio.Event, on_ready: Callable[[], None] | None = None) -> None:

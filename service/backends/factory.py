@@ -52,6 +52,7 @@ async def _engine(settings: Settings, profile: ModelProfile) -> Backend:
         Geometry(profile.image_size, len(profile.labels)),
         max_batch_size=settings.max_batch_size,
         slots=settings.max_inflight_batches,
+        pool_images=settings.max_queue_size + settings.max_inflight_batches * settings.max_batch_size,
         down_limit=settings.engine_down_limit,
     )
 

@@ -6,7 +6,7 @@ the cell to the engine instead of copying the image (``index``). A cell is free 
 references its array (a ``weakref.finalize`` on it): one held by a request, the batcher's queue or
 a call the engine has not yet answered stays taken, so the engine never reads a cell that is being
 written. When every cell is taken, ``allocate`` says so (None) and the decoder writes where it
-always did; such images are copied into a batch slot as before.
+always did; such images are copied into a batch slot as before (the batch's other images are not).
 
 Cells are handed out last freed first, so the pages in use stay few and warm. ``allocate`` and the
 finalizers run in any thread (the decode pool, the event loop): ``deque`` appends and pops are
@@ -57,14 +57,8 @@ class ImageCells:
         index, rest = divmod(offset, self._bytes)
         return index if rest == 0 and self._first <= index < self._end else None
 
-    def indices(self, images: Images) -> list[int] | None:
-        """Every image's cell, or None if any image is not one (then the batch is copied)."""
+    def indices(self, images: Images) -> list[int | None]:
+        """Each image's cell, or None for one that is not in a cell (it is copied)."""
         if isinstance(images, np.ndarray):
-            return None  # stacked by its caller: not cells
-        out = []
-        for image in images:
-            index = self.index(image)
-            if index is None:
-                return None
-            out.append(index)
-        return out
+            return [None] * len(images)  # stacked by its caller: not cells
+        return [self.index(image) for image in images]

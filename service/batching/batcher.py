@@ -358,6 +358,7 @@ class DynamicBatcher:
             task = asyncio.create_task(self._run_batch(batch, loop), name="batch")
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
+            del batch, task  # not held while idle: the images (the shared engine's cells) go with their requests
 
     async def _fill(self, loop: asyncio.AbstractEventLoop) -> None:
         """While the backend is busy, wait for a full batch or until the oldest image's delay is up.

@@ -15,6 +15,7 @@ the decode threads). Images without alpha are decoded straight to 8-bit BGR
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -221,25 +222,29 @@ def prepare(
     budget: Budget | None = None,
     deadline: float | None = None,
     info: ImageInfo | None = None,
-    out: np.ndarray | None = None,
+    into: Callable[[], np.ndarray | None] | None = None,
 ) -> np.ndarray:
     """Encoded image bytes to the model input: uint8 RGB ``(size, size, 3)``.
 
     With a ``budget``, the decoder memory the header promises is reserved from it first (waiting,
     until ``deadline`` at most, while other threads hold it) and given back once the image is small.
-    ``info``: the header, when the caller has probed it already. ``out``: a ``(size, size, 3)``
-    uint8 array to write the result into (the shared engine's memory), returned."""
+    ``info``: the header, when the caller has probed it already. ``into``: where the result goes,
+    asked for once the image has decoded (the shared engine's memory): a ``(size, size, 3)`` uint8
+    array, returned, or None for a new one."""
     info = info or probe(data)
     needed = check_limits(info, config)
     if budget is None:
-        return _prepare(data, info, config, out)
+        return _prepare(data, info, config, into)
     with budget.hold(needed, deadline):
-        return _prepare(data, info, config, out)
+        return _prepare(data, info, config, into)
 
 
-def _prepare(data: bytes, info: ImageInfo, config: PreprocessConfig, out: np.ndarray | None) -> np.ndarray:
+def _prepare(
+    data: bytes, info: ImageInfo, config: PreprocessConfig, into: Callable[[], np.ndarray | None] | None
+) -> np.ndarray:
     img = decode(data, info, config.needed_short_side)
     size = config.image_size
+    out = into() if into is not None else None  # decoded: only the result is left to write
     if decodes_to_rgb(info):  # the common case: three 8-bit channels, RGB already
         if info.orientation == 1:
             return centre_crop_resize(img, size, config.crop_fraction, out)

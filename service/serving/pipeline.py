@@ -149,7 +149,7 @@ def _decode_into(
 ) -> np.ndarray:
     """``prepare`` writing the image into memory the backend hands out (the shared engine's cells:
     its batch then goes to the engine with no copy), or, when it has none free, anywhere."""
-    return prepare(data, config, budget, deadline, out=allocate())
+    return prepare(data, config, budget, deadline, into=allocate)
 
 
 async def _start_version(

@@ -490,17 +490,17 @@ def _into_cells(client: EngineClient, *classes: int) -> list[np.ndarray]:
 
 async def test_images_decoded_into_cells_reach_the_engine_without_a_copy(tmp_path: Path) -> None:
     """A batch whose images are all in the worker's cells is sent as their cell numbers: no slot,
-    no copy, and each image gets its own answer. A batch with one image elsewhere is copied into a
-    slot as before, with the same answers."""
+    no copy, and each image gets its own answer. In a batch with images elsewhere only those are
+    copied into a slot, and each image still gets its own answer."""
     socket = tmp_path / "engine.sock"
     with engine_process(socket):
         async with engine_client(socket, slots=1) as client:
-            copies: list[int] = []
+            copies: list[tuple[int, int]] = []
             copy = client._copy
 
-            async def counted(slot: int, images: object) -> None:
-                copies.append(slot)
-                await copy(slot, images)  # type: ignore[arg-type]
+            async def counted(slot: int, images: list[np.ndarray]) -> None:
+                copies.append((slot, len(images)))
+                await copy(slot, images)
 
             client._copy = counted  # type: ignore[method-assign]
             cells = _into_cells(client, 3, 5, 7)
@@ -509,9 +509,9 @@ async def test_images_decoded_into_cells_reach_the_engine_without_a_copy(tmp_pat
             )  # two calls at once with one slot: neither waits for it
             assert [list(a.argmax(axis=1)) for a in answers] == [[3, 5], [7]]
             assert copies == []
-            mixed = await client.infer([cells[0], *process_images(9)], timeout=30)
-            assert list(mixed.argmax(axis=1)) == [3, 9]
-            assert copies == [0]
+            mixed = await client.infer([cells[0], *process_images(9), cells[2], *process_images(8)], timeout=30)
+            assert list(mixed.argmax(axis=1)) == [3, 9, 7, 8]
+            assert copies == [(0, 2)]  # the two images not in cells, into the slot; the others as they are
 
 
 async def test_a_cell_stays_taken_until_the_engine_is_done_with_it(tmp_path: Path) -> None:

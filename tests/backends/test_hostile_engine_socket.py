@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from multiprocessing import shared_memory
 from pathlib import Path
 
+import psutil
 import pytest
 
 from service.backends.engine import _HELLO, _MAGIC, _READY, _REQUEST, HELLO_TIMEOUT, MAX_CELLS, create_block
@@ -162,6 +163,9 @@ BAD_REQUESTS = {
     "more images than a call may carry": request(1, *range(PER_SLOT + 1)),
     "huge image count": request(1, 0, count=2**32 - 1),
     "more calls at once than cells": b"".join(request(i, 0) for i in range(CELLS + 1)),
+    "more images at once than cells, one cell named again and again": b"".join(
+        request(i, *[0] * PER_SLOT) for i in range(CELLS // PER_SLOT + 1)
+    ),
     "random bytes": random.Random(13).randbytes(4096),
 }
 
@@ -276,3 +280,39 @@ async def test_a_worker_gone_while_its_images_are_in_a_running_batch_does_not_cr
             # gone's connection is closed, the batch with its image still running
             assert list((await behind).argmax(axis=1)) == [4]
         assert process.poll() is None, f"the engine died with {process.returncode}"
+
+
+async def test_a_client_that_does_not_read_its_answers_is_not_read_either(
+    engine: tuple[Path, subprocess.Popen[bytes]],
+) -> None:
+    """A client with a large (sparse) block that sends one-image calls as fast as it can and never
+    reads an answer (each 4 KB answer to a 20-byte call): once its answers fill the socket the
+    engine stops reading its calls, and the client's sends block; the engine's memory stays bounded
+    however long it goes on, and a worker is served meanwhile. The engine read such calls for ever,
+    its unread answers piling up in its memory."""
+    path, process = engine
+    cells = 50_000
+    fd = memfd(cells * GEOMETRY.image_bytes)
+    sock = await connect(path)
+    try:
+        socket.send_fds(sock, [hello(cells=cells)], [fd])
+    finally:
+        os.close(fd)
+    loop = asyncio.get_running_loop()
+    (length,) = _READY.unpack(await loop.sock_recv(sock, _READY.size))
+    assert length > 0
+    rss = psutil.Process(process.pid).memory_info().rss
+    calls = b"".join(request(i, i % cells) for i in range(1000))
+    sent, blocked_since = 0, None
+    async with asyncio.timeout(30):  # blocked for 2 s in a row, well before
+        while blocked_since is None or loop.time() - blocked_since < 2:
+            try:
+                sent += sock.send(calls)
+                blocked_since = None
+            except BlockingIOError:
+                blocked_since = blocked_since or loop.time()
+                await asyncio.sleep(0.05)
+    await still_serving(engine)
+    grown = psutil.Process(process.pid).memory_info().rss - rss
+    assert grown < 100 * 2**20, f"the engine grew by {grown / 2**20:.0f} MiB for {sent // 20:,} calls"
+    sock.close()

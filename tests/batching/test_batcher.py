@@ -363,3 +363,27 @@ def test_ranking_a_batch_gives_each_rows_top_k() -> None:
     for row in rank_rows(tied, 3):  # equal scores: the lower class index first
         assert row[0] == (3, 1.0)
         assert row[1][0] < row[2][0]
+
+
+async def test_an_idle_batcher_holds_no_image() -> None:
+    """Once a batch is answered and its requests are done, nothing in the batcher references its
+    images (the shared engine's cells are free again only then): the batch loop used to keep its
+    last batch while it waited for the next."""
+    import gc
+    import weakref
+
+    batcher = DynamicBatcher(
+        FakeBackend().infer, max_batch_size=4, max_delay=0.001, max_queue_size=8, max_inflight_batches=1
+    )
+    batcher.start()
+    images = [solid_image(i) for i in range(3)]
+    alive = [weakref.ref(image) for image in images]
+    gc.disable()  # only references, not the cycle collector, may free them here
+    try:
+        await batcher.submit(images)
+        del images
+        await asyncio.sleep(0.05)
+        assert [ref() for ref in alive] == [None, None, None]
+    finally:
+        gc.enable()
+        await batcher.aclose()

@@ -246,13 +246,29 @@ def _images_of_every_path() -> dict[str, bytes]:
 
 @pytest.mark.parametrize("case", list(_images_of_every_path()))
 def test_an_image_is_written_into_the_array_it_is_given(case: str) -> None:
-    """``out`` (the shared engine's cell): whichever way the image is decoded it ends in that very
+    """``into`` (the shared engine's cell): whichever way the image is decoded it ends in that very
     array, with the pixels it gets without one; an array of another shape is left alone."""
     encoded = _images_of_every_path()[case]
     cell = np.full((224, 224, 3), 7, np.uint8)
-    got = prepare(encoded, CONFIG, out=cell)
+    got = prepare(encoded, CONFIG, into=lambda: cell)
     assert got is cell
     np.testing.assert_array_equal(got, prepare(encoded, CONFIG))
+    assert prepare(encoded, CONFIG, into=lambda: None).shape == (224, 224, 3)
     wrong = np.zeros((100, 100, 3), np.uint8)
-    assert prepare(encoded, CONFIG, out=wrong).shape == (224, 224, 3)
+    assert prepare(encoded, CONFIG, into=lambda: wrong).shape == (224, 224, 3)
     assert not wrong.any()
+
+
+def test_a_bad_image_takes_no_array_to_write_into() -> None:
+    """The array is asked for only once the image has decoded: a bad or oversized upload never
+    holds one of the shared engine's cells."""
+    asked: list[int] = []
+
+    def into() -> np.ndarray:
+        asked.append(1)
+        return np.zeros((224, 224, 3), np.uint8)
+
+    for bad in (b"\xff\xd8\xff" + bytes(100), pil_bytes(Image.new("RGB", (30000, 30000)), "PNG")):
+        with pytest.raises(GatewayError):
+            prepare(bad, CONFIG, into=into)
+    assert asked == []
