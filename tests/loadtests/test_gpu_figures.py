@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from loadtests.gpu_figures import write_report
+from loadtests.harness.gpu_report import write_report
 from loadtests.harness.gpu_runs import GatewaySpec, Run, bodies, gateway_run, read_runs
 from loadtests.harness.http_load import start_gateway
 from loadtests.harness.photos import sample_photos
