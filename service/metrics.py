@@ -136,6 +136,14 @@ class Metrics:
             ["reason"],
             registry=r,
         )
+        self.engine_images = Counter(
+            "gateway_engine_images_total",
+            "GATEWAY_TORCH_ENGINE=shared: images this worker handed the engine, by path (cell: decoded into the "
+            "engine's memory and sent as they were; copied: into a batch slot first, because the worker's cells "
+            "were all taken or a GPU decoder made them).",
+            ["path"],
+            registry=r,
+        )
         self.batch_model = Gauge(
             "gateway_batch_model_seconds",
             "Adaptive batching: the backend's batch time learned as a*n + b; term=per_image is a, "

@@ -261,8 +261,9 @@ class Settings(BaseSettings):
     batcher merges them (``service.backends.engine``; metric ``gateway_engine_batch_size``). Workers
     decode straight into that memory: each worker's block holds ``max_inflight_batches x
     max_batch_size`` images for those that must be copied and ``max_queue_size`` + as many cells its
-    decode threads write into (about 150 KB an image at 224 px, touched only as used). The engine runs
-    ``max_inflight_batches`` batches at once. See docs/performance/gpu_figures.md for when each wins."""
+    decode threads write into (about 150 KB an image at 224 px, touched only as used; metric
+    ``gateway_engine_images_total{path}``). The engine runs ``engine_inflight_batches`` batches at
+    once. See docs/performance/gpu_figures.md for when each wins."""
     engine_socket: str | None = None
     """The shared engine's Unix socket (set by ``gateway serve`` for its workers; or an engine run
     on its own with ``gateway engine --socket PATH``)."""

@@ -54,6 +54,7 @@ import socket
 import struct
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -316,6 +317,8 @@ class EngineClient:
         self.down_limit = down_limit
         self.answer_grace = answer_grace
         self.detail: str | None = None
+        self.on_sent: Callable[[int, int], None] | None = None
+        """Told each call's images sent as they were (in cells) and copied (``gateway_engine_images_total``)."""
         slotted = slots * max_batch_size
         pool = min(2 * slotted if pool_images is None else pool_images, MAX_CELLS - slotted)
         self._fd, self._block = create_block((slotted + pool) * geometry.image_bytes)
@@ -441,6 +444,8 @@ class EngineClient:
                     for row, i in enumerate(copied):
                         found[i] = slot * self.max_batch_size + row
                 cells = [cell for cell in found if cell is not None]
+                if self.on_sent is not None:
+                    self.on_sent(count - len(copied), len(copied))
                 try:
                     answer = connection.send(cells, slot, images, timeout, self.down_limit, self.answer_grace)
                 except BackendUnavailable:  # lost while copying

@@ -19,6 +19,7 @@ import numpy as np
 
 from service.backends.base import Backend
 from service.backends.circuit import CircuitBreaker
+from service.backends.engine import EngineClient
 from service.backends.factory import build_backend
 from service.backends.health import BackendHealth
 from service.backends.triton_repository import TritonRepository
@@ -152,6 +153,11 @@ def _decode_into(
     return prepare(data, config, budget, deadline, into=allocate)
 
 
+def _count_sent(metrics: Metrics, in_cells: int, copied: int) -> None:
+    metrics.engine_images.labels("cell").inc(in_cells)
+    metrics.engine_images.labels("copied").inc(copied)
+
+
 async def _start_version(
     served: ServedVersion,
     metrics: Metrics,
@@ -168,6 +174,8 @@ async def _start_version(
     allocate: Callable[[], np.ndarray | None] | None = getattr(chosen, "allocate_image", None)
     if allocate is not None and decode is prepare:  # OpenCV decodes into the backend's memory
         decode = partial(_decode_into, allocate)
+    if isinstance(chosen, EngineClient):
+        chosen.on_sent = partial(_count_sent, metrics)
     if settings.breaker_threshold:
         probe = np.zeros((1, profile.image_size, profile.image_size, 3), np.uint8)
         chosen = CircuitBreaker(

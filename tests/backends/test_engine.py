@@ -180,7 +180,8 @@ def test_serve_with_a_shared_engine_answers_as_the_model_does(
     tmp_path: Path, cat_jpeg: bytes, coffee_jpeg: bytes
 ) -> None:
     """Two workers, one engine process (the torch backend on the CPU): the scores are the model's,
-    and the engine's batches are on every worker's /metrics."""
+    and the engine's batches are on every worker's /metrics. Each photo was decoded straight into
+    the engine's memory and sent as it was: none copied."""
     proc, url = start_gateway([], tmp_path / "models", env=SHARED_ENGINE)
     try:
         ready = httpx.get(f"{url}/readyz").json()
@@ -203,6 +204,8 @@ def test_serve_with_a_shared_engine_answers_as_the_model_does(
             assert labels[0]["score"] == pytest.approx(float(scores.max()), abs=1e-4)
         metrics = httpx.get(f"{url}/metrics").text
         assert "gateway_engine_batch_size_count 2.0" in metrics
+        assert 'gateway_engine_images_total{path="cell"} 2.0' in metrics
+        assert 'gateway_engine_images_total{path="copied"} 0.0' in metrics
     finally:
         stop_process(proc)
 
@@ -503,6 +506,8 @@ async def test_images_decoded_into_cells_reach_the_engine_without_a_copy(tmp_pat
                 await copy(slot, images)
 
             client._copy = counted  # type: ignore[method-assign]
+            sent: list[tuple[int, int]] = []
+            client.on_sent = lambda in_cells, copied: sent.append((in_cells, copied))
             cells = _into_cells(client, 3, 5, 7)
             answers = await asyncio.gather(
                 client.infer(cells[:2], timeout=30), client.infer(cells[2:], timeout=30)
@@ -512,6 +517,7 @@ async def test_images_decoded_into_cells_reach_the_engine_without_a_copy(tmp_pat
             mixed = await client.infer([cells[0], *process_images(9), cells[2], *process_images(8)], timeout=30)
             assert list(mixed.argmax(axis=1)) == [3, 9, 7, 8]
             assert copies == [(0, 2)]  # the two images not in cells, into the slot; the others as they are
+            assert sorted(sent) == [(1, 0), (2, 0), (2, 2)]
 
 
 async def test_a_cell_stays_taken_until_the_engine_is_done_with_it(tmp_path: Path) -> None:
