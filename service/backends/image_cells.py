@@ -9,8 +9,8 @@ written. When every cell is taken, ``allocate`` says so (None) and the decoder w
 always did; such images are copied into a batch slot as before (the batch's other images are not).
 
 Cells are handed out last freed first, so the pages in use stay few and warm. ``allocate`` and the
-finalizers run in any thread (the decode pool, the event loop): ``deque`` appends and pops are
-atomic."""
+finalizers run in any thread (the decode pool, the event loop): ``deque`` appends and pops, and
+``dict`` sets, gets and deletes, are atomic."""
 
 from __future__ import annotations
 
@@ -33,6 +33,9 @@ class ImageCells:
         self._first, self._end = first, first + count
         self._base = np.frombuffer(block, np.uint8, count=1).__array_interface__["data"][0]
         self._free: deque[int] = deque(range(self._end - 1, first - 1, -1))  # the lowest first
+        self._taken: dict[int, int] = {}
+        """``id`` of each cell's array handed out to its cell (an id is not reused before its
+        array's finalizer has removed it)."""
 
     @property
     def free(self) -> int:
@@ -45,17 +48,28 @@ class ImageCells:
         except IndexError:
             return None
         cell = np.ndarray(self._shape, np.uint8, buffer=self._block, offset=index * self._bytes)
-        weakref.finalize(cell, self._free.append, index).atexit = False
+        self._taken[id(cell)] = index
+        weakref.finalize(cell, self._release, id(cell), index).atexit = False
         return cell
 
+    def _release(self, key: int, index: int) -> None:
+        del self._taken[key]
+        self._free.append(index)
+
     def index(self, image: np.ndarray) -> int | None:
-        """The cell ``image`` is (its memory exactly one of these cells), or None. An array that is
-        a cell keeps it taken: it is the cell's array, or a view whose base is."""
+        """The cell ``image`` is, or None: a cell's array as handed out, or a view of one whose
+        memory is the whole cell (either keeps the cell taken). Any other array is None, even one
+        over a cell's memory that does not hold the cell. Looked up by identity, once per image of
+        every batch on the event loop: the address is worked out only for views."""
         if image.dtype != np.uint8 or image.shape != self._shape or not image.flags.c_contiguous:
             return None
-        offset = image.__array_interface__["data"][0] - self._base
-        index, rest = divmod(offset, self._bytes)
-        return index if rest == 0 and self._first <= index < self._end else None
+        index = self._taken.get(id(image))
+        if index is not None or not isinstance(image.base, np.ndarray):
+            return index
+        index = self._taken.get(id(image.base))
+        if index is None or image.__array_interface__["data"][0] != self._base + index * self._bytes:
+            return None
+        return index
 
     def indices(self, images: Images) -> list[int | None]:
         """Each image's cell, or None for one that is not in a cell (it is copied)."""

@@ -29,7 +29,7 @@ from service.errors import ModelNotLoaded
 from service.host.allocator import keep_image_buffers
 from service.host.gpu import start_gpu_sampler
 from service.images.budget import Budget, BudgetShare, ByteBudget
-from service.images.preprocess import PreprocessConfig, prepare
+from service.images.preprocess import prepare
 from service.metrics import Metrics
 from service.models.checkpoints import real_weights_hint
 from service.serving.catalog import Catalog, load_catalog, with_discovered
@@ -141,18 +141,6 @@ async def open_models(
         pool.shutdown(wait=True, cancel_futures=True)
 
 
-def _decode_into(
-    allocate: Callable[[], np.ndarray | None],
-    data: bytes,
-    config: PreprocessConfig,
-    budget: Budget | None,
-    deadline: float | None,
-) -> np.ndarray:
-    """``prepare`` writing the image into memory the backend hands out (the shared engine's cells:
-    its batch then goes to the engine with no copy), or, when it has none free, anywhere."""
-    return prepare(data, config, budget, deadline, into=allocate)
-
-
 def _count_sent(metrics: Metrics, in_cells: int, copied: int) -> None:
     metrics.engine_images.labels("cell").inc(in_cells)
     metrics.engine_images.labels("copied").inc(copied)
@@ -172,8 +160,8 @@ async def _start_version(
     settings, profile = spec.settings, spec.profile
     chosen = backend if backend is not None else await build_backend(settings, profile)
     allocate: Callable[[], np.ndarray | None] | None = getattr(chosen, "allocate_image", None)
-    if allocate is not None and decode is prepare:  # OpenCV decodes into the backend's memory
-        decode = partial(_decode_into, allocate)
+    if allocate is not None and decode is prepare:  # OpenCV decodes into the backend's memory (the engine's cells)
+        decode = partial(prepare, into=allocate)
     if isinstance(chosen, EngineClient):
         chosen.on_sent = partial(_count_sent, metrics)
     if settings.breaker_threshold:

@@ -54,6 +54,7 @@ def test_only_an_array_that_is_exactly_a_cell_names_one() -> None:
     assert pool.index(cell) == pool.index(cell[:]) == pool.index(cell.reshape(SHAPE)) == 2
     whole = np.frombuffer(pool._block, np.uint8).reshape(-1, *SHAPE)
     assert pool.index(whole[1]) is None  # a slot's cell: not the pool's
+    assert pool.index(whole[3]) is None  # over a pool cell's memory, but not holding it: it may be handed out
     assert pool.index(whole[2].reshape(-1)[1:].reshape(-1)[: IMAGE - 1]) is None
     assert pool.index(cell[:, ::-1]) is None  # not contiguous
     assert pool.index(cell.astype(np.int16)) is None
