@@ -3,7 +3,9 @@
 <prefix>.requests  direct exchange -> quorum queue <prefix>.work        (routing key "classify": the
                                                                          default model's jobs)
                                    -> quorum queue <prefix>.work.<model> (routing key "classify.<model>":
-                                                                         each other model's jobs)
+                                                                         each other model's jobs, and
+                                                                         the default model's queued
+                                                                         while another was the default)
 <prefix>.results   topic exchange  -> quorum queue <prefix>.results     (binding "#", capped)
                                    -> each API replica's own queue      (binding "jobs")
                                    -> each ingest run's quorum queue    (binding "ingest.<run>")
@@ -97,10 +99,27 @@ class Names:
         serves one model, and its queued jobs, stay as they were."""
         if model == default:
             return Route(model, self.work, REQUEST_KEY)
+        return self._own_route(model)
+
+    def _own_route(self, model: str) -> Route:
+        """The queue of ``model`` when it is not the default: ``<prefix>.work.<model>``."""
         return Route(model, f"{self.work}.{model}", f"{REQUEST_KEY}.{model}")
 
     def routes(self, models: Iterable[str], default: str) -> list[Route]:
         return [self.route(model, default) for model in models]
+
+    def queues(self, models: Iterable[str], default: str) -> list[Route]:
+        """Every queue where jobs of ``models`` wait: each one's route, and for the default model
+        also ``<prefix>.work.<model>``, its queue while another model was the default. Its jobs
+        queued then wait there (and an API replica still on the old models file sends more there
+        during a rolling update), so a worker consumes both queues of the default model, and no
+        job is stranded when the models file's ``default`` changes."""
+        found: list[Route] = []
+        for model in models:
+            found.append(self.route(model, default))
+            if model == default:
+                found.append(self._own_route(model))
+        return found
 
 
 @dataclass

@@ -604,36 +604,47 @@ def worker_catalog(catalog: Catalog, wanted: str) -> Catalog:
     return catalog.only(names)
 
 
-async def run_worker(settings: Settings, stop: asyncio.Event | None = None, backend: Backend | None = None) -> None:
-    """Run until SIGTERM/SIGINT (or ``stop``), then stop consuming, finish and ack what was taken."""
+async def run_worker(
+    settings: Settings,
+    stop: asyncio.Event | None = None,
+    backend: Backend | None = None,
+    metrics: Metrics | None = None,
+) -> None:
+    """Run until SIGTERM/SIGINT (or ``stop``), then stop consuming, finish and ack what was taken.
+    ``metrics``: the registry to record in (a new one by default)."""
     if not settings.broker_url:
         raise SystemExit("gateway worker: GATEWAY_BROKER_URL is not set")
     stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    metrics = Metrics()
+    metrics = metrics or Metrics()
     if settings.worker_metrics_port:
         start_http_server(settings.worker_metrics_port, addr=settings.host, registry=metrics.registry)
     full = load_catalog(settings)
     catalog = worker_catalog(full, settings.worker_models)
     # the messages it holds wait in its models' batchers: as many as the smallest holds (prefetch
     # counts per consumer: each of its models' queues holds that many at most; models found in
-    # Triton's index later take the same)
+    # Triton's index later take the same). The default model's second queue holds only the jobs
+    # queued before it became the default: while both have jobs, what a full batcher refuses is
+    # requeued (QueueFull), never lost
     prefetch = min(version.settings.prefetch for model in catalog.models for version in model.versions)
     names = Names(settings.queue_prefix)
     tracing = Tracing.from_settings(settings, role="worker")
     async with open_models(settings, metrics, backend, tracing, catalog) as models:
-        routes = names.routes(models.models, full.default)  # with "*", the models found in Triton's index too
-        # every model's queue is declared and its depth sampled, served here or not: a queue no
-        # worker serves is seen growing; a job that waited in the wrong queue is moved to its own
-        known = {route.model: route for route in names.routes([m.name for m in full.models], full.default) + routes}
+        served = list(models.models)  # with "*", the models found in Triton's index too
+        everyone = [*(model.name for model in full.models), *served]
+        # the queues of the models served here, the default model's both (``Names.queues``)
+        routes = names.queues(served, full.default)
+        # every model's queues are declared and their depth sampled, served here or not: a queue
+        # no worker serves is seen growing; a job that waited in the wrong queue is moved to its own
+        known = {route.model: route for route in names.routes(everyone, full.default)}
         broker = Broker(
             settings.broker_url,
             names,
             publish_timeout=settings.publish_timeout,
             prefetch=prefetch,
-            routes=list(known.values()),
+            routes=list(dict.fromkeys(names.queues(everyone, full.default))),
         )
         await broker.connect()
         worker = Worker(settings, models, routes, broker, metrics, tracing, known)

@@ -14,6 +14,7 @@ import textwrap
 from collections.abc import Callable
 from pathlib import Path
 
+import aio_pika
 import httpx
 import pytest
 
@@ -21,6 +22,7 @@ from service.jobs.messages import ERROR_HEADER, MODEL_HEADER, REQUEUES_HEADER, V
 from service.jobs.policies import gateway_policies, rabbitmqctl_commands
 from service.jobs.topology import Names
 from service.jobs.worker import NOT_SERVED_REQUEUES, run_worker
+from service.metrics import Metrics
 from service.settings import Settings
 from tests.conftest import CAT_CLASSES, png_bytes, running_gateway, solid_image
 from tests.jobs.conftest import (
@@ -74,6 +76,11 @@ async def _job(client: httpx.AsyncClient, job_id: str, timeout: float = 60) -> d
         while (body := (await client.get(f"/jobs/{job_id}")).json())["status"] == "pending":  # noqa: ASYNC110
             await asyncio.sleep(0.05)
     return body  # type: ignore[no-any-return]
+
+
+def _depth(metrics: Metrics, queue: str) -> float | None:
+    """``gateway_queue_depth_messages`` of ``queue`` (None: never sampled)."""
+    return metrics.registry.get_sample_value("gateway_queue_depth_messages", {"queue": queue})
 
 
 async def _submit(client: httpx.AsyncClient, path: str, value: int, **headers: str) -> httpx.Response:
@@ -205,6 +212,44 @@ async def test_jobs_a_worker_does_not_serve_are_moved_requeued_or_failed(
     assert moved.headers is not None
     assert moved.headers[MODEL_HEADER] == "photos"
     assert REQUEUES_HEADER not in moved.headers  # moved, not requeued: no backoff, nothing counted
+
+
+async def test_a_new_default_model_keeps_its_old_queue(
+    gateway_factory: MakeSettings, prefix: str, tmp_path: Path
+) -> None:
+    """The models file's default changes from photos to shop. Shop's jobs in ``<prefix>.work.shop``
+    (queued before the change, or sent there by an API replica still on the old file during the
+    rolling update) are not stranded: a worker serving shop declares that queue, samples its depth
+    (``gateway_queue_depth_messages``) and classifies its jobs."""
+    models = tmp_path / "models.toml"
+    models.write_text(textwrap.dedent(MODELS).replace('default = "photos"', 'default = "shop"'))
+    settings = _settings(gateway_factory, prefix, models_file=models)
+    names = Names(prefix)
+    old_queue = names.route("shop", "photos")  # shop's queue while photos was the default
+    assert old_queue.queue == f"{names.work}.shop"
+    metrics = Metrics()
+    stop = asyncio.Event()
+    worker = asyncio.create_task(run_worker(settings, stop, metrics=metrics))  # serves the default: shop
+    try:
+        async with asyncio.timeout(20):
+            while _depth(metrics, old_queue.queue) is None:  # noqa: ASYNC110
+                await asyncio.sleep(0.05)
+        message = job(3, "late")
+        assert message.headers is not None
+        message.headers[MODEL_HEADER] = "shop"
+        connection = await aio_pika.connect(BROKER_URL)
+        async with connection:
+            channel = await connection.channel(publisher_confirms=True, on_return_raises=True)
+            exchange = await channel.get_exchange(names.requests)
+            await exchange.publish(message, old_queue.key, mandatory=True)  # as the old API replica does
+        (result,) = await collect_results(names, 1, timeout=20)
+    finally:
+        stop.set()
+        await worker
+    assert result.status == "done"
+    assert result.model is not None
+    assert result.model.name == "shop"
+    assert result.labels[0].index == 3
 
 
 async def test_an_idempotency_key_names_its_model_and_version(
