@@ -14,7 +14,9 @@ from pathlib import Path
 from typing import Any
 
 DATASOURCE = {"type": "prometheus", "uid": "prometheus"}
-CLASSIFY = 'route="/classify"'
+TRAFFIC = 'route!~"/healthz|/readyz|/metrics|/v2/health/.+|/v2/models/.+/ready|/v1/models/.+/(load|unload)"'
+"""Every route clients call, by its template (bounded): not the probes, /metrics or the admin
+routes; the same selection as deploy/prometheus/rules/gateway.yml's error ratio and latency."""
 MODEL = 'model=~"$model"'
 """The dashboard's model selector, on every per-model series."""
 
@@ -81,9 +83,14 @@ ROWS: list[tuple[str, list[dict[str, Any]]]] = [
                 "targets": [("{{mode}}", f"sum by (mode) (rate(gateway_images_classified_total{{{MODEL}}}[1m]))")],
             },
             {
-                "title": "/classify answers/s by status",
+                "title": "Answers/s by route and status",
                 "unit": "reqps",
-                "targets": [("{{status}}", f"sum by (status) (rate(gateway_http_requests_total{{{CLASSIFY}}}[1m]))")],
+                "targets": [
+                    (
+                        "{{route}} {{status}}",
+                        f"sum by (route, status) (rate(gateway_http_requests_total{{{TRAFFIC}}}[1m]))",
+                    )
+                ],
             },
             {
                 "title": "Triton inferences/s",
@@ -96,9 +103,9 @@ ROWS: list[tuple[str, list[dict[str, Any]]]] = [
         "Latency",
         [
             {
-                "title": "/classify latency (2xx)",
+                "title": "Request latency by route (2xx)",
                 "unit": "s",
-                "targets": quantiles("gateway_http_request_duration_seconds", f'{CLASSIFY},status_class="2xx"'),
+                "targets": quantiles("gateway_http_request_duration_seconds", f'{TRAFFIC},status_class="2xx"', "route"),
                 "exemplars": True,
             },
             {
@@ -279,6 +286,22 @@ ROWS: list[tuple[str, list[dict[str, Any]]]] = [
     (
         "Errors and health",
         [
+            {
+                "title": "5xx share by route, failed batches by version",
+                "unit": "percentunit",
+                "targets": [
+                    (
+                        "{{route}}",
+                        f'sum by (route) (rate(gateway_http_requests_total{{{TRAFFIC},status=~"5.."}}[5m])) '
+                        f"/ sum by (route) (rate(gateway_http_requests_total{{{TRAFFIC}}}[5m]))",
+                    ),
+                    (
+                        "failed batches {{model}}/{{version}}",
+                        f"sum by ({BY_VERSION}) (rate(gateway_backend_errors_total{{{MODEL}}}[5m])) "
+                        f"/ sum by ({BY_VERSION}) (rate(gateway_batch_size_count{{{MODEL}}}[5m]))",
+                    ),
+                ],
+            },
             {
                 "title": "Rejections by reason",
                 "unit": "reqps",
