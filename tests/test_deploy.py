@@ -158,7 +158,7 @@ def test_kubernetes_overlay_renders_and_validates(overlay: str, tmp_path: Path) 
 
     secret = next(d for d in docs if d["kind"] == "Secret")
     assert secret["metadata"]["name"].startswith("rabbitmq-credentials-")  # generated, hash-suffixed
-    assert {"username", "password", "RABBITMQ_URL"} <= set(secret["data"])  # the topology operator's keys
+    assert {"username", "password"} <= set(secret["data"])  # the topology operator's keys
     secrets = {d["metadata"]["name"] for d in docs if d["kind"] == "Secret"}
     for reference in secret_references(docs):  # every reference follows the generated name
         assert reference in secrets or reference == "gateway-webhooks", reference  # (that one is optional)
@@ -183,6 +183,71 @@ def secret_references(node: Any) -> list[str]:
         for item in node:
             found.extend(secret_references(item))
     return found
+
+
+def check_rabbitmq_trigger(trigger: dict[str, Any], queue: str) -> None:
+    """A KEDA RabbitMQ trigger that counts what the workers hold: the management API (over AMQP,
+    QueueLength counts only ready messages, kedacore/keda#5050, #6571), the queue's length, on the
+    client Service's management port, with no credentials in the URL (KEDA's TriggerAuthentication
+    gives them), on the vhost the gateway's user has."""
+    assert trigger["type"] == "rabbitmq"
+    meta = trigger["metadata"]
+    assert meta["protocol"] == "http"
+    assert meta["mode"] == "QueueLength"
+    assert meta["queueName"] == queue
+    assert meta.get("excludeUnacknowledged", "false") == "false"
+    assert meta["vhostName"] == "/"
+    host = urlsplit(meta["host"])
+    assert (host.scheme, host.hostname, host.port, host.path) == ("http", "rabbitmq.inference-gateway.svc", 15672, "/")
+    assert (host.username, host.password) == (None, None)
+    assert int(meta["value"]) > 0
+    assert trigger["authenticationRef"] == {"name": "rabbitmq"}
+
+
+def documented_scaled_objects() -> list[dict[str, Any]]:
+    """The ScaledObjects docs/deployment.md tells operators to add, one per model queue."""
+    text = (ROOT / "docs" / "deployment.md").read_text()
+    blocks = re.findall(r"```yaml\n(.*?)```", text, re.S)
+    return [d for b in blocks for d in yaml.safe_load_all(b) if d and d.get("kind") == "ScaledObject"]
+
+
+def test_keda_counts_unacknowledged_messages_through_the_management_api(tmp_path: Path) -> None:
+    """Workers are scaled on their queue's ready and unacknowledged messages (KEDA's http mode),
+    logging in as the topology operator's user with the same Secret keys, through a NetworkPolicy
+    that lets KEDA reach the management port; the per-model ScaledObjects the docs give do the same."""
+    docs = render("cpu", tmp_path)
+    config = by_kind(docs, "ConfigMap", "gateway-config")["data"]
+    scaled = by_kind(docs, "ScaledObject", "worker")["spec"]
+    assert scaled["scaleTargetRef"] == {"name": "worker"}
+    (trigger,) = scaled["triggers"]
+    check_rabbitmq_trigger(trigger, f"{config['GATEWAY_QUEUE_PREFIX']}.work")
+
+    user = by_kind(docs, "User", "gateway")["spec"]
+    credentials = user["importCredentialsSecret"]["name"]
+    auth = by_kind(docs, "TriggerAuthentication", "rabbitmq")["spec"]["secretTargetRef"]
+    assert {(ref["parameter"], ref["name"], ref["key"]) for ref in auth} == {
+        ("username", credentials, "username"),
+        ("password", credentials, "password"),
+    }
+    permission = by_kind(docs, "Permission", "gateway")["spec"]
+    assert permission["userReference"] == {"name": "gateway"}
+    assert permission["vhost"] == trigger["metadata"]["vhostName"]
+    assert permission["permissions"]["read"] == ".*"  # the management API shows queues it may read
+
+    policy = by_kind(docs, "NetworkPolicy", "rabbitmq-from-gateway-and-workers")["spec"]["ingress"]
+    keda = [
+        r
+        for r in policy
+        if r["from"][0].get("namespaceSelector", {}).get("matchLabels") == {"kubernetes.io/metadata.name": "keda"}
+    ]
+    assert [p["port"] for r in keda for p in r["ports"]] == [15672]
+
+    documented = documented_scaled_objects()
+    assert documented, "docs/deployment.md gives the ScaledObject of another model's workers"
+    for scaled_object in documented:
+        (trigger,) = scaled_object["spec"]["triggers"]
+        check_rabbitmq_trigger(trigger, "gateway.work.shop")
+        assert scaled_object["spec"]["scaleTargetRef"]["name"] != "worker"  # its own Deployment
 
 
 def test_rabbitmq_is_a_three_node_cluster_spread_over_machines(tmp_path: Path) -> None:
