@@ -23,7 +23,7 @@ from service.errors import GatewayError, error_body, validation_detail
 from service.http import inference_protocol, model_routes
 from service.http.answers import Answers
 from service.http.api import Gateway, router
-from service.http.fastpath import ClassifyFastPath, refusal
+from service.http.fastpath import FAST_ROUTES, ClassifyFastPath, refusal
 from service.http.fetch import Fetcher
 from service.http.middleware import (
     OPEN_PATHS,
@@ -193,10 +193,11 @@ def create_app(
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
         return JSONResponse(error_body(code, str(exc.detail)), status_code=exc.status_code, headers=exc.headers)
 
+    templates = {template for fast in FAST_ROUTES for template in fast.templates}
     fast_routes = {
         path: route
-        for route in (*router.routes, *model_routes.router.routes)
-        if (path := getattr(route, "path", "")).endswith("/classify")
+        for route in (*router.routes, *model_routes.router.routes, *inference_protocol.router.routes)
+        if (path := getattr(route, "path", "")) in templates and "POST" in getattr(route, "methods", ())
     }
     open_paths = OPEN_PATHS | ({"/metrics"} if settings.metrics_public else set())
 

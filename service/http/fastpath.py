@@ -1,4 +1,4 @@
-"""``POST /classify`` around FastAPI's layers, and the one way a refused request is counted and answered.
+"""The online inference routes around FastAPI's layers, and the one way a refused request is counted and answered.
 
 An online request whose client disconnects is cancelled: the gateway's HTTP protocol
 (``service.http.protocol``) calls back when the connection is lost and the request's task is
@@ -13,6 +13,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any
 
 from opentelemetry import trace
@@ -23,6 +25,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from service.errors import GatewayError, RequestTimeout, error_response
 from service.http.api import CANCEL_ON_DISCONNECT, handle_classify
+from service.http.inference_protocol import handle_infer, protocol_error
 from service.http.middleware import CLIENT_LEFT
 from service.http.protocol import ON_DISCONNECT, TIMED_OUT
 from service.metrics import Metrics
@@ -30,19 +33,64 @@ from service.metrics import Metrics
 logger = logging.getLogger(__name__)
 
 
-MODEL_CLASSIFY = re.compile(r"/v1/models/([^/]+)/(?:versions/([^/]+)/)?classify")
-"""``/v1/models/{name}/classify`` and ``/v1/models/{name}/versions/{version}/classify``."""
+Handler = Callable[[Request, str | None, str | None], Awaitable[Response]]
+"""A route's work: the request, and the model and version its path names (None: not named)."""
+ErrorRenderer = Callable[[GatewayError], Response]
+
+
+@dataclass(frozen=True)
+class FastRoute:
+    """An online route served around FastAPI's layers: its path, the route templates it is counted
+    under (without and with a version), its work, and the shape of its errors."""
+
+    prefix: str
+    """What every path of the route starts with (a cheap test before the pattern's)."""
+    pattern: re.Pattern[str]
+    """The whole path; groups ``model`` and ``version`` where the path names them."""
+    templates: tuple[str, str]
+    handle: Handler
+    render: ErrorRenderer = error_response
+
+
+def _classify(request: Request, model: str | None, version: str | None) -> Awaitable[Response]:
+    return handle_classify(request, model, version)
+
+
+def _infer(request: Request, model: str | None, version: str | None) -> Awaitable[Response]:
+    assert model is not None  # the pattern names it
+    return handle_infer(request, model, version)
+
+
+FAST_ROUTES = (
+    FastRoute("/classify", re.compile("/classify"), ("/classify", "/classify"), _classify),
+    FastRoute(
+        "/v1/models/",
+        re.compile(r"/v1/models/(?P<model>[^/]+)/(?:versions/(?P<version>[^/]+)/)?classify"),
+        ("/v1/models/{name}/classify", "/v1/models/{name}/versions/{version}/classify"),
+        _classify,
+    ),
+    FastRoute(
+        "/v2/models/",
+        re.compile(r"/v2/models/(?P<model>[^/]+)/(?:versions/(?P<version>[^/]+)/)?infer"),
+        ("/v2/models/{name}/infer", "/v2/models/{name}/versions/{version}/infer"),
+        _infer,
+        protocol_error,
+    ),
+)
+"""``/classify``, the models' classify routes, and the Open Inference Protocol's infer routes."""
 
 
 class ClassifyFastPath:
-    """``POST /classify`` and the models' classify routes straight to ``handle_classify``, around
-    FastAPI's routing, dependency and exception layers (a third of the event loop's time per
-    request on the serving-path benchmark). It sits inside the gateway's own middleware (body
-    bounds, keys, metrics), renders errors exactly as the app's handlers do, and tags the scope
-    with the documented route for the metrics and the server span."""
+    """The online inference routes (``FAST_ROUTES``) straight to their work, around FastAPI's
+    routing, dependency and exception layers (a third of the event loop's time per request on the
+    serving-path benchmark), each with the same disconnect handling: a client that leaves is not
+    answered, its work is cancelled and it is counted 499; a body too slow is counted 408. It sits
+    inside the gateway's own middleware (body bounds, keys, metrics), renders errors in each
+    route's shape (the gateway's, or the protocol's), and tags the scope with the documented route
+    for the metrics and the server span."""
 
     def __init__(self, app: ASGIApp, routes: dict[str, BaseRoute], metrics: Metrics) -> None:
-        """``routes``: the documented routes by path template (``/classify`` and the models' two)."""
+        """``routes``: the documented routes by path template (every template of ``FAST_ROUTES``)."""
         self.app = app
         self.routes = routes
         self.metrics = metrics
@@ -52,21 +100,19 @@ class ClassifyFastPath:
             await self.app(scope, receive, send)
             return
         path = scope["path"]
-        if path == "/classify":
-            model = version = None
-            scope["route"] = self.routes["/classify"]
-        elif path.startswith("/v1/models/") and (match := MODEL_CLASSIFY.fullmatch(path)):
-            model, version = match.groups()
-            scope["route"] = self.routes[
-                "/v1/models/{name}/classify" if version is None else "/v1/models/{name}/versions/{version}/classify"
-            ]
+        for fast in FAST_ROUTES:
+            if path.startswith(fast.prefix) and (match := fast.pattern.fullmatch(path)):
+                break
         else:
             await self.app(scope, receive, send)
             return
+        named = match.groupdict()
+        model, version = named.get("model"), named.get("version")
+        scope["route"] = self.routes[fast.templates[version is not None]]
         watch = _DisconnectWatch(scope)
         request = Request(scope, receive)
         try:
-            response = await handle_classify(request, model, version)
+            response = await fast.handle(request, model, version)
         except asyncio.CancelledError:
             if not watch.left():
                 raise
@@ -80,18 +126,17 @@ class ClassifyFastPath:
                 scope[CLIENT_LEFT] = True
                 return  # the client left: nobody to answer
             # The protocol has answered 408 and closed; this (dropped) answer tells the metrics.
-            response = self._refusal(RequestTimeout(timed_out))
+            response = refusal(RequestTimeout(timed_out), self.metrics, fast.render)
         except GatewayError as exc:
-            response = self._refusal(exc)
-        except Exception:  # outside FastAPI's error layer: answer 500 in the gateway's shape
+            response = refusal(exc, self.metrics, fast.render)
+        except Exception:  # outside FastAPI's error layer: answer 500 in the route's shape
             logger.exception("POST %s failed", path)
-            response = self._refusal(GatewayError("the gateway failed on this request; see its log"))
+            response = refusal(
+                GatewayError("the gateway failed on this request; see its log"), self.metrics, fast.render
+            )
         finally:
             watch.stop()
         await response(scope, receive, send)
-
-    def _refusal(self, exc: GatewayError) -> Response:
-        return refusal(exc, self.metrics)
 
 
 class _DisconnectWatch:
@@ -130,12 +175,12 @@ class _DisconnectWatch:
         self._task = None
 
 
-def refusal(exc: GatewayError, metrics: Metrics) -> Response:
-    """Count a refused request and answer it; a failure on the gateway's side (5xx) is also logged
-    (rate-limited, with the request's ids) and marked on its span."""
+def refusal(exc: GatewayError, metrics: Metrics, render: ErrorRenderer = error_response) -> Response:
+    """Count a refused request and answer it (in ``render``'s shape); a failure on the gateway's
+    side (5xx) is also logged (rate-limited, with the request's ids) and marked on its span."""
     metrics.rejections.labels(exc.error).inc()
     if exc.status_code >= 500:
         logger.warning("request failed: %s (%d): %s", exc.error, exc.status_code, exc.detail)
     if (span := trace.get_current_span()).is_recording():
         span.set_attribute("gateway.error", exc.error)
-    return error_response(exc)
+    return render(exc)

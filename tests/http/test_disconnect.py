@@ -4,11 +4,15 @@ batcher's queue before its batch is sent, and the backend never sees it (real uv
 from __future__ import annotations
 
 import asyncio
+import json
+import logging
 import re
+import struct
 from collections.abc import Callable
 from pathlib import Path
 
 import httpx
+import pytest
 
 from service.backends.fake import FakeBackend
 from service.settings import Settings
@@ -77,3 +81,114 @@ async def test_a_client_that_stays_is_answered_and_nothing_is_counted(gateway_fa
     assert all(isinstance(r, httpx.Response) and r.status_code == 200 for r in responses)
     assert counter(metrics, "gateway_client_disconnects_total") == 0
     assert counter(metrics, "gateway_abandoned_images_total") == 0
+
+
+V2_INFER = "/v2/models/efficientnet-lite0/infer"
+V2_ROUTE = 'route="/v2/models/{name}/infer"'
+
+
+def _v2_body(image: bytes) -> tuple[bytes, str]:
+    """A binary-data inference request (as tritonclient sends one) and its header's length."""
+    element = struct.pack("<I", len(image)) + image
+    tensor = {"name": "IMAGE", "datatype": "BYTES", "shape": [1], "parameters": {"binary_data_size": len(element)}}
+    head = json.dumps({"inputs": [tensor]}).encode()
+    return head + element, str(len(head))
+
+
+async def test_an_inference_protocol_client_that_leaves_mid_wait_is_dropped_and_counted_499(
+    gateway_factory: MakeSettings, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``/v2/.../infer`` has ``/classify``'s disconnect handling: A's batch is held in the backend, a
+    v2 client (curl, giving up after 1 s) waits in the queue and leaves; its image leaves the queue,
+    the backend never sees it, and it is counted 499 (it was computed and counted 200)."""
+    backend = FakeBackend()
+    backend.gate = asyncio.Event()
+    settings = gateway_factory(backend="fake", max_batch_size=1, max_inflight_batches=1, max_delay=0.0)
+    body, header_length = _v2_body(png_bytes(solid_image(9, 32)))
+    request = tmp_path / "infer.bin"
+    request.write_bytes(body)
+    async with running_gateway(settings, backend) as client:
+        first = asyncio.create_task(
+            client.post("/classify", content=png_bytes(solid_image(7, 32)), headers={"content-type": "image/png"})
+        )
+        await backend.wait_for_batches(1)  # A is in the backend, held
+        curl = await asyncio.create_subprocess_exec(
+            "curl", "-s", "-o", "/dev/null", "-w", "%{http_code}", "--max-time", "1",
+            "-H", f"Inference-Header-Content-Length: {header_length}",
+            "-H", "content-type: application/octet-stream",
+            "--data-binary", f"@{request}", f"{client.base_url}{V2_INFER}",
+            stdout=asyncio.subprocess.PIPE,
+        )  # fmt: skip
+        out, _ = await curl.communicate()
+        assert curl.returncode == 28, out  # curl's "operation timed out": it left without an answer
+        async with asyncio.timeout(10):
+            while counter((await client.get("/metrics")).text, "gateway_client_disconnects_total") < 1:  # noqa: ASYNC110
+                await asyncio.sleep(0.02)
+        batcher = client.app.state.gateway.models.default.versions["1"].classifier.batcher
+        assert batcher.queue_depth == 0  # the v2 request's image has left the queue
+        backend.gate.set()
+        assert (await first).status_code == 200
+        metrics = (await client.get("/metrics")).text
+    assert backend.batches == [1]  # the v2 image never reached the backend
+    assert counter(metrics, "gateway_abandoned_images_total") == 1
+    assert f'{V2_ROUTE},status="499"}} 1.0' in metrics
+    assert f'{V2_ROUTE},status="200"' not in metrics
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+
+
+@pytest.mark.parametrize("path", ["/classify", V2_INFER])
+async def test_a_client_that_leaves_mid_body_is_counted_499_not_500(
+    gateway_factory: MakeSettings, path: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A client that sends half its declared body and closes: no traceback, counted 499 (on
+    ``/v2`` it was a 500 with a ``ClientDisconnect`` traceback); the next client is served."""
+    body, header_length = _v2_body(png_bytes(solid_image(9, 32)))
+    async with running_gateway(gateway_factory(backend="fake"), FakeBackend()) as client:
+        port = client.base_url.port
+        _reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(
+            f"POST {path} HTTP/1.1\r\nhost: x\r\ncontent-type: application/octet-stream\r\n"
+            f"Inference-Header-Content-Length: {header_length}\r\ncontent-length: {len(body)}\r\n\r\n".encode()
+            + body[: len(body) // 2]
+        )
+        await writer.drain()
+        await asyncio.sleep(0.2)  # the request is being read
+        writer.close()
+        await writer.wait_closed()
+        route = path if path == "/classify" else "/v2/models/{name}/infer"
+        async with asyncio.timeout(10):
+            while f'route="{route}",status="499"' not in (metrics := (await client.get("/metrics")).text):  # noqa: ASYNC110
+                await asyncio.sleep(0.02)
+        served = await client.post(
+            V2_INFER,
+            content=body,
+            headers={"Inference-Header-Content-Length": header_length, "content-type": "application/octet-stream"},
+        )
+    assert served.status_code == 200
+    assert f'route="{route}",status="500"' not in metrics
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+
+
+async def test_an_inference_protocol_body_too_slow_is_counted_408(
+    gateway_factory: MakeSettings, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A ``/v2`` body that stops arriving gets the protocol's 408 within the body timeout, and the
+    request is counted 408 (it was a 500 with a ``ClientDisconnect`` traceback)."""
+    body, header_length = _v2_body(png_bytes(solid_image(9, 32)))
+    async with running_gateway(gateway_factory(backend="fake", body_timeout=0.5), FakeBackend()) as client:
+        reader, writer = await asyncio.open_connection("127.0.0.1", client.base_url.port)
+        writer.write(
+            f"POST {V2_INFER} HTTP/1.1\r\nhost: x\r\ncontent-type: application/octet-stream\r\n"
+            f"Inference-Header-Content-Length: {header_length}\r\ncontent-length: {len(body)}\r\n\r\n".encode()
+            + body[:10]
+        )
+        await writer.drain()
+        async with asyncio.timeout(5):
+            answer = await reader.read()
+        writer.close()
+        async with asyncio.timeout(10):
+            while f'{V2_ROUTE},status="408"' not in (metrics := (await client.get("/metrics")).text):  # noqa: ASYNC110
+                await asyncio.sleep(0.02)
+    assert answer.startswith(b"HTTP/1.1 408")
+    assert f'{V2_ROUTE},status="500"' not in metrics
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]

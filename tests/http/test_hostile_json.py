@@ -14,7 +14,7 @@ import pytest
 
 from service.backends.fake import FakeBackend
 from service.errors import BadRequest
-from service.http import json_body
+from service.http import json_body, strict_json
 from service.schemas import MAX_URL_LENGTH
 from service.settings import Settings
 from tests.conftest import running_gateway
@@ -137,14 +137,14 @@ def test_a_body_of_many_objects_makes_no_python_call_per_object(monkeypatch: pyt
     (400) by the C decoder's parse, the count and the schema, without the duplicate-key hook being
     called per object (that call was 5x the parse's cost, paid for every object of every body)."""
     calls = 0
-    unique_keys = json_body._unique_keys
+    unique_keys = strict_json._unique_keys
 
     def counted(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
         nonlocal calls
         calls += 1
         return unique_keys(pairs)
 
-    monkeypatch.setattr(json_body, "_unique_keys", counted)
+    monkeypatch.setattr(strict_json, "_unique_keys", counted)
     head = b'{"images":[' + (b",".join([b"{}"] * 30_000) if tail == b"]}" else b'{"url":"https://a.example/x.jpg"}')
     with pytest.raises(BadRequest):
         json_body.parse_urls(head + tail, 64)

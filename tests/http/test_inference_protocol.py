@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import logging
 import struct
 from collections.abc import Callable
 from typing import Any
@@ -17,6 +18,9 @@ import tritonclient.http as triton_http
 from tritonclient.utils import InferenceServerException
 
 from service.backends.fake import FakeBackend
+from service.errors import BadRequest
+from service.http import strict_json
+from service.http.inference_request import parse_request
 from service.settings import Settings
 from tests.conftest import CAT_CLASSES, png_bytes, running_gateway, solid_image
 
@@ -221,16 +225,110 @@ async def test_hostile_inference_requests_get_the_protocols_error(
         (b'{"inputs": []}', {"Inference-Header-Content-Length": "\u0663".encode()}, "within the body"),
         (STRAY + b"trailing", {"Inference-Header-Content-Length": str(len(STRAY))}, "binary_data_size"),
         (b"\xff\xfe", {}, "not JSON"),
+        # "²" (latin-1 on the wire) passes str.isdigit() and fails int(): it was a plain-text 500
+        (b'{"inputs": []}', {"Inference-Header-Content-Length": b"\xb2"}, "within the body"),
+        (b'{"inputs": []}', {"Inference-Header-Content-Length": "9" * 5000}, "within the body"),
+        (b'{"inputs": []}', {"Inference-Header-Content-Length": "1" + "0" * 40}, "within the body"),
+        (b'{"a":' * 100_000 + b"1" + b"}" * 100_000, {}, "JSON values"),
+        (
+            json.dumps(_image_input(1))[:-3].encode() + b', "data": ' + b"[" * 100_000 + b"]" * 100_000 + b"}]}",
+            {},
+            "JSON values",
+        ),
+        (b'{"inputs": [], "inputs": []}', {}, "duplicate key"),
+        (b'{"inputs": NaN}', {}, "NaN is not JSON"),
     ],
-    ids=["broken-json", "array", "header-too-long", "negative-length", "unicode-digit", "stray-bytes", "not-utf8"],
+    ids=[
+        "broken-json",
+        "array",
+        "header-too-long",
+        "negative-length",
+        "unicode-digit",
+        "stray-bytes",
+        "not-utf8",
+        "superscript-digit",
+        "5000-digits",
+        "41-digits",
+        "deep-header",
+        "deep-data",
+        "duplicate-key",
+        "nan",
+    ],
 )
 async def test_a_broken_envelope_gets_400(
-    gateway_factory: MakeSettings, content: bytes, headers: dict[str, str], words: str
+    gateway_factory: MakeSettings,
+    content: bytes,
+    headers: dict[str, str | bytes],
+    words: str,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
+    """Every malformed envelope (header length, JSON) is a 400 in the protocol's shape naming the
+    fault, with nothing logged at error level (it was a plain-text 500 and a traceback for four)."""
     async with running_gateway(gateway_factory(backend="fake"), FakeBackend()) as gateway:
         response = await gateway.post("/v2/models/efficientnet-lite0/infer", content=content, headers=headers)
     assert response.status_code == 400, response.text
+    assert set(response.json()) == {"error"}
     assert words in response.json()["error"]
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+
+
+TINY_ELEMENTS = 4_000_000
+"""One 16 MiB body's worth of the smallest elements (it stalled the event loop 1.8-2.9 s)."""
+
+
+@pytest.mark.parametrize("shape", [[1], [64]])
+def test_millions_of_json_elements_are_refused_before_the_parse(
+    monkeypatch: pytest.MonkeyPatch, shape: list[int]
+) -> None:
+    """A header of 4 million tiny ``data`` elements is refused (400, saying why) from a count of its
+    separators, before the JSON parser builds an object for one of them, whatever the shape says."""
+    parsed = []
+    monkeypatch.setattr(strict_json, "loads", lambda *args, **kwargs: parsed.append(args))
+    head = json.dumps(_image_input(shape[0]))[:-3].encode() + b', "data": [' + b"1," * TINY_ELEMENTS + b"1]}]}"
+    with pytest.raises(BadRequest, match="holds over 384 JSON values"):
+        parse_request(head, None, 64, 1000)
+    assert parsed == []
+
+
+def test_a_valid_request_is_not_refused_for_commas_inside_its_strings() -> None:
+    """The separator count is an upper bound that counts inside strings too; a request whose id is
+    full of commas and brackets is counted again without its strings and served."""
+    header = {**_image_input(1, data=[base64.b64encode(PNG).decode()]), "id": ",[{" * 10_000}
+    asked = parse_request(json.dumps(header).encode(), None, 64, 1000)
+    assert [image.data for image in asked.images] == [PNG]
+    assert asked.id == ",[{" * 10_000
+
+
+def test_millions_of_json_strings_are_refused_without_taking_each_out() -> None:
+    """Over the bound by separators, and made of strings: no more strings are stripped than the
+    bound (a document of more strings holds too many values anyway)."""
+    head = b'{"inputs": [{"data": [' + b'"",' * TINY_ELEMENTS + b'""]}]}'
+    with pytest.raises(BadRequest, match="JSON values"):
+        parse_request(head, None, 64, 1000)
+
+
+@pytest.mark.parametrize("where", ["header", "data"])
+def test_nesting_deeper_than_the_parser_goes_is_a_400(where: str) -> None:
+    """With an image limit whose value bound is over the interpreter's recursion limit, JSON nested
+    deeper than the parser can go is a 400 (its RecursionError is not a ValueError: it was a 500)."""
+    depth = 3000
+    nest = b"[" * depth + b"]" * depth
+    head = (
+        b'{"a": ' + nest + b"}"
+        if where == "header"
+        else json.dumps(_image_input(1))[:-3].encode() + b', "data": ' + nest + b"}]}"
+    )
+    with pytest.raises(BadRequest, match="nested too deeply"):
+        parse_request(head, None, 2000, 1000)
+
+
+def test_binary_data_of_millions_of_elements_is_read_no_further_than_the_shape() -> None:
+    """16 MiB of empty binary elements under shape [1]: refused after the first element, saying
+    how much was left, instead of splitting all 4 million first."""
+    binary = struct.pack("<I", 0) * TINY_ELEMENTS
+    header = json.dumps(_image_input(1, len(binary))).encode()
+    with pytest.raises(BadRequest, match=r"goes on after 1 elements \(15999996 bytes more\)"):
+        parse_request(header + binary, str(len(header)), 64, 1000)
 
 
 async def test_unknown_models_queries_and_limits(gateway_factory: MakeSettings) -> None:

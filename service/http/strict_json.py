@@ -1,0 +1,73 @@
+"""Strict JSON for request bodies: one reading that no other parser of the same bytes disagrees
+with, and parse work bounded before the parse begins.
+
+* Duplicate keys, NaN and Infinity are refused (400), and so is JSON nested deeper than the
+  interpreter's recursion limit (a ``RecursionError``, which is not a ``ValueError``).
+* ``values_at_most`` tells, at C speed and without building a Python object, whether a document
+  holds at most a number of JSON values, so a body of millions of tiny elements is refused before
+  the parse would build millions of objects.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any, NoReturn
+
+from service.errors import BadRequest
+
+_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
+"""A JSON string (unrolled: a tight loop per run of plain characters, linear in its length)."""
+
+
+def utf8(data: bytes, what: str) -> str:
+    """``data`` as UTF-8 text, or 400 naming the first byte that is not (JSON on the wire is UTF-8;
+    ``json.loads`` of bytes would also take UTF-16 and UTF-32)."""
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise BadRequest(f"{what}: not UTF-8 (byte {exc.start} is {data[exc.start : exc.start + 1]!r})") from None
+
+
+def loads(text: str, what: str, *, unique_keys: bool = True) -> Any:
+    """``text`` parsed, or 400 naming ``what`` and the fault (``unique_keys``: duplicate keys are
+    refused too, at a Python call per object: bound the objects first)."""
+    hooks: dict[str, Any] = {"object_pairs_hook": _unique_keys} if unique_keys else {}
+    try:
+        return json.loads(text, parse_constant=_no_constant, **hooks)
+    except RecursionError:
+        raise BadRequest(f"{what}: nested too deeply") from None
+    except ValueError as exc:  # JSONDecodeError, and the hooks' refusals
+        raise BadRequest(f"{what}: {exc}") from None
+
+
+def values_at_most(data: bytes, most: int) -> bool:
+    """Whether the JSON document ``data`` holds at most ``most`` values, counted without parsing: a
+    container's values are separated by commas, so values <= commas + containers + 1. The bytes
+    are counted as they are first (inside strings too: an upper bound, at memchr's speed); only a
+    document over the bound by that count has its strings taken out (at most ``most`` + 1 of them:
+    a document of more strings holds more than ``most`` / 2 values, refused as well) and is
+    counted again, so a valid one is never refused for commas or brackets inside its strings."""
+    if _separators(data) <= most:
+        return True
+    bare, strings = _STRING.subn(b'""', data, count=most + 1)
+    return strings <= most and _separators(bare) <= most
+
+
+def _separators(data: bytes) -> int:
+    return data.count(b",") + data.count(b"[") + data.count(b"{") + 1
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    result = dict(pairs)
+    if len(result) != len(pairs):
+        seen: set[str] = set()
+        for key, _ in pairs:
+            if key in seen:
+                raise ValueError(f"duplicate key {key!r}")
+            seen.add(key)
+    return result
+
+
+def _no_constant(name: str) -> NoReturn:
+    raise ValueError(f"{name} is not JSON")
