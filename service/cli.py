@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 from pydantic import ValidationError
 
 from service.host import eventloop
-from service.settings import Settings
+from service.settings import Settings, explain, setting_name
 
 if TYPE_CHECKING:
     from service.backends.engine_supervisor import EngineSupervisor
@@ -29,26 +29,33 @@ def _add_setting_flags(parser: argparse.ArgumentParser, skip: frozenset[str] = f
     for name, field in Settings.model_fields.items():
         if name in skip:  # the command gives the flag a meaning of its own
             continue
+        flag, variable = setting_name(name).split(" / ")
         parser.add_argument(
-            f"--{name.replace('_', '-')}",
+            flag,
             dest=name,
             default=None,
             metavar=name.upper(),
             # argparse formats help with %: a description saying "99 % of" must not read as a format
-            help=f"{field.description or ''} (env GATEWAY_{name.upper()})".replace("%", "%%"),
+            help=f"{field.description or ''} (env {variable})".replace("%", "%%"),
         )
 
 
 def _settings(args: argparse.Namespace) -> Settings:
+    """The settings of the environment and the flags, each checked, and the models they serve with
+    them (profiles, backends, the models file): any problem ends the command here, before anything
+    starts, with a message naming the flags and variables."""
     overrides = {name: getattr(args, name) for name in Settings.model_fields if getattr(args, name, None) is not None}
     try:
         settings = Settings(**overrides)
     except ValidationError as exc:
-        sys.exit(f"gateway: invalid settings:\n{exc}")
+        sys.exit(f"gateway: invalid settings:\n{explain(exc)}")
     from service.models.profiles import PROFILES
 
     if settings.model not in PROFILES:  # settings know no model table: a leaf
-        sys.exit(f"gateway: invalid settings:\nmodel: unknown model {settings.model!r}; known: {', '.join(PROFILES)}")
+        known = ", ".join(PROFILES)
+        sys.exit(
+            f"gateway: invalid settings:\n{setting_name('model')}: unknown profile {settings.model!r}; known: {known}"
+        )
     from service.serving.catalog import CatalogError, load_catalog
 
     try:
@@ -166,7 +173,7 @@ def _serve(args: argparse.Namespace) -> int:
         "log_config": _logging(settings),
         "timeout_graceful_shutdown": int(settings.request_timeout) + 5,
         "limit_concurrency": settings.max_connections,
-        "http": http_protocol(settings.header_timeout, settings.body_timeout),
+        "http": http_protocol(settings.header_timeout, settings.body_timeout, settings.max_body_bytes),
         "access_log": settings.access_log,
         # X-Forwarded-For is read only to log the client behind a proxy: without the access log,
         # nothing reads the client address, and the header walk is a layer on every request.

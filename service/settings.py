@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Literal
 from urllib.parse import urlsplit
 
-from pydantic import Field, SecretStr, field_validator, model_validator
+from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from service.host.cpus import available_cpus
@@ -38,6 +38,14 @@ JSON_BYTES_PER_URL = MAX_URL_LENGTH + 64
 around it."""
 MAX_INT = 2**63 - 1
 """Largest integer a setting may hold."""
+ENV_PREFIX = "GATEWAY_"
+
+
+def setting_name(field: str) -> str:
+    """A setting as its user names it, its flag and its environment variable (``--max-queue-size /
+    GATEWAY_MAX_QUEUE_SIZE``): what every settings error says, never the field's name alone."""
+    return f"--{field.replace('_', '-')} / {ENV_PREFIX}{field.upper()}"
+
 
 RENAMED = {
     "GATEWAY_MAX_IMAGE_PIXELS": "GATEWAY_MAX_IMAGE_BYTES (decoder memory per image: an 8-bit RGB PNG takes "
@@ -76,6 +84,7 @@ def parse_secret(text: str) -> bytes:
 OPTIONS = ("rate", "burst", "concurrency", "models")
 MODEL_RATE = "rate@"
 """``rate@MODEL=R``: the key's own rate on one model, within its overall ``rate``."""
+TORCH_DEVICE = re.compile(r"cpu|cuda(:[0-9]{1,2})?")
 MODEL_NAME = re.compile(r"[a-z0-9][a-z0-9_.-]{0,63}")
 """A model's name (as ``service.serving.catalog`` checks it)."""
 MAX_CONCURRENCY = 256
@@ -166,7 +175,7 @@ def parse_keys(entries: Iterable[str], default: Quota) -> list[ApiKey]:
 
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(
-        env_prefix="GATEWAY_",
+        env_prefix=ENV_PREFIX,
         extra="forbid",
         use_attribute_docstrings=True,
         hide_input_in_errors=True,  # an error must not print the API keys, secrets or broker password it was given
@@ -552,6 +561,14 @@ class Settings(BaseSettings):
             raise ValueError(f"{value!r} is not an address or a host name (0.0.0.0 or :: for every interface)")
         return value
 
+    @field_validator("torch_device", mode="after")
+    @classmethod
+    def _a_device(cls, value: str) -> str:
+        """A device PyTorch would refuse only once the model loads is refused here."""
+        if not TORCH_DEVICE.fullmatch(value):
+            raise ValueError(f"{value!r} is not cpu, cuda or cuda:N")
+        return value
+
     @field_validator("broker_url", mode="after")
     @classmethod
     def _broker_addresses(cls, value: str | None) -> str | None:
@@ -586,6 +603,7 @@ class Settings(BaseSettings):
 
     @model_validator(mode="after")
     def _check(self) -> Settings:
+        """Cross-field rules; each error names the settings by their flags and variables."""
         stale = [f"{old} is replaced by {new}" for old, new in RENAMED.items() if old in os.environ]
         if stale:
             raise ValueError("; ".join(stale))
@@ -595,23 +613,49 @@ class Settings(BaseSettings):
                 try:
                     ipaddress.ip_network(network, strict=False)
                 except ValueError as exc:
-                    raise ValueError(f"{name}: {exc}") from None
+                    raise ValueError(f"{setting_name(name)}: {exc}") from None
         if self.api_keys is not None or self.api_keys_file is not None:
             self.load_api_keys()  # an unreadable file or a bad entry fails at start, by name
         if self.webhook_secret is not None:
-            parse_secret(self.webhook_secret.get_secret_value())  # a bad secret fails at start, not at first use
-        parse_delays(self.webhook_retry_delays)
-        if self.max_buffered_body_bytes and self.max_buffered_body_bytes < self.max_body_bytes:
-            raise ValueError("max_buffered_body_bytes must be at least max_body_bytes (or 0)")
-        if self.max_decode_bytes and self.max_decode_bytes < self.max_image_bytes:
-            raise ValueError("max_decode_bytes must be at least max_image_bytes (or 0): one image must fit")
-        if self.worker_prefetch and self.worker_prefetch > self.max_queue_size:
+            try:  # a bad secret fails at start, not at first use
+                parse_secret(self.webhook_secret.get_secret_value())
+            except ValueError as exc:
+                raise ValueError(f"{setting_name('webhook_secret')}: {exc}") from None
+        try:
+            parse_delays(self.webhook_retry_delays)
+        except ValueError as exc:
+            raise ValueError(f"{setting_name('webhook_retry_delays')}: {exc}") from None
+        self._at_least("max_buffered_body_bytes", "max_body_bytes", "or 0: a whole body must fit")
+        self._at_least("max_decode_bytes", "max_image_bytes", "or 0: one image must fit")
+        self._at_least("max_queue_size", "worker_prefetch", "a worker's batcher must hold every message it takes")
+        self._at_least("max_queue_size", "max_images_per_request", "the largest request must fit in the queue")
+        if self.decoder != "opencv" and not self.torch_device.startswith("cuda"):
             raise ValueError(
-                "worker_prefetch must not exceed max_queue_size: a worker's batcher must hold every message it takes"
+                f"{setting_name('decoder')} {self.decoder} decodes on a GPU, and {setting_name('torch_device')} "
+                "is cpu: give a cuda device, or the opencv decoder"
             )
-        if self.max_queue_size < self.max_images_per_request:
-            raise ValueError("max_queue_size must be at least max_images_per_request")
         return self
+
+    def _at_least(self, field: str, floor: str, why: str) -> None:
+        """``field`` is at least ``floor``, where both are set (0 leaves a bound unset)."""
+        value, least = getattr(self, field), getattr(self, floor)
+        if value and least and value < least:
+            raise ValueError(f"{setting_name(field)} ({value}) must be at least {setting_name(floor)} ({least}): {why}")
+
+
+def explain(error: ValidationError) -> str:
+    """A refusal of ``Settings`` as its user reads it: a line per problem, each naming the flag and
+    the environment variable, without pydantic's field names, error codes or documentation links."""
+    lines = []
+    for problem in error.errors(include_url=False, include_input=False):
+        message = problem["msg"].removeprefix("Value error, ")
+        where = problem["loc"][0] if problem["loc"] else None
+        if isinstance(where, str) and where in Settings.model_fields:
+            message = f"{setting_name(where)}: {message}"
+        elif where is not None:
+            message = f"{where}: {message}"
+        lines.append(message)
+    return "\n".join(lines)
 
 
 SHOWN_DEFAULTS = {
@@ -648,7 +692,7 @@ MAX_KEYS_FILE_BYTES = 64 * 1024 * 1024
 def read_keys_file(path: Path) -> str:
     """The text of ``api_keys_file``: a regular file (not a FIFO, a device or a directory, which
     would block the start or fill the memory) of at most MAX_KEYS_FILE_BYTES of UTF-8."""
-    return read_regular_file(path, MAX_KEYS_FILE_BYTES, "api_keys_file")
+    return read_regular_file(path, MAX_KEYS_FILE_BYTES, setting_name("api_keys_file"))
 
 
 def read_regular_file(path: Path, limit: int, what: str) -> str:

@@ -40,9 +40,9 @@ def test_flags_override_environment(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_invalid_settings_are_refused_with_a_message(monkeypatch: pytest.MonkeyPatch) -> None:
     from service.cli import _settings
 
-    with pytest.raises(SystemExit, match="unknown model 'vgg16'"):
+    with pytest.raises(SystemExit, match="--model / GATEWAY_MODEL: unknown profile 'vgg16'"):
         _settings(build_parser().parse_args(["serve", "--model", "vgg16"]))
-    with pytest.raises(ValueError, match="max_queue_size"):
+    with pytest.raises(ValueError, match="GATEWAY_MAX_QUEUE_SIZE"):
         Settings(max_queue_size=4, max_images_per_request=8)
     with pytest.raises(ValueError, match="one image must fit"):
         Settings(max_image_bytes=10_000_000, max_decode_bytes=5_000_000)

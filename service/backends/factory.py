@@ -19,6 +19,10 @@ from service.settings import Settings
 
 Builder = Callable[[Settings, ModelProfile], Awaitable[Backend]]
 
+ONLY_PROFILES: dict[str, frozenset[str]] = {"torch": frozenset({"resnet50"})}
+"""Backends that run some profiles alone (the ``torch`` backend has ResNet-50's graph, and no other, in
+PyTorch); the others run every profile. The models' catalog refuses any other at start."""
+
 
 async def _fake(settings: Settings, profile: ModelProfile) -> Backend:
     from service.backends.fake import FakeBackend
@@ -60,7 +64,7 @@ async def _engine(settings: Settings, profile: ModelProfile) -> Backend:
 async def _torch(settings: Settings, profile: ModelProfile) -> Backend:
     from service.backends.torch_backend import TorchBackend
 
-    if profile.name != "resnet50":
+    if profile.name not in ONLY_PROFILES["torch"]:  # the catalog refuses this at start already
         raise ValueError(f"the torch backend serves resnet50, not {profile.name}")
     return TorchBackend(
         weights_for(settings, profile.name),
@@ -115,9 +119,17 @@ BACKENDS: dict[str, Builder] = {
 """``GATEWAY_BACKEND``'s values (the settings' ``backend`` field lists the same names)."""
 
 
+def runs_on(settings: Settings) -> str:
+    """What runs a version's batches: its backend, or ``engine`` for a worker of a shared engine
+    (the engine's own settings say which backend it runs, checked where the engine starts)."""
+    if settings.backend == "torch" and settings.torch_engine == "shared" and settings.engine_socket:
+        return "engine"
+    return settings.backend
+
+
 async def build_backend(settings: Settings, profile: ModelProfile) -> Backend:
     """The configured backend for ``profile``, not started; a worker of a shared engine gets the
     engine's client instead of its own model."""
-    if settings.backend == "torch" and settings.torch_engine == "shared" and settings.engine_socket:
+    if runs_on(settings) == "engine":
         return await _engine(settings, profile)
     return await BACKENDS[settings.backend](settings, profile)

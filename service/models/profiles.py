@@ -84,7 +84,7 @@ def get_profile(name: str) -> ModelProfile:
     try:
         return PROFILES[name]
     except KeyError:
-        raise ValueError(f"unknown model {name!r}; known: {', '.join(PROFILES)}") from None
+        raise ValueError(f"unknown profile {name!r}; known: {', '.join(PROFILES)}") from None
 
 
 def rank_rows(scores: np.ndarray, k: int) -> list[list[tuple[int, float]]]:

@@ -34,8 +34,9 @@ from typing import Annotated, Any, Literal
 
 from pydantic import ConfigDict, TypeAdapter, ValidationError
 
+from service.backends.factory import ONLY_PROFILES, runs_on
 from service.models.profiles import ModelProfile, get_profile
-from service.settings import MAX_INT, MODEL_NAME, Settings, read_regular_file
+from service.settings import MAX_INT, MODEL_NAME, Settings, read_regular_file, setting_name
 
 NAME = MODEL_NAME
 """A model's name: lower case, digits and ``_.-``, at most 64 characters (a URL path segment and a
@@ -151,22 +152,23 @@ def load_catalog(settings: Settings) -> Catalog:
         return parse_catalog(read_models_file(settings.models_file), settings, str(settings.models_file))
     if not settings.models.strip():
         table = {"models": {settings.model: {"profile": settings.model}}}
-        return parse_catalog(table, settings, "GATEWAY_MODEL", inherit=True)
+        return parse_catalog(table, settings, setting_name("model"), inherit=True)
     names = [part.strip() for part in settings.models.split(",") if part.strip()]
     if len(set(names)) != len(names):
-        raise CatalogError(f"models: {settings.models!r} names a model twice")
-    return parse_catalog({"models": {name: {"profile": name} for name in names}}, settings, "GATEWAY_MODELS")
+        raise CatalogError(f"{setting_name('models')}: {settings.models!r} names a model twice")
+    return parse_catalog({"models": {name: {"profile": name} for name in names}}, settings, setting_name("models"))
 
 
 def read_models_file(path: Path) -> dict[str, Any]:
     try:
-        text = read_regular_file(path, MAX_FILE_BYTES, "models file")
+        text = read_regular_file(path, MAX_FILE_BYTES, setting_name("models_file"))
     except ValueError as exc:
         raise CatalogError(str(exc)) from None
     try:
         return tomllib.loads(text)
     except (tomllib.TOMLDecodeError, RecursionError) as exc:  # deep nesting: RecursionError
-        raise CatalogError(f"models file {path} is not valid TOML: {exc or 'nested too deep'}") from None
+        problem = exc or "nested too deep"
+        raise CatalogError(f"{setting_name('models_file')}: {path} is not valid TOML: {problem}") from None
 
 
 def parse_catalog(table: dict[str, Any], settings: Settings, where: str, *, inherit: bool = False) -> Catalog:
@@ -263,7 +265,7 @@ def with_discovered(
 
 
 def _model(name: str, entry: Any, settings: Settings, where: str, inherit: bool) -> ModelSpec:
-    here = f"{where}: model {name!r}"
+    here = where if inherit else f"{where}: model {name!r}"  # the one model of GATEWAY_MODEL: the setting says it
     if not NAME.fullmatch(name):
         raise CatalogError(f"{here}: a name is 1-64 of a-z 0-9 _ . - (starting with a letter or digit)")
     if not isinstance(entry, dict):
@@ -285,7 +287,7 @@ def _model(name: str, entry: Any, settings: Settings, where: str, inherit: bool)
         raise CatalogError(f"{here}: {len(versions_table)} versions; at most {MAX_VERSIONS}")
     versions = []
     for version, version_entry in versions_table.items():
-        there = f"{here} version {version!r}"
+        there = here if inherit else f"{here} version {version!r}"
         if not VERSION.fullmatch(version):
             raise CatalogError(f"{there}: a version is a positive integer, without leading zeros")
         if not isinstance(version_entry, dict):
@@ -317,7 +319,10 @@ def _check_budget(settings: Settings, memory: int | None, where: str) -> None:
     if not budget or settings.backend == "triton":
         return
     if memory is None and settings.backend == "torch":
-        raise CatalogError(f"{where}: the torch backend's memory cannot be estimated; give it memory = BYTES")
+        raise CatalogError(
+            f"{where}: the torch backend's memory cannot be estimated under {setting_name('model_memory_budget')}: "
+            f"give it memory = BYTES in a models file ({setting_name('models_file')})"
+        )
     if memory is not None and memory > budget:
         raise CatalogError(
             f"{where}: its memory ({memory >> 20} MB) is over GATEWAY_MODEL_MEMORY_BUDGET ({budget >> 20} MB): "
@@ -326,12 +331,13 @@ def _check_budget(settings: Settings, memory: int | None, where: str) -> None:
 
 
 def get_profile_named(name: Any, where: str) -> ModelProfile:
+    """The profile ``name`` given as the ``profile`` key at ``where``; an error names the key."""
     if not isinstance(name, str):
-        raise CatalogError(f"{where}: profile must be a string")
+        raise CatalogError(f"{where}: profile: must be a string")
     try:
         return get_profile(name)
     except ValueError as exc:
-        raise CatalogError(f"{where}: {exc}") from None
+        raise CatalogError(f"{where}: profile: {exc}") from None
 
 
 def _known(entry: dict[str, Any], allowed: set[str], where: str) -> None:
@@ -363,6 +369,14 @@ def _settings(settings: Settings, profile: ModelProfile, own: dict[str, Any], wh
         if isinstance(number, int) and not isinstance(number, bool) and abs(number) > MAX_INT:
             raise CatalogError(f"{where}: {key}: {number} is too large (at most 2**63 - 1)")
     merged = settings.model_copy(update=checked)
+    only = ONLY_PROFILES.get(runs_on(merged))
+    if only is not None and profile.name not in only:
+        which = f"{where}: backend:" if "backend" in own else f"{where}:"  # the file's, or the gateway's setting
+        named = "" if "backend" in own else f" ({setting_name('backend')})"
+        raise CatalogError(
+            f"{which} {profile.name} cannot run on the {merged.backend} backend{named}, which serves "
+            f"{', '.join(sorted(only))} only"
+        )
     if merged.max_queue_size < merged.max_images_per_request:
         raise CatalogError(f"{where}: max_queue_size must be at least max_images_per_request")
     if merged.worker_prefetch > merged.max_queue_size:

@@ -340,13 +340,15 @@ def test_a_request_in_the_engine_is_answered_when_every_process_of_the_gateway_i
 
 @pytest.mark.slow
 def test_serve_exits_non_zero_when_its_engine_cannot_start(tmp_path: Path) -> None:
-    """An engine that exits at every start (here: a model the torch backend does not serve):
-    after GATEWAY_ENGINE_START_ATTEMPTS failed starts ``gateway serve`` stops its workers and exits
+    """An engine that exits at every start (here: a weights file that is not one): after
+    GATEWAY_ENGINE_START_ATTEMPTS failed starts ``gateway serve`` stops its workers and exits
     non-zero, so that the container is restarted instead of staying up, unready, for ever."""
+    weights = tmp_path / "weights.pth"
+    weights.write_bytes(b"not a checkpoint")
     env = {
         **os.environ,
         **SHARED_ENGINE,
-        "GATEWAY_MODEL": "trivial",
+        "GATEWAY_MODEL_WEIGHTS": str(weights),
         "GATEWAY_ENGINE_START_ATTEMPTS": "2",
         "GATEWAY_MODELS_DIR": str(tmp_path / "models"),
         "GATEWAY_LOG_LEVEL": "warning",

@@ -27,11 +27,12 @@ from service.backends.fake import FakeBackend
 from service.errors import DeadlineExceeded, QueueFull
 from service.jobs.broker import Broker
 from service.jobs.messages import ERROR_HEADER, REQUEUES_HEADER, RETRIES_HEADER, JobResult, request_message
+from service.jobs.outcomes import ChannelLost, Outcomes
 from service.jobs.policies import Policy, gateway_policies, rabbitmqctl_commands
 from service.jobs.topology import REQUEST_KEY, Names
-from service.jobs.worker import Worker, _ChannelLost, _sample_depth, run_worker
+from service.jobs.upkeep import sample_depth
+from service.jobs.worker import run_worker
 from service.metrics import Metrics
-from service.serving.served import ServedModels
 from service.settings import Settings
 from tests.jobs.conftest import (
     BROKER_URL,
@@ -247,7 +248,7 @@ async def test_overload_is_requeued_after_a_backoff_without_using_a_retry(
 
 
 async def test_prefetch_beyond_the_batcher_queue_is_refused(gateway_factory: MakeSettings) -> None:
-    with pytest.raises(ValueError, match="worker_prefetch must not exceed max_queue_size"):
+    with pytest.raises(ValueError, match=r"GATEWAY_MAX_QUEUE_SIZE \(256\) must be at least --worker-prefetch"):
         gateway_factory(worker_prefetch=300, max_queue_size=256)
     assert gateway_factory(max_batch_size=64, max_inflight_batches=4, max_queue_size=256).prefetch == 256
 
@@ -392,7 +393,7 @@ async def test_the_queue_depth_gauge_follows_the_broker(prefix: str) -> None:
     await broker.connect(timeout=10)
     metrics = Metrics()
     stop = asyncio.Event()
-    sampler = asyncio.create_task(_sample_depth(broker, metrics, stop, interval=0.1))
+    sampler = asyncio.create_task(sample_depth(broker, metrics, stop, interval=0.1))
     try:
         for expected in (2, 5):
             await publish(names, *(job(v, f"d{v}") for v in range(expected - await queue_depth(names.work))))
@@ -601,9 +602,7 @@ async def results_arrive(names: Names, count: int, timeout: float = 30) -> None:
             await asyncio.sleep(0.05)
 
 
-async def test_a_refused_publish_of_a_message_whose_channel_closed_ends_as_channel_lost(
-    gateway_factory: MakeSettings, prefix: str
-) -> None:
+async def test_a_refused_publish_of_a_message_whose_channel_closed_ends_as_channel_lost(prefix: str) -> None:
     """A message taken from the real broker, its channel then closed, and a broker that refuses
     the publish (not connected): the try ends as a lost channel (the broker redelivers it), not as
     an error. aio-pika's ``message.channel`` raises ChannelInvalidStateError for a closed channel,
@@ -619,9 +618,6 @@ async def test_a_refused_publish_of_a_message_whose_channel_closed_ends_as_chann
         assert message is not None
         await channel.close()
     broker = Broker(BROKER_URL, names)  # never connected: every publish is refused at once
-    models = ServedModels.__new__(ServedModels)
-    models.loader = None
-    worker = Worker(settings_for(gateway_factory, prefix), models, [], broker, Metrics())
-    with pytest.raises(_ChannelLost):
-        await worker._publish("results", aio_pika.Message(b"{}"), "jobs", message)
+    with pytest.raises(ChannelLost):
+        await Outcomes(broker, Metrics()).publish("results", aio_pika.Message(b"{}"), "jobs", message)
     assert await queue_depth(names.work) == 1  # back in the queue, for another worker

@@ -33,6 +33,7 @@ backend = "fake"
 
 
 SHOP = "[models.shop]\nprofile = 'trivial'\n"
+RESNET = "[models.shop]\nprofile = 'resnet50'\n"
 
 
 def _file(tmp_path: Path, text: str) -> Path:
@@ -68,8 +69,15 @@ def test_without_a_file_the_models_setting_or_the_model_serves() -> None:
     [
         ("[models.A]\n", "model 'A': a name is 1-64 of a-z 0-9"),
         ('[models."../x"]\n', "a name is 1-64"),
-        ("[models.shop]\nprofile = 'vgg'\n", "unknown model 'vgg'"),
-        ("[models.shop]\nprofile = 3\n", "profile must be a string"),
+        (
+            "[models.shop]\nprofile = 'vgg'\n",
+            "model 'shop': profile: unknown profile 'vgg'; known: efficientnet-lite0,",
+        ),
+        (
+            "[models.shop.versions.1]\nprofile = 'vgg19'\n",
+            "models.toml: model 'shop' version '1': profile: unknown profile 'vgg19'; known: efficientnet-lite0,",
+        ),
+        ("[models.shop]\nprofile = 3\n", "profile: must be a string"),
         (f"{SHOP}max_batch_size = 0\n", "model 'shop' version '1': max_batch_size: Input should be greater"),
         (f"{SHOP}max_batch_size = 'many'\n", "max_batch_size: Input should be a valid integer"),
         (f"{SHOP}backend = 'tensorflow'\n", "backend: Input should be 'embedded'"),
@@ -181,10 +189,10 @@ def test_the_one_model_keeps_the_gateways_settings_and_a_catalogs_models_take_on
         (f"{SHOP}fake_delay = nan\n", "fake_delay: Input should be a finite number"),
         (f"{SHOP}embedded_threads = {2**70}\n", "embedded_threads"),
         (f"{SHOP}share = 1e-9\n", "share must be at least 0.001"),
-        (f"{SHOP}backend = 'torch'\nmemory = 1000\n[models.other]\nprofile = 'trivial'\n", "shared torch engine"),
+        (f"{RESNET}backend = 'torch'\nmemory = 1000\n[models.other]\nprofile = 'trivial'\n", "shared torch engine"),
         (f"{SHOP}memory = {200 << 20}\n", r"its memory \(200 MB\) is over GATEWAY_MODEL_MEMORY_BUDGET \(150 MB\)"),
         (
-            f"{SHOP}[models.t]\nprofile = 'trivial'\nbackend = 'torch'\n",
+            f"{SHOP}[models.t]\nprofile = 'resnet50'\nbackend = 'torch'\n",
             "the torch backend's memory cannot be estimated",
         ),
     ],
