@@ -362,8 +362,21 @@ def _alive(args: argparse.Namespace) -> int:
 
     path = args.file or _settings(args).worker_heartbeat_file
     if path is None:
-        sys.exit("gateway alive: no heartbeat file (set GATEWAY_WORKER_HEARTBEAT_FILE or --file)")
+        sys.exit(
+            "gateway alive: no heartbeat file to check: GATEWAY_WORKER_HEARTBEAT_FILE is empty and no --file was "
+            "given; set either to the file the worker touches (the worker's default: "
+            "$TMPDIR/gateway-worker.heartbeat)"
+        )
+    if path.is_dir():  # other processes change a directory's time: it proves nothing about the loop
+        sys.exit(f"gateway alive: {path} is a directory, not the worker's heartbeat file")
     age = heartbeat_age(path)
+    if age == float("inf"):
+        print(
+            f"not alive: {path} does not exist: the worker has not started, or it writes another file "
+            "(GATEWAY_WORKER_HEARTBEAT_FILE and TMPDIR must be the worker's)",
+            file=sys.stderr,
+        )
+        return 1
     if age > args.max_age:
         print(f"not alive: {path} last touched {age:.0f} s ago (limit {args.max_age:g} s)", file=sys.stderr)
         return 1

@@ -432,7 +432,8 @@ class Settings(BaseSettings):
         default_factory=lambda: Path(tempfile.gettempdir()) / "gateway-worker.heartbeat"
     )
     """File the worker's event loop touches every second; ``gateway alive`` fails when it is older
-    than its ``--max-age`` (a liveness probe that a stuck loop cannot answer). None: no file."""
+    than its ``--max-age`` (a liveness probe that a stuck loop cannot answer). Empty: no file, and
+    ``gateway alive`` fails saying so."""
 
     max_batch_size: int = Field(16, ge=1, le=1024)
     """Most images the batcher puts in one backend call."""
@@ -594,11 +595,12 @@ class Settings(BaseSettings):
                 raise ValueError(f"{where} has no host, or a space or control character in it")
         return ",".join(parts)
 
-    @field_validator("webhook_secret", "models_file", "admin_key", mode="before")
+    @field_validator("webhook_secret", "models_file", "admin_key", "worker_heartbeat_file", mode="before")
     @classmethod
     def _unset_when_empty(cls, value: object) -> object:
         """``GATEWAY_WEBHOOK_SECRET=`` (compose's default for an unset variable) means no webhooks;
-        ``GATEWAY_MODELS_FILE=`` means no models file."""
+        ``GATEWAY_MODELS_FILE=`` means no models file; ``GATEWAY_WORKER_HEARTBEAT_FILE=`` no
+        heartbeat file (as a path, empty was the current directory)."""
         return None if isinstance(value, str) and not value.strip() else value
 
     @model_validator(mode="after")
