@@ -7,9 +7,10 @@ for a run of finished messages. Outcomes per message:
 
 * classified -> result ``done`` published (and, when the submit gave a ``Webhook-URL``, its
   delivery to ``<prefix>.webhooks``: ``service.jobs.webhooks``), input acked;
-* bad input (undecodable, too large, not an image, bad headers) -> result ``failed`` published, the
-  message copied to the dead-letter exchange with the reason in ``x-gateway-error`` /
-  ``x-gateway-detail``, input acked: dead-lettered once, never redelivered in a loop;
+* bad input (undecodable, too large, not an image, bad headers: of the wrong type, or a number out
+  of its range, ``service.jobs.headers``) -> result ``failed`` published, the message copied to the
+  dead-letter exchange with the reason in ``x-gateway-error`` / ``x-gateway-detail``, input acked:
+  dead-lettered once, never redelivered in a loop;
 * backend failure -> republished with ``x-retries`` + 1 (then acked) up to ``max_retries``, then
   dead-lettered like bad input;
 * overload or outage (queue full, batch deadline passed, backend unavailable) -> republished after
@@ -41,10 +42,12 @@ for a run of finished messages. Outcomes per message:
   queue's delivery limit (a policy, see ``service.jobs.policies``) dead-letters a message that
   keeps doing it, with reason ``delivery_limit``.
 
-Each model a worker serves (``worker_models``) has its own queue (``service.jobs.topology``): a job
-is classified by the model its ``x-model`` header names (absent: the model of the queue it came
-from), at the version ``x-model-version`` names (absent: one picked by the model's traffic
-weights), and retried or requeued to the same queue.
+Each model a worker serves (``worker_models``) has its own queue (``service.jobs.topology``; the
+default model two): a job is classified by the model its ``x-model`` header names (absent: the
+model of the queue it came from), at the version ``x-model-version`` names (absent: one picked by
+the model's traffic weights), and retried or requeued to the same queue. Its headers are read and
+checked before anything else (``service.jobs.headers``), so that every copy of it (a retry, a
+requeue, a move) carries what it asked for; the copies are published by ``service.jobs.outcomes``.
 
 Every batch has a deadline (``request_timeout``), and the event loop touches a heartbeat file
 (``worker_heartbeat_file``) that ``gateway alive`` checks: a stuck loop cannot fake it.
@@ -59,21 +62,15 @@ import asyncio
 import logging
 import os
 import random
-import re
 import signal
 import socket
 import time
 from collections.abc import Mapping
-from contextlib import suppress
 from functools import partial
-from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
-import aio_pika
 import aiormq
 from aio_pika.abc import AbstractIncomingMessage
-from opentelemetry import trace
-from opentelemetry.trace import StatusCode
 from prometheus_client import start_http_server
 
 from service.backends.base import Backend
@@ -88,37 +85,25 @@ from service.errors import (
     QueueFull,
     UnsupportedMediaType,
 )
+from service.jobs import headers as job_headers
 from service.jobs.acks import Acks
 from service.jobs.broker import Broker
-from service.jobs.messages import (
-    DEFAULT_REPLY_TO,
-    MODEL_HEADER,
-    REQUEUES_HEADER,
-    RETRIES_HEADER,
-    UNDECODABLE_HEADER,
-    VERSION_HEADER,
-    WEBHOOK_HEADER,
-    WEBHOOK_URL_MAX,
-    JobError,
-    JobResult,
-    dead_letter_message,
-    new_job_id,
-    published_at,
-    request_message,
-    result_message,
-    trace_headers,
-)
-from service.jobs.topology import Names, Route, migrate_legacy
-from service.jobs.webhooks import WebhookSender, delivery_message
+from service.jobs.headers import JobHeaders
+from service.jobs.messages import DEFAULT_REPLY_TO, JobResult, new_job_id, published_at
+from service.jobs.outcomes import ChannelLost, Outcomes, mark
+from service.jobs.topology import Names, Route
+from service.jobs.upkeep import HEARTBEAT_INTERVAL, heartbeat, migrate_legacy_queue, sample_depth
+from service.jobs.upkeep import heartbeat_age as heartbeat_age  # for ``gateway alive``
+from service.jobs.webhooks import WebhookSender
 from service.logs import JOB_ID
 from service.metrics import Metrics
 from service.schemas import Label, ModelInfo
-from service.serving.catalog import VERSION, Catalog, CatalogError, load_catalog
+from service.serving.catalog import Catalog, CatalogError, load_catalog
 from service.serving.loading import Loader
 from service.serving.pipeline import open_models
 from service.serving.served import ServedModels, ServedVersion
-from service.settings import MODEL_NAME, Settings
-from service.tracing import Tracing, current_headers
+from service.settings import Settings
+from service.tracing import Tracing
 
 logger = logging.getLogger(__name__)
 
@@ -146,86 +131,14 @@ class Misrouted(Exception):
 
 
 POISON = (BadImage, BadRequest, PayloadTooLarge, UnsupportedMediaType, DeliveryLimit)
-DELIVERY_COUNT_HEADER = "x-delivery-count"
-"""Set by quorum queues: how many times the message was delivered before."""
 OVERLOAD_PAUSE = 0.5
 """Seconds before the first requeue of a job refused for overload; doubled at each requeue."""
 OVERLOAD_PAUSE_MAX = 30.0
 NOT_SERVED_REQUEUES = 20
 """Requeues of a job no worker has served (pauses 0.5 s doubling to 30 s: about 7 minutes) before
 it fails as ``model_not_served``."""
-HEARTBEAT_INTERVAL = 1.0
 BROKER_CALLS_TIMEOUT = 15.0
 """Seconds the background broker calls get to finish at shutdown."""
-PUBLISH_PAUSE = 0.5
-"""Seconds before the first new try of a publish the broker did not take; doubled at each try."""
-PUBLISH_PAUSE_MAX = 30.0
-
-
-def _int_header(headers: Mapping[str, Any], name: str) -> int:
-    try:
-        return int(str(headers.get(name, 0)))
-    except (TypeError, ValueError):
-        return 0
-
-
-def _required_int(headers: Mapping[str, Any], name: str, default: int) -> int:
-    """A header that must be an integer (or absent: ``default``); else the job is a bad request."""
-    value = headers.get(name, default)
-    try:
-        if isinstance(value, bool):
-            raise TypeError
-        return int(str(value))
-    except (TypeError, ValueError):
-        raise BadRequest(f"bad message header: {name}={repr(value)[:100]}") from None
-
-
-def _outcome(outcome: str, error: GatewayError | None = None) -> None:
-    """Say on the job's span (when traced) how its message ended."""
-    span = trace.get_current_span()
-    if span.is_recording():
-        span.set_attribute("gateway.job.outcome", outcome)
-        if error is not None:
-            span.set_attribute("gateway.error", error.error)
-            if outcome == "failed":
-                span.set_status(StatusCode.ERROR, error.detail)
-
-
-def _filename(headers: Mapping[str, Any]) -> str | None:
-    return str(headers["filename"]) if headers.get("filename") is not None else None
-
-
-def _name_header(headers: Mapping[str, Any], name: str, form: re.Pattern[str], what: str) -> str | None:
-    """A model or version header: a name of ``form``, or absent (None); else the job is a bad request."""
-    value = headers.get(name)
-    if value is None or (isinstance(value, str) and form.fullmatch(value)):
-        return value
-    raise BadRequest(f"bad message header: {name}={repr(value)[:100]} is not {what}")
-
-
-def _kept(headers: Mapping[str, Any], name: str) -> str | None:
-    """A model or version header to carry over to a copy of the job, as it was (a string)."""
-    value = headers.get(name)
-    return value if isinstance(value, str) else None
-
-
-def _webhook(headers: Mapping[str, Any]) -> str | None:
-    """The job's webhook URL; None also when it is too long to carry (the job then fails)."""
-    url = str(headers[WEBHOOK_HEADER]) if headers.get(WEBHOOK_HEADER) else None
-    return url if url is not None and len(url) <= WEBHOOK_URL_MAX else None
-
-
-class _ChannelLost(Exception):
-    """The input's channel closed before its outcome was published: the broker redelivers it."""
-
-
-def _channel_closed(message: AbstractIncomingMessage) -> bool:
-    """Whether ``message``'s channel is gone (aio-pika's ``message.channel`` raises then, rather
-    than return a closed channel)."""
-    try:
-        return message.channel.is_closed
-    except aiormq.exceptions.ChannelInvalidStateError:
-        return True
 
 
 class Worker:
@@ -250,6 +163,7 @@ class Worker:
         self.loader: Loader | None = models.loader
         self.broker = broker
         self.metrics = metrics
+        self.outcomes = Outcomes(broker, metrics)
         self.name = f"{socket.gethostname()}-{os.getpid()}"
         self._tasks: set[asyncio.Task[Any]] = set()
         self._acks = Acks()
@@ -288,111 +202,28 @@ class Worker:
         finally:
             self._tasks.discard(task)
 
-    async def _publish(
-        self,
-        target: Literal["requests", "results", "dead", "queue"],
-        message: aio_pika.Message,
-        key: str,
-        source: AbstractIncomingMessage,
-    ) -> None:
-        """Publish part of ``source``'s outcome, confirmed. What the broker does not take (nacked,
-        returned, not confirmed in time, no connection) is tried again after a backoff while
-        ``source``'s channel lives: see the module's docstring."""
-        tries = 0
-        while True:
-            try:
-                await self.broker.publish(target, message, key)
-            except BackendUnavailable as exc:
-                if _channel_closed(source):
-                    raise _ChannelLost(exc.detail) from exc
-                pause = min(PUBLISH_PAUSE * 2**tries, PUBLISH_PAUSE_MAX) * random.uniform(0.5, 1.0)
-                tries += 1
-                self.metrics.queue_events["publish_retried"].inc()
-                logger.warning(
-                    "worker: job %s: publish to %s not taken (%s); try %d in %.1f s",
-                    source.message_id,
-                    target,
-                    exc.detail,
-                    tries + 1,
-                    pause,
-                )
-                await asyncio.sleep(pause)
-            else:
-                if tries:
-                    logger.info("worker: job %s: published to %s at try %d", source.message_id, target, tries + 1)
-                return
-
-    async def _publish_result(self, result: JobResult, reply_to: str, message: AbstractIncomingMessage) -> None:
-        """Publish the result and, when the submit gave a webhook, its delivery (both confirmed
-        before the job is acked: a worker killed in between does the job again)."""
-        trace_context = current_headers()
-        await self._publish("results", result_message(result, trace_context), reply_to, message)
-        self.metrics.queue_events["results_published"].inc()
-        webhook = _webhook(message.headers or {})
-        if webhook is not None:
-            delivery = delivery_message(result, webhook, trace_context)
-            await self._publish("queue", delivery, self.broker.names.webhooks, message)
-            self.metrics.queue_events["webhooks_published"].inc()
-
-    async def _dead_letter(self, message: AbstractIncomingMessage, error: GatewayError, job_id: str) -> None:
-        await self._publish("dead", dead_letter_message(message, error.error, error.detail, job_id), "", message)
-        self.metrics.queue_events["dead_lettered"].inc()
-
-    async def _fail(self, message: AbstractIncomingMessage, base: JobResult, error: GatewayError, reply: str) -> None:
-        logger.warning("worker: job %s dead-lettered: %s: %s", base.job_id, error.error, error.detail)
-        failed = base.model_copy(update={"status": "failed", "error": JobError(error=error.error, detail=error.detail)})
-        _outcome("failed", error)
-        await self._publish_result(failed, reply, message)
-        await self._dead_letter(message, error, base.job_id)
-        self.metrics.queue_events["acked"].inc()
-
-    async def _republish(
-        self, message: AbstractIncomingMessage, route: Route, top_k: int, *, retries: int, requeues: int
-    ) -> None:
-        """Put a copy of the job at the tail of its queue (the input is then acked)."""
-        headers = message.headers or {}
-        again = request_message(
-            message.body,
-            job_id=message.message_id or new_job_id(),
-            content_type=message.content_type or "application/octet-stream",
-            filename=_filename(message.headers or {}),
-            top_k=top_k,
-            reply_to=message.reply_to or DEFAULT_REPLY_TO,
-            retries=retries,
-            requeues=requeues,
-            trace=trace_headers(message.headers or {}),  # a retry stays in its job's trace
-            webhook=_webhook(headers),
-            model=_kept(headers, MODEL_HEADER),
-            version=_kept(headers, VERSION_HEADER),
-        )
-        await self._publish("requests", again, route.key, message)
-
     async def _requeue_later(
-        self, message: AbstractIncomingMessage, route: Route, error: GatewayError, top_k: int
+        self, message: AbstractIncomingMessage, job: JobHeaders, route: Route, error: GatewayError
     ) -> None:
         """Overload or an outage is not the message's fault: wait (backing off with each requeue),
         then put a copy back at the tail with the same retry count; this one is acked. Neither a
         retry nor a delivery of the quorum queue's delivery limit is used up."""
-        headers = message.headers or {}
-        requeues = _int_header(headers, REQUEUES_HEADER)
-        pause = min(OVERLOAD_PAUSE * 2 ** min(requeues, 16), OVERLOAD_PAUSE_MAX) * random.uniform(0.5, 1.0)
+        pause = min(OVERLOAD_PAUSE * 2 ** min(job.requeues, 16), OVERLOAD_PAUSE_MAX) * random.uniform(0.5, 1.0)
         logger.warning(
             "worker: job %s not run (%s: %s); requeued in %.1f s", message.message_id, error.error, error.detail, pause
         )
-        _outcome("requeued", error)
+        mark("requeued", error)
         if not self.closing:
             await asyncio.sleep(pause)
-        await self._republish(
-            message, route, top_k, retries=_int_header(headers, RETRIES_HEADER), requeues=requeues + 1
-        )
+        await self.outcomes.republish(message, job, route, retries=job.retries, requeues=job.requeues + 1)
         self.metrics.queue_events["requeued"].inc()
 
     async def _handle(self, message: AbstractIncomingMessage, route: Route) -> None:
         """Every path ends in an ack or a reject: acked (with others: ``service.jobs.acks``) once its
         outcome is confirmed; rejected with requeue when an error escapes (an error inside an error
         path), so the prefetch window never fills with stranded messages. A publish the broker does
-        not take is retried in place (``_publish``); only a lost channel ends a message unsettled,
-        and the broker then redelivers it."""
+        not take is retried in place (``Outcomes.publish``); only a lost channel ends a message
+        unsettled, and the broker then redelivers it."""
         JOB_ID.set(message.message_id)  # this task's own context: every line it logs names the job
         if self.tracing is None:
             await self._settle(message, route)
@@ -402,12 +233,12 @@ class Worker:
 
     async def _settle(self, message: AbstractIncomingMessage, route: Route) -> None:
         try:
-            if _int_header(message.headers or {}, DELIVERY_COUNT_HEADER) == 0:
+            if not job_headers.delivered_before(message.headers or {}):
                 await self._process(message, route)
             else:  # it may be what killed the last worker: keep it out of others' batches
                 async with self._suspects:
                     await self._process(message, route)
-        except _ChannelLost as exc:
+        except ChannelLost as exc:
             logger.warning("worker: job %s: its channel closed (%s); the broker redelivers it", message.message_id, exc)
         except Exception:
             logger.exception("worker: job %s could not be finished; requeued", message.message_id)
@@ -416,10 +247,9 @@ class Worker:
         else:
             self._acks.finished(message)
 
-    def _served(self, headers: Mapping[str, Any], route: Route) -> ServedVersion:
-        """The model version the job names (by its headers; the model of its queue if none)."""
-        name = _name_header(headers, MODEL_HEADER, MODEL_NAME, "a model name") or route.model
-        version = _name_header(headers, VERSION_HEADER, VERSION, "a version (1-999999999)")
+    def _served(self, job: JobHeaders, route: Route) -> ServedVersion:
+        """The model version the job names (the model of its queue if none)."""
+        name = job.model or route.model
         model = self.models.models.get(name)
         if model is None:
             home = self.known.get(name)
@@ -428,37 +258,33 @@ class Worker:
             raise NotServedHere(
                 f"no worker has served model {name!r} (this one serves {', '.join(self.models.models)})"
             )
-        if version is None:
+        if job.version is None:
             return model.pick(None)
-        if version not in model.versions:
-            raise NotServedHere(f"no worker has served version {version!r} of model {name!r}")
-        return model.versions[version]
+        if job.version not in model.versions:
+            raise NotServedHere(f"no worker has served version {job.version!r} of model {name!r}")
+        return model.versions[job.version]
 
     async def _process(self, message: AbstractIncomingMessage, route: Route) -> None:
         started = time.perf_counter()
         headers = message.headers or {}
         job_id = message.message_id or new_job_id()
         reply_to = message.reply_to or DEFAULT_REPLY_TO
-        filename = _filename(headers)
+        filename = job_headers.filename(headers)
         base = JobResult(job_id=job_id, status="done", filename=filename, worker=self.name)
         if (published := published_at(message)) is not None:
             base.timings["queued"] = max(0.0, time.time() - published)
-        top_k, retries = 5, 0
         try:
-            served = self._served(headers, route)
+            # first: every path below, a move or a requeue included, carries the job's own values on
+            job = job_headers.read(headers)
+        except BadRequest as exc:
+            await self.outcomes.fail(message, base, exc, reply_to)
+            return
+        try:
+            served = self._served(job, route)
             base.model = ModelInfo(name=served.model, version=served.version, random_weights=served.random_weights)
-            if UNDECODABLE_HEADER in headers:
-                raise BadRequest(f"the message's properties could not be decoded ({headers[UNDECODABLE_HEADER]!s})")
-            if headers.get(WEBHOOK_HEADER) and _webhook(headers) is None:
-                raise BadRequest(f"{WEBHOOK_HEADER} is longer than {WEBHOOK_URL_MAX} characters")
-            top_k = _required_int(headers, "top_k", 5)
-            retries = _required_int(headers, RETRIES_HEADER, 0)
-            if not 1 <= top_k <= 20:
-                raise BadRequest(f"top_k must be 1-20, not {top_k}")
-            deliveries = _int_header(headers, DELIVERY_COUNT_HEADER)
-            if deliveries >= self.settings.queue_delivery_limit:
+            if job.deliveries >= self.settings.queue_delivery_limit:
                 raise DeliveryLimit(
-                    f"delivered {deliveries + 1} times; every earlier worker died or hung while holding it "
+                    f"delivered {job.deliveries + 1} times; every earlier worker died or hung while holding it "
                     "(a crashing codec or model input?)"
                 )
             deadline = asyncio.get_running_loop().time() + self.settings.request_timeout
@@ -467,7 +293,7 @@ class Worker:
                 await loader.acquire(served, deadline)
             try:
                 (classified,) = await served.classifier.classify(
-                    [ImageInput(message.body, filename)], k=top_k, deadline=deadline
+                    [ImageInput(message.body, filename)], k=job.top_k, deadline=deadline
                 )
             finally:
                 if loader is not None:
@@ -475,38 +301,30 @@ class Worker:
             base.labels = [Label(index=i, label=lab, score=s) for i, lab, s in classified.labels]
             served.metrics.images_offline.inc()
             base.timings["processing"] = time.perf_counter() - started
-            _outcome("done")
-            await self._publish_result(base, reply_to, message)
+            mark("done")
+            await self.outcomes.result(base, reply_to, message)
             self.metrics.queue_events["acked"].inc()
         except POISON as exc:
-            await self._fail(message, base, exc, reply_to)
+            await self.outcomes.fail(message, base, exc, reply_to)
         except Misrouted as exc:
             logger.warning("worker: job %s is for model %s: moved to %s", job_id, exc.route.model, exc.route.queue)
-            await self._republish(
-                message,
-                exc.route,
-                top_k,
-                retries=_int_header(headers, RETRIES_HEADER),
-                requeues=_int_header(headers, REQUEUES_HEADER),
-            )
+            await self.outcomes.republish(message, job, exc.route, retries=job.retries, requeues=job.requeues)
             self.metrics.queue_events["rerouted"].inc()
         except NotServedHere as exc:
-            if _int_header(headers, REQUEUES_HEADER) >= NOT_SERVED_REQUEUES:
-                await self._fail(message, base, exc, reply_to)
+            if job.requeues >= NOT_SERVED_REQUEUES:
+                await self.outcomes.fail(message, base, exc, reply_to)
             else:
-                await self._requeue_later(message, route, exc, top_k)
+                await self._requeue_later(message, job, route, exc)
         except (BackendUnavailable, QueueFull, DeadlineExceeded) as exc:
-            await self._requeue_later(message, route, exc, top_k)
+            await self._requeue_later(message, job, route, exc)
         except GatewayError as exc:
-            if retries < self.settings.max_retries:
-                logger.warning("worker: job %s failed (%s), retry %d", job_id, exc.detail, retries + 1)
-                _outcome("retried", exc)
-                await self._republish(
-                    message, route, top_k, retries=retries + 1, requeues=_int_header(headers, REQUEUES_HEADER)
-                )
+            if job.retries < self.settings.max_retries:
+                logger.warning("worker: job %s failed (%s), retry %d", job_id, exc.detail, job.retries + 1)
+                mark("retried", exc)
+                await self.outcomes.republish(message, job, route, retries=job.retries + 1, requeues=job.requeues)
                 self.metrics.queue_events["retried"].inc()
             else:
-                await self._fail(message, base, exc, reply_to)
+                await self.outcomes.fail(message, base, exc, reply_to)
 
     async def stop(self, drain_timeout: float) -> None:
         """Stop consuming, then let the messages already taken finish (and be acked)."""
@@ -525,67 +343,6 @@ class Worker:
                 task.cancel()
             await asyncio.gather(*pending, return_exceptions=True)  # ended before the connection closes
         await self._acks.aclose()
-
-
-async def _until(stop: asyncio.Event, seconds: float) -> None:
-    """Sleep ``seconds``, or less once ``stop`` is set."""
-    with suppress(TimeoutError):
-        await asyncio.wait_for(stop.wait(), seconds)
-
-
-async def _sample_depth(broker: Broker, metrics: Metrics, stop: asyncio.Event, interval: float = 5.0) -> None:
-    """Queue lengths as the broker counts them now. A passive declare on aio-pika's robust channel
-    returns the queue object it cached, with the count of its first declaration, so ask the
-    underlying channel each time.
-
-    Ends when ``stop`` is set, after the broker call in progress: it is never cancelled mid-call (an
-    AMQP call cancelled while its answer is due left its task waiting for ever at shutdown)."""
-    while not stop.is_set():
-        if broker.is_open and broker.channel is not None:
-            for name in sorted({broker.names.work, broker.names.dead, *(route.queue for route in broker.routes)}):
-                try:
-                    channel = await broker.channel.get_underlay_channel()
-                    declared = await channel.queue_declare(queue=name, passive=True, timeout=5)
-                    metrics.queue_depth_messages.labels(name).set(declared.message_count or 0)
-                except Exception as exc:
-                    logger.debug("worker: cannot sample %s: %s", name, exc)
-        await _until(stop, interval)
-
-
-async def _migrate_legacy_queue(broker: Broker, stop: asyncio.Event, interval: float = 60.0) -> None:
-    """Drain the classic requests queue of earlier versions into the quorum queue, now and then
-    (an API replica of the old version may still publish to it during a rolling upgrade). Ends
-    when ``stop`` is set, like ``_sample_depth``."""
-    while not stop.is_set():
-        if broker.is_open and broker.connection is not None:
-            try:
-                moved = await migrate_legacy(broker.connection, broker.names)
-                if moved:
-                    logger.warning(
-                        "worker: moved %d jobs from the classic queue %s to %s",
-                        moved,
-                        broker.names.legacy_requests,
-                        broker.names.work,
-                    )
-            except Exception as exc:
-                logger.warning("worker: could not migrate %s: %s", broker.names.legacy_requests, exc)
-        await _until(stop, interval)
-
-
-async def _heartbeat(path: Path, interval: float) -> None:
-    """Touch ``path`` from the event loop: its age is how long the loop has been stuck."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    while True:
-        path.touch()  # noqa: ASYNC240 - on the loop on purpose: the loop itself is what proves alive
-        await asyncio.sleep(interval)
-
-
-def heartbeat_age(path: Path) -> float:
-    """Seconds since the worker's event loop last touched ``path`` (inf when never)."""
-    try:
-        return max(0.0, time.time() - path.stat().st_mtime)
-    except FileNotFoundError:
-        return float("inf")
 
 
 def worker_catalog(catalog: Catalog, wanted: str) -> Catalog:
@@ -655,20 +412,20 @@ async def run_worker(
         else:
             logger.info("worker: no GATEWAY_WEBHOOK_SECRET; webhook deliveries wait for a worker that has it")
         broker_tasks = [  # they end by themselves once stop is set, each after its broker call
-            asyncio.create_task(_sample_depth(broker, metrics, stop)),
-            asyncio.create_task(_migrate_legacy_queue(broker, stop)),
+            asyncio.create_task(sample_depth(broker, metrics, stop)),
+            asyncio.create_task(migrate_legacy_queue(broker, stop)),
         ]
-        heartbeat = None
+        beating = None
         if settings.worker_heartbeat_file is not None:
-            heartbeat = asyncio.create_task(_heartbeat(settings.worker_heartbeat_file, HEARTBEAT_INTERVAL))
+            beating = asyncio.create_task(heartbeat(settings.worker_heartbeat_file, HEARTBEAT_INTERVAL))
         print("worker ready", flush=True)
         await stop.wait()
         logger.info("worker: stopping")
         await worker.stop(drain_timeout=settings.request_timeout)
         if webhooks is not None:
             await webhooks.stop(drain_timeout=settings.webhook_timeout)
-        if heartbeat is not None:
-            heartbeat.cancel()
+        if beating is not None:
+            beating.cancel()
         # before the connection closes; bounded, for a broker that stopped answering
         _, stuck = await asyncio.wait(broker_tasks, timeout=BROKER_CALLS_TIMEOUT)
         for task in stuck:

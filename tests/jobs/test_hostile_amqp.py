@@ -113,6 +113,17 @@ CASES = [
     Case("top-k-huge", pixel(), {}, {"top_k": 2**62}, "failed", "bad_request"),
     Case("top-k-bytes", pixel(), {}, raw_table(("top_k", byte_array(b"\xff\xfe"))), "failed", "bad_request"),
     Case("retries-word", pixel(), {}, {"top_k": 1, "x-retries": "lots"}, "failed", "bad_request"),
+    Case("retries-negative", pixel(), {}, {"top_k": 1, "x-retries": -1_000_000}, "failed", "bad_request"),
+    Case("retries-beyond-count", pixel(), {}, {"top_k": 1, "x-retries": 2**40}, "failed", "bad_request"),
+    Case("retries-at-the-limit", pixel(), {}, {"top_k": 1, "x-retries": 3}),
+    Case("requeues-negative", pixel(), {}, {"top_k": 1, "x-requeues": -3059}, "failed", "bad_request"),
+    Case("requeues-word", pixel(), {}, {"top_k": 1, "x-requeues": "lots"}, "failed", "bad_request"),
+    Case("requeues-beyond-count", pixel(), {}, {"top_k": 1, "x-requeues": 2**62}, "failed", "bad_request"),
+    Case("requeues-some", pixel(), {}, {"top_k": 1, "x-requeues": 40}),
+    Case("delivery-count-negative", pixel(), {}, {"top_k": 1, "x-delivery-count": -1}, "failed", "bad_request"),
+    Case("top-k-zero", pixel(), {}, {"top_k": 0}, "failed", "bad_request"),
+    Case("top-k-negative", pixel(), {}, {"top_k": -2}, "failed", "bad_request"),
+    Case("top-k-21", pixel(), {}, {"top_k": 21}, "failed", "bad_request"),
     Case("filename-bytes", pixel(), {}, raw_table(TOP_K_1, ("filename", byte_array(b"\xff\xfe.png")))),
     Case("unknown-model", pixel(), {}, {"top_k": 1, "model": "resnet-9000"}),
     Case("published-ms-negative", pixel(), {}, {"top_k": 1, PUBLISHED_HEADER: -5}),
@@ -160,6 +171,18 @@ CASES = [
     Case("headers-3000-deep", pixel(), {"message_id": None}, deep_table(3000), "failed", "bad_request"),
     Case("no-properties-at-all", pixel(), {"message_id": None, "reply_to": None, "timestamp": None}),
 ]
+OUT_OF_RANGE = {
+    "retries-negative": "x-retries",
+    "retries-beyond-count": "x-retries",
+    "requeues-negative": "x-requeues",
+    "requeues-word": "x-requeues",
+    "requeues-beyond-count": "x-requeues",
+    "delivery-count-negative": "x-delivery-count",
+    "top-k-zero": "top_k",
+    "top-k-negative": "top_k",
+    "top-k-21": "top_k",
+}
+"""Cases of a numeric header out of its range (or not a number), and the header."""
 NAMELESS = {"headers-3000-deep", "no-properties-at-all"}
 """Cases without a message id: their results get a new job id."""
 
@@ -237,6 +260,8 @@ async def test_hostile_messages_get_their_answer_and_the_good_ones_flow(
             assert (case.name, result.error.error) == (case.name, case.error)
             assert dead[result.job_id][ERROR_HEADER] == case.error
     assert "x-retries" in named["retries-word"].error.detail  # type: ignore[union-attr]
+    for name, header in OUT_OF_RANGE.items():  # named in the reason
+        assert f"bad message header: {header}=" in named[name].error.detail, name  # type: ignore[union-attr]
     assert dead["huge-header-and-bad-body"][DROPPED_HEADER] == "x-junk"
     assert dead["double-header-and-bad-body"][DROPPED_HEADER] == "x-big"  # pamqp cannot encode it again
     assert dead["non-utf8-header-and-bad-body"][DROPPED_HEADER] == "x-text"
