@@ -65,6 +65,9 @@ def _settings(args: argparse.Namespace) -> Settings:
     return settings
 
 
+STARTUP_FAILURE = 3
+"""Exit status of a server whose start-up failed (uvicorn's)."""
+
 _METRIC_FILE = re.compile(r"(counter|gauge_[a-z]+|histogram|summary)_\d+\.db")
 """prometheus_client's per-process files in multiprocess mode."""
 
@@ -162,13 +165,13 @@ def _engine(args: argparse.Namespace) -> int:
 
 def _serve(args: argparse.Namespace) -> int:
     import uvicorn
+    from uvicorn.supervisors import Multiprocess
 
+    from service.http.listeners import ListenError, addresses, listen
     from service.http.protocol import http_protocol
 
     settings = _settings(args)
     common: dict[str, Any] = {
-        "host": settings.host,
-        "port": settings.port,
         "log_level": settings.log_level,
         "log_config": _logging(settings),
         "timeout_graceful_shutdown": int(settings.request_timeout) + 5,
@@ -179,17 +182,27 @@ def _serve(args: argparse.Namespace) -> int:
         # nothing reads the client address, and the header walk is a layer on every request.
         "proxy_headers": settings.access_log,
     }
+    try:  # before any model loads: a port in use ends the start here, and "ready" means listening
+        sockets = listen(settings.host, settings.port)
+    except ListenError as exc:
+        sys.exit(f"gateway: {exc} ({setting_name('host')}, {setting_name('port')})")
+    logging.getLogger("service.cli").info("listening on %s; answering once the models are loaded", addresses(sockets))
     if settings.workers > 1:
         _prepare_multiprocess(args)
+        config = uvicorn.Config(
+            "service.http.app:app_from_environment", factory=True, workers=settings.workers, **common
+        )
         with _shared_engine(settings) as engine:
-            uvicorn.run("service.http.app:app_from_environment", factory=True, workers=settings.workers, **common)
+            Multiprocess(config, sockets=sockets).run()
         if engine is not None and engine.gave_up:
             sys.exit(f"gateway: the shared engine failed {settings.engine_start_attempts} starts in a row")
-    else:
-        from service.http.app import create_app
+        return 0
+    from service.http.app import create_app
 
-        uvicorn.run(create_app(settings), **common)
-    return 0
+    server = uvicorn.Server(uvicorn.Config(create_app(settings), **common))
+    with contextlib.suppress(KeyboardInterrupt):  # as uvicorn.run: Ctrl-C is a shutdown, not an error
+        server.run(sockets=sockets)
+    return 0 if server.started else STARTUP_FAILURE
 
 
 def _models_build(args: argparse.Namespace) -> int:

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -118,3 +120,50 @@ def test_settings_of_earlier_versions_are_refused_by_name(monkeypatch: pytest.Mo
     monkeypatch.setenv("GATEWAY_MAX_IMAGE_PIXELS", "50000000")
     with pytest.raises(ValueError, match="GATEWAY_MAX_IMAGE_PIXELS is replaced by GATEWAY_MAX_IMAGE_BYTES"):
         Settings()
+
+
+@pytest.mark.parametrize("workers", ["1", "2"])
+def test_a_port_in_use_ends_serve_before_anything_starts(workers: str) -> None:
+    """``gateway serve`` on a port another server holds exits 1 at once, saying the address and the
+    settings to change, before any worker or model starts and without ever logging ``gateway ready``
+    (it used to load the model, log ready, and only then fail to bind)."""
+    with socket.create_server(("127.0.0.1", 0)) as other:
+        port = other.getsockname()[1]
+        done = subprocess.run(
+            [sys.executable, "-m", "service", "serve", "--backend", "fake", "--port", str(port), "--workers", workers],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    assert done.returncode == 1, done.stderr
+    assert f"cannot listen on 127.0.0.1:{port}: Address already in use" in done.stderr
+    assert "--port / GATEWAY_PORT" in done.stderr
+    for started in ("gateway ready", "startup", "model", "Started"):
+        assert started not in done.stderr
+    assert "Traceback" not in done.stderr
+
+
+def test_serve_listens_before_it_loads_and_answers_who_waited(tmp_path: Path) -> None:
+    """``gateway serve --port 0`` says the address it listens on before the models load, and only
+    then ``gateway ready``; a request sent while the models load waits in the backlog and is
+    answered once they are loaded, not refused."""
+    env = {**os.environ, "GATEWAY_MODELS_DIR": str(tmp_path), "GATEWAY_FAKE_DELAY": "0"}
+    command = [sys.executable, "-m", "service", "serve", "--backend", "fake", "--port", "0"]
+    proc = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stderr is not None
+        lines = iter(proc.stderr.readline, "")
+        listening = next(line for line in lines if "listening on" in line or "gateway ready" in line)
+        address = re.search(r"listening on http://127\.0\.0\.1:(\d+)", listening)
+        assert address is not None, listening  # said first, before "gateway ready"
+        early = socket.create_connection(("127.0.0.1", int(address[1])), timeout=30)
+        with early:
+            early.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+            assert any("gateway ready" in line for line in lines)
+            answer = b""
+            while chunk := early.recv(65536):
+                answer += chunk
+        assert answer.startswith(b"HTTP/1.1 200"), answer[:200]
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.communicate(timeout=30)
