@@ -67,7 +67,7 @@ class JobHeaders:
     webhook: str | None
 
 
-def _integer(headers: Mapping[str, Any], name: str, default: int, low: int, high: int) -> int:
+def integer(headers: Mapping[str, Any], name: str, default: int, low: int, high: int) -> int:
     """An integer header within [low, high] (absent: ``default``); else the job is a bad request."""
     value = headers.get(name, default)
     try:
@@ -114,10 +114,10 @@ def read(headers: Mapping[str, Any]) -> JobHeaders:
     if headers.get(WEBHOOK_HEADER) and webhook_url(headers) is None:
         raise BadRequest(f"{WEBHOOK_HEADER} is longer than {WEBHOOK_URL_MAX} characters")
     return JobHeaders(
-        top_k=_integer(headers, TOP_K_HEADER, 5, 1, TOP_K_MAX),
-        retries=_integer(headers, RETRIES_HEADER, 0, 0, COUNT_MAX),
-        requeues=_integer(headers, REQUEUES_HEADER, 0, 0, COUNT_MAX),
-        deliveries=_integer(headers, DELIVERY_COUNT_HEADER, 0, 0, COUNT_MAX),
+        top_k=integer(headers, TOP_K_HEADER, 5, 1, TOP_K_MAX),
+        retries=integer(headers, RETRIES_HEADER, 0, 0, COUNT_MAX),
+        requeues=integer(headers, REQUEUES_HEADER, 0, 0, COUNT_MAX),
+        deliveries=integer(headers, DELIVERY_COUNT_HEADER, 0, 0, COUNT_MAX),
         model=_name(headers, MODEL_HEADER, MODEL_NAME, "a model name"),
         version=_name(headers, VERSION_HEADER, VERSION, "a version (1-999999999)"),
         webhook=webhook_url(headers),

@@ -22,7 +22,9 @@
   queues' settings they need no policy: another schedule declares other queues.
 * **Give up.** When the next attempt would start later than ``GATEWAY_WEBHOOK_MAX_AGE`` after the
   job finished, or at once when the receiver answers 410 Gone or the guard refuses the address,
-  the delivery is undeliverable: copied to ``<prefix>.dead`` with ``x-gateway-error:
+  or at once (never POSTed) when its ``x-webhook-attempts`` is not a count (0-1,000,000) or its
+  ``x-webhook-since`` not a time up to a minute ahead of the worker's clock (either would turn this
+  rule off), the delivery is undeliverable: copied to ``<prefix>.dead`` with ``x-gateway-error:
   webhook_undeliverable`` and the last error in ``x-gateway-detail``, counted
   (``gateway_webhook_deliveries_total{outcome="undeliverable"}``) and logged.
 
@@ -53,8 +55,9 @@ import aio_pika
 import aiohttp
 from aio_pika.abc import AbstractChannel, AbstractIncomingMessage, AbstractQueue
 
-from service.errors import GatewayError
+from service.errors import BadRequest, GatewayError
 from service.jobs.broker import Broker
+from service.jobs.headers import COUNT_MAX, integer
 from service.jobs.messages import WEBHOOK_HEADER, JobResult, copy_message, dead_letter_message, trace_headers
 from service.metrics import Metrics
 from service.settings import Settings
@@ -73,6 +76,8 @@ ATTEMPT_HEADER = "x-webhook-attempts"
 SINCE_HEADER = "x-webhook-since"
 """When the job finished (Unix time in milliseconds, an integer: AMQP tables carry floats in
 single precision, 2 minutes apart at today's times): the delivery gives up ``max_age`` after it."""
+CLOCK_SKEW_MS = 60_000
+"""How far ahead of this worker's clock ``x-webhook-since`` may be (another worker's clock)."""
 JITTER = 0.2
 USER_AGENT = "inference-gateway (webhook)"
 
@@ -100,13 +105,6 @@ class _Failed(Exception):
 
 class _Undeliverable(Exception):
     """No attempt can succeed (410 Gone, an address the guard refuses)."""
-
-
-def _number(headers: Mapping[str, Any], name: str, default: float) -> float:
-    try:
-        return float(str(headers.get(name, default)))
-    except ValueError:
-        return default
 
 
 def _where(url: str) -> str:
@@ -183,8 +181,13 @@ class WebhookSender:
     async def _attempt(self, message: AbstractIncomingMessage) -> None:
         headers = message.headers or {}
         url = str(headers.get(WEBHOOK_HEADER) or "")
-        attempts = int(_number(headers, ATTEMPT_HEADER, 0))
-        since = _number(headers, SINCE_HEADER, time.time() * 1000) / 1000
+        now_ms = int(time.time() * 1000)
+        try:  # out of range, they would turn off the give-up rule: a delivery retried for ever
+            attempts = integer(headers, ATTEMPT_HEADER, 0, 0, COUNT_MAX)
+            since = integer(headers, SINCE_HEADER, now_ms, 0, now_ms + CLOCK_SKEW_MS) / 1000
+        except BadRequest as exc:
+            await self._give_up(message, exc.detail)
+            return
         webhook_id = message.message_id or ""
         try:
             await self._post(url, webhook_id, message.body)

@@ -205,6 +205,36 @@ async def test_a_delivery_no_receiver_accepts_is_dead_lettered(gateway_factory: 
     assert metrics.webhook_deliveries.labels("delivered")._value.get() == 0
 
 
+async def test_a_delivery_whose_counts_are_out_of_range_is_given_up(gateway_factory: MakeSettings, prefix: str) -> None:
+    """Deliveries whose ``x-webhook-attempts`` is negative, or whose ``x-webhook-since`` is far in
+    the future, to a receiver that answers 500: each is undeliverable at once, its reason naming
+    the header, never POSTed. Before, a negative count picked a delay from the end of the list or
+    failed at every attempt (requeued at once, for ever), and a future start made the delivery's age
+    negative, so it was retried past ``GATEWAY_WEBHOOK_MAX_AGE`` for ever."""
+    names = Names(prefix)
+    forged = {
+        "negative": ("x-webhook-attempts", -1000),
+        "future": ("x-webhook-since", int(time.time() * 1000) + 10**12),
+    }
+    async with (
+        receiving(lambda *_: 500) as receiver,
+        sender(gateway_factory, prefix, webhook_retry_delays="0.1,0.2", webhook_max_age=1.5) as (_, broker),
+    ):
+        for job_id, (header, value) in forged.items():
+            message = delivery_message(finished(job_id), receiver.url)
+            assert message.headers is not None
+            message.headers[header] = value
+            await broker.publish("queue", message, names.webhooks)
+        async with asyncio.timeout(10):
+            while await queue_depth(names.dead) < 2:  # noqa: ASYNC110
+                await asyncio.sleep(0.05)
+        dead = {m.message_id: m for m in await drain(names.dead)}
+    assert receiver.attempts == {}
+    for job_id, (header, _) in forged.items():
+        assert dead[job_id].headers[ERROR_HEADER] == "webhook_undeliverable"
+        assert f"bad message header: {header}=" in str(dead[job_id].headers[DETAIL_HEADER])
+
+
 async def test_the_sender_checks_the_address_it_connects_to(gateway_factory: MakeSettings, prefix: str) -> None:
     """A delivery whose host resolves to loopback, with no allowlist: never connected to, dead-lettered
     (a message does not have to come from an API that checked it)."""
