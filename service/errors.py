@@ -70,6 +70,14 @@ class PayloadTooLarge(GatewayError):
     error = "payload_too_large"
 
 
+class HeadersTooLarge(GatewayError):
+    """A request's URL and headers, or a chunked body's trailers, are over their bound in bytes
+    or fields (``service.http.protocol``)."""
+
+    status_code = 431
+    error = "headers_too_large"
+
+
 class UrlNotAllowed(GatewayError):
     """An image URL the SSRF guard refuses: a scheme not allowed, or an address that is private,
     loopback, link-local or otherwise not public (``service.ssrf``)."""

@@ -136,7 +136,7 @@ async def running_gateway(settings: Settings, backend: Backend | None = None) ->
     sock = _bound_socket()
     port = sock.getsockname()[1]
     app = create_app(settings, backend=backend)
-    protocol = http_protocol(settings.header_timeout, settings.body_timeout)
+    protocol = http_protocol(settings.header_timeout, settings.body_timeout, settings.max_body_bytes)
     config = uvicorn.Config(
         app, log_level="warning", lifespan="on", http=protocol, limit_concurrency=settings.max_connections
     )

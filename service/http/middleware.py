@@ -59,6 +59,8 @@ class BodyLimitMiddleware:
 
     * A body over ``max_bytes`` is refused (413): at once from Content-Length, or as soon as a
       streamed (chunked) body passes the limit, so no more than the limit is ever buffered.
+    * A body the HTTP protocol refused (too many chunks, malformed framing: it has answered and
+      closed) is raised as its error where the app reads the disconnect, so it is counted.
     * The bodies of all requests being handled together may hold at most ``budget.limit`` bytes,
       shared by model (``BodyBudget``); a chunk that would pass the total, or its model's part and
       all it may borrow, gets 429. Memory is bounded by bytes actually received, so slow senders,
@@ -98,6 +100,8 @@ class BodyLimitMiddleware:
             nonlocal received, complete
             message = await receive()
             if complete or message["type"] != "http.request":
+                if (refused := scope.get(REFUSED)) is not None:
+                    raise refused  # the protocol answered it and closed: counted like any refusal
                 return message
             size = len(message.get("body", b""))
             complete = not message.get("more_body", False)
@@ -115,6 +119,9 @@ class BodyLimitMiddleware:
             shares.leave(model, received)
 
 
+REFUSED = "gateway.refused"
+"""Scope key set (to the error answered) when the HTTP protocol refused the request's body and
+closed the connection (``service.http.protocol``)."""
 REQUEST_ID_HEADER = b"x-request-id"
 REQUEST_ID_SCOPE = "gateway.request_id"
 """Scope key holding the request's id (for layers that answer outside the request's task)."""

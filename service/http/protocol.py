@@ -24,6 +24,16 @@ head over ``MAX_HEAD_BYTES`` or with more than ``MAX_HEADERS`` headers, or trail
 counted per read, so they are cut off at most one read past the bound. Bytes that are not HTTP get
 400 in the gateway's error shape (uvicorn's own answer is plain text), then close.
 
+A chunked body is bounded in chunks and in framing too. Each chunk costs the event loop a few
+parser callbacks (about a microsecond): a million one-byte chunks, 6 MB on the wire for a body of
+1 MB (well under the body limit), held the loop 0.9 s per connection. A body may come in at most
+``max_chunks(max_body_bytes)`` chunks, one per ``MIN_MEAN_CHUNK`` bytes of the body limit (a
+client streaming 4 KiB or 64 KiB pieces, as HTTP clients do, is far within it); past it, 413. And
+llhttp skips a chunk's extensions without bound: a chunk's size line (extensions included) is
+counted like a head, and over ``MAX_HEAD_BYTES`` gets 400. A body refused here is answered by the
+protocol (JSON, with the request's id) and the connection closed; the app learns of it as a
+disconnect whose scope carries ``REFUSED`` (the error answered), so it can count the refusal.
+
 The bounds live here, on the connection's own timer, rather than around every ``receive()`` in
 middleware: one timer per request phase costs less on the serving path than an asyncio timeout per
 body chunk. The app learns of a body timeout as a disconnect whose scope carries ``TIMED_OUT``
@@ -41,13 +51,27 @@ from typing import Any, cast
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from service.http.middleware import REQUEST_ID_SCOPE, new_request_id
+from service.errors import BadRequest, GatewayError, HeadersTooLarge, PayloadTooLarge, RequestTimeout
+from service.http.middleware import REFUSED, REQUEST_ID_SCOPE, new_request_id
 
 MAX_HEAD_BYTES = 64 * 1024
 """The most bytes of a request's URL, header names and values (with their separators): 431 over
 it. Four times uvicorn's h11 bound, room for big cookies and a proxy's headers."""
 MAX_HEADERS = 256
 """The most header fields in a request: 431 over it."""
+MIN_MEAN_CHUNK = 1024
+"""A chunked body may come in one chunk per this many bytes of the body limit (``max_chunks``)."""
+MIN_CHUNKS = 64
+"""... and in this many chunks whatever the body limit."""
+
+
+def max_chunks(max_body_bytes: int) -> int:
+    """The most chunks a chunked request body may come in, its last (empty) one included: 413 past it."""
+    return max(MIN_CHUNKS, max_body_bytes // MIN_MEAN_CHUNK)
+
+
+_HEAD, _TRAILERS, _SIZE_LINE = "head", "trailers", "size line"
+"""What is being counted: a request's head, a chunked body's trailers, or a chunk's size line."""
 
 TIMED_OUT = "gateway.timed_out"
 """Scope key set (to the 408's detail) when the request's body did not arrive in time."""
@@ -92,10 +116,17 @@ class _Refused(Exception):
 
 
 class TimeoutProtocol(HttpToolsProtocol):
-    def __init__(self, *args: Any, header_timeout: float, body_timeout: float, **kwargs: Any) -> None:
+    """uvicorn's httptools protocol with the bounds above: on time, head bytes, chunks and framing."""
+
+    def __init__(self, *args: Any, header_timeout: float, body_timeout: float, max_chunks: int, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.header_timeout = header_timeout
         self.body_timeout = body_timeout
+        self.max_chunks = max_chunks
+        self._chunks = 0
+        """Chunks of the body being received."""
+        self._in_body = False
+        """The parser is in the body (or trailers) of ``self.cycle``'s request."""
         self._timer: asyncio.TimerHandle | None = None
         self._timer_for: tuple[float, Callable[[], None]] | None = None
         """The deadline and expiry the armed timer was set for."""
@@ -108,9 +139,10 @@ class TimeoutProtocol(HttpToolsProtocol):
         self._unread: asyncio.TimerHandle | None = None
         """Armed while writes are backed up (the client is not reading its answers)."""
         self._counting = False
-        """A request's head, or a chunked body's trailers, has begun and is not complete yet."""
-        self._counting_trailers = False
-        """... and it is the trailers."""
+        """A request's head, a chunked body's trailers or a chunk's size line has begun and is not
+        complete yet."""
+        self._counted = _HEAD
+        """... which of them."""
         self._count_began = False
         """... and began in the read being parsed (part of that read may come before it)."""
         self._head_first = 0
@@ -119,8 +151,8 @@ class TimeoutProtocol(HttpToolsProtocol):
         """The bytes of the reads after that one that ended with the counted part still open."""
         self._read_len = 0
         """The length of the read being parsed."""
-        self._refusal: tuple[int, str, str] | None = None
-        """(status, error, detail) of the answer to give in place of uvicorn's 400."""
+        self._refusal: GatewayError | None = None
+        """The answer to give in place of uvicorn's 400."""
 
     def _wait(self, seconds: float, expired: Callable[[], None]) -> None:
         self._waiting = (self.loop.time() + seconds, expired)
@@ -173,22 +205,43 @@ class TimeoutProtocol(HttpToolsProtocol):
         if self._head_rest <= MAX_HEAD_BYTES:
             return
         self._counting = False
-        if not self._counting_trailers:
+        if self._counted == _HEAD:
             self._waiting = None
-            self._answer(431, "headers_too_large", f"the request's URL and headers are over {MAX_HEAD_BYTES} bytes")
-            return
-        cycle = self.cycle
-        if cycle.response_started:  # answered already (e.g. 401 without reading the body): just stop
-            self.transport.close()
-            return
-        detail = f"the request's trailers are over {MAX_HEAD_BYTES} bytes"
-        self._answer(431, "headers_too_large", detail, cycle.scope.get(REQUEST_ID_SCOPE))  # type: ignore[arg-type]
+            self._answer(HeadersTooLarge(f"the request's URL and headers are over {MAX_HEAD_BYTES} bytes"))
+        elif self._counted == _TRAILERS:
+            self._refuse_body(HeadersTooLarge(f"the request's trailers are over {MAX_HEAD_BYTES} bytes"))
+        else:
+            self._refuse_body(
+                BadRequest(f"a chunk's size line (its extensions included) is over {MAX_HEAD_BYTES} bytes")
+            )
+
+    def _start_count(self, counted: str) -> None:
+        self._counting = self._count_began = True
+        self._counted = counted
+        self._head_first = self._head_rest = 0
 
     def send_400_response(self, msg: str) -> None:
-        """uvicorn's answer to bytes the parser refuses (and to a refusal raised in a callback)."""
+        """uvicorn's answer to bytes the parser refuses (and to a refusal raised in a callback):
+        a request's body refused (its framing malformed, too many chunks) is the request's answer."""
+        if self._in_body:
+            self._refuse_body(self._refusal or BadRequest("the request's chunked body is not valid HTTP/1.1"))
+            return
+        refusal = self._refusal or BadRequest("the request is not valid HTTP/1.1")
         self._waiting = None
-        status, error, detail = self._refusal or (400, "bad_request", "the request is not valid HTTP/1.1")
-        self._answer(status, error, detail)
+        self._answer(refusal)
+
+    def _refuse_body(self, refusal: GatewayError) -> None:
+        """Refuse the body of the request being received: answer (with its id) and close, and tell
+        the app (``REFUSED``). If an answer has begun, or an earlier request's is being made
+        (pipelining), no answer can go now: just close."""
+        self._in_body = False
+        self._waiting = None
+        cycle = self.cycle
+        if cycle.response_started or self.pipeline:
+            self.transport.close()
+            return
+        cycle.scope[REFUSED] = refusal  # type: ignore[literal-required]
+        self._answer(refusal, cycle.scope.get(REQUEST_ID_SCOPE))  # type: ignore[arg-type]
 
     def handle_websocket_upgrade(self) -> None:
         self._handed_over = True
@@ -200,9 +253,7 @@ class TimeoutProtocol(HttpToolsProtocol):
         super().on_message_begin()
         if self._waiting is None:  # not the connection's first request, whose clock started at connect
             self._wait(self.header_timeout, self._headers_too_slow)
-        self._counting = self._count_began = True
-        self._counting_trailers = False
-        self._head_first = self._head_rest = 0
+        self._start_count(_HEAD)
 
     def on_headers_complete(self) -> None:
         self._counting = False
@@ -219,21 +270,34 @@ class TimeoutProtocol(HttpToolsProtocol):
             return
         if self.cycle is not None and self.cycle is not before:  # its task has not run yet
             self.cycle.transport = CoalescingTransport(self.transport, self.loop)  # type: ignore[assignment]
-        self._body_bytes = 0
+        self._body_bytes = self._chunks = 0
+        self._in_body = True
         self._wait(self.body_timeout, self._body_too_slow)  # ended at once by a bodiless message
+        # Until a byte of body: a chunk's size line, if the body is chunked (ended at once otherwise)
+        self._start_count(_SIZE_LINE)
 
     def _head_size(self) -> int:
         return len(self.url) + sum(len(name) + len(value) + 4 for name, value in self.headers)
 
     def _refuse_head(self, detail: str) -> None:
-        self._refusal = (431, "headers_too_large", detail)
+        self._refusal = HeadersTooLarge(detail)
         raise _Refused(detail)
 
     def on_chunk_header(self) -> None:
         """A chunk's size line was parsed: until a byte of its data comes, what comes (if anything)
         is the trailers after the last chunk, which llhttp and httptools take in without bound."""
-        self._counting = self._count_began = self._counting_trailers = True
-        self._head_first = self._head_rest = 0
+        self._chunks += 1
+        if self._chunks > self.max_chunks:
+            self._refusal = PayloadTooLarge(
+                f"the request body is in over {self.max_chunks} chunks (one per {MIN_MEAN_CHUNK} bytes of the "
+                "body limit); send it in larger chunks, or with Content-Length"
+            )
+            raise _Refused(self._refusal.detail)
+        self._start_count(_TRAILERS)
+
+    def on_chunk_complete(self) -> None:
+        """A chunk's data (or the trailers) ended: what comes next is a chunk's size line."""
+        self._start_count(_SIZE_LINE)
 
     def on_body(self, body: bytes) -> None:
         self._counting = False
@@ -242,7 +306,7 @@ class TimeoutProtocol(HttpToolsProtocol):
 
     def on_message_complete(self) -> None:
         self._waiting = None
-        self._counting = False
+        self._counting = self._in_body = False
         super().on_message_complete()
 
     def pause_writing(self) -> None:
@@ -264,13 +328,15 @@ class TimeoutProtocol(HttpToolsProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._waiting = None
+        self._in_body = False
         self._sync_timer()
         if self._unread is not None:
             self._unread.cancel()
             self._unread = None
         cycle = self.cycle
         super().connection_lost(exc)
-        if cycle is not None and not cycle.response_complete:
+        # A refused body is not a client that left: the request's task learns of it reading the body
+        if cycle is not None and not cycle.response_complete and REFUSED not in cycle.scope:
             hook = cast(dict[str, Any], cycle.scope).pop(ON_DISCONNECT, None)
             if hook is not None:
                 hook()
@@ -295,19 +361,21 @@ class TimeoutProtocol(HttpToolsProtocol):
             return
         detail = f"the request body did not arrive within {self.body_timeout:g} s ({self._body_bytes} bytes received)"
         cycle.scope[TIMED_OUT] = detail  # type: ignore[literal-required]
+        self._in_body = False
         self._refuse(detail, cycle.scope.get(REQUEST_ID_SCOPE))  # type: ignore[arg-type]
 
     def _refuse(self, detail: str, request_id: str | None = None) -> None:
         """Answer 408 (with the request's id, or a new one when the request never got as far as
         the app) and close."""
-        self._answer(408, "request_timeout", detail, request_id)
+        self._answer(RequestTimeout(detail), request_id)
 
-    def _answer(self, status: int, error: str, detail: str, request_id: str | None = None) -> None:
+    def _answer(self, refusal: GatewayError, request_id: str | None = None) -> None:
         """Answer in the gateway's error shape and close."""
         if self.transport.is_closing():
             return
         request_id = request_id or new_request_id()
-        body = json.dumps({"error": error, "detail": detail, "request_id": request_id}).encode()
+        status = refusal.status_code
+        body = json.dumps({"error": refusal.error, "detail": refusal.detail, "request_id": request_id}).encode()
         self.transport.write(
             f"HTTP/1.1 {status} {HTTPStatus(status).phrase}\r\ncontent-type: application/json\r\n".encode()
             + f"connection: close\r\nx-request-id: {request_id}\r\ncontent-length: {len(body)}\r\n\r\n".encode()
@@ -316,6 +384,11 @@ class TimeoutProtocol(HttpToolsProtocol):
         self.transport.close()
 
 
-def http_protocol(header_timeout: float, body_timeout: float) -> Any:
+def http_protocol(header_timeout: float, body_timeout: float, max_body_bytes: int) -> Any:
     """The protocol class to hand uvicorn (``http=``); picklable, for several worker processes."""
-    return partial(TimeoutProtocol, header_timeout=header_timeout, body_timeout=body_timeout)
+    return partial(
+        TimeoutProtocol,
+        header_timeout=header_timeout,
+        body_timeout=body_timeout,
+        max_chunks=max_chunks(max_body_bytes),
+    )
