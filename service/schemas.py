@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from enum import StrEnum
+
 from pydantic import BaseModel, ConfigDict, Field
 
 MAX_URL_LENGTH = 2048
@@ -95,14 +97,39 @@ class Batching(BaseModel):
     max_queue_size: int
 
 
+class VersionState(StrEnum):
+    """Where a model version stands; why, when it is not ``ready``, is said beside it (``reason``)."""
+
+    LOADING = "loading"
+    """Its model is loading (on first use, under GATEWAY_MODEL_MEMORY_BUDGET); requests wait for it."""
+    READY = "ready"
+    """Its backend answered the latest readiness check."""
+    UNAVAILABLE = "unavailable"
+    """Started, but its backend cannot serve now (Triton unreachable or without the model, the circuit
+    open, the shared engine gone); served again once it can, without a restart."""
+    UNLOADED = "unloaded"
+    """Not in memory (under GATEWAY_MODEL_MEMORY_BUDGET): it loads on its next request."""
+    FAILED = "failed"
+    """Its last load failed: refused at once until a load is tried again."""
+
+
 class ModelVersionState(BaseModel):
     version: str
     profile: str = Field(description="The graph it runs: efficientnet-lite0, resnet50 or trivial.")
     backend: str
     traffic: float = Field(description="Share of the model's unversioned requests this version takes (0-1).")
-    ready: bool
-    loaded: bool = Field(description="False while a version under GATEWAY_MODEL_MEMORY_BUDGET is not loaded.")
-    state: str = Field(description="'ready', 'not loaded (loads on first use)', or why it is not ready.")
+    ready: bool = Field(description="It takes requests: ready, or loading or unloaded (a request waits for the load).")
+    loaded: bool = Field(
+        description="Its model is in memory where it runs: in this process, or in Triton or the shared engine "
+        "as far as their latest readiness check says (false while they are unreachable)."
+    )
+    state: VersionState = Field(
+        description="loading, ready, unavailable (started, its backend cannot serve now), unloaded (loads on "
+        "first use) or failed (its last load failed)."
+    )
+    reason: str | None = Field(
+        description="Why it is unavailable or failed; when it is retried, for a failed load. Null otherwise."
+    )
 
 
 class ModelSummary(BaseModel):

@@ -23,6 +23,10 @@ ONLY_PROFILES: dict[str, frozenset[str]] = {"torch": frozenset({"resnet50"})}
 """Backends that run some profiles alone (the ``torch`` backend has ResNet-50's graph, and no other, in
 PyTorch); the others run every profile. The models' catalog refuses any other at start."""
 
+MODEL_ELSEWHERE = frozenset({"triton", "engine"})
+"""What runs a version's model in another process (``runs_on``): whether the model is loaded there is
+known only from the version's readiness check."""
+
 
 async def _fake(settings: Settings, profile: ModelProfile) -> Backend:
     from service.backends.fake import FakeBackend

@@ -143,11 +143,14 @@ def create_app(
                 # What exists now (modules, the model, the label tables) lives as long as the process:
                 # keep it out of the collector's full passes, which otherwise rescan it under load.
                 gc.freeze()
-                logger.info(
-                    "gateway ready: %s (default %s)",
-                    ", ".join(f"{v.model}/{v.version} on {v.backend_name}" for v in models.versions()),
-                    models.default.name,
+                served = ", ".join(
+                    f"{v.model}/{v.version} on {v.backend_name}" + ("" if v.state[0] == "ready" else f" ({v.state[0]})")
+                    for v in models.versions()
                 )
+                if any(model.problem is None for model in models.models.values()):
+                    logger.info("gateway ready: %s (default %s)", served, models.default.name)
+                else:  # as /readyz says: listening, but no model can answer yet
+                    logger.warning("gateway not ready, no model can answer: %s", served)
                 try:
                     yield
                 finally:

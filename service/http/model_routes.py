@@ -60,14 +60,16 @@ def _state(model: ServedModel, served: ServedVersion) -> ModelVersionState:
     for spec in model.spec.versions:  # the current weights (a reload may have changed them)
         if spec.version == served.version:
             traffic = spec.traffic
+    state, reason = served.state
     return ModelVersionState(
         version=served.version,
         profile=served.spec.profile.name,
         backend=served.backend_name,
         traffic=round(traffic / taking, 6) if taking else 0.0,
         ready=served.problem is None,
-        loaded=served.running is not None,
-        state=served.problem or ("ready" if served.running is not None else "not loaded (loads on first use)"),
+        loaded=served.loaded,
+        state=state,
+        reason=reason,
     )
 
 

@@ -71,7 +71,7 @@ class Loader:
             served.last_used = time.monotonic()
             return
         if (failure := served.failure) is not None:
-            raise ModelNotLoaded(failure, retry_after=int(FAILED_LOAD_BACKOFF))
+            raise ModelNotLoaded(failure, retry_after=served.retry_in)
         load = self._loads.get(id(served))
         if load is None:
             # a context of its own: the request that triggers it leaves no ids on the version's tasks
@@ -79,7 +79,8 @@ class Loader:
                 self._load(served), name=f"load {served.model}/{served.version}", context=contextvars.Context()
             )
             self._loads[id(served)] = load
-            load.add_done_callback(partial(self._loaded, id(served)))
+            served.loading = True
+            load.add_done_callback(partial(self._loaded, served))
         served.in_use += 1
         try:
             async with asyncio.timeout_at(deadline):
@@ -96,8 +97,9 @@ class Loader:
             raise
         served.last_used = time.monotonic()
 
-    def _loaded(self, key: int, task: asyncio.Task[None]) -> None:
-        self._loads.pop(key, None)
+    def _loaded(self, served: ServedVersion, task: asyncio.Task[None]) -> None:
+        self._loads.pop(id(served), None)
+        served.loading = False
         if not task.cancelled():
             task.exception()  # retrieved: every waiter may have given up; it is logged and counted
 
@@ -117,13 +119,13 @@ class Loader:
             try:
                 running = await self._start(served)
             except Exception as exc:
-                self._fail(served, f"failed to load: {exc}")
-                raise ModelNotLoaded(f"model {labels[0]!r} version {labels[1]} failed to load: {exc}") from exc
+                failure = self._fail(served, f"failed to load: {exc}")
+                raise ModelNotLoaded(failure, retry_after=served.retry_in) from exc
             problem = running.health.problem
             if problem is not None:  # started, but cannot serve (a backend that keeps its error)
                 await self._stop(running)
-                self._fail(served, f"cannot serve: {problem}")
-                raise ModelNotLoaded(f"model {labels[0]!r} version {labels[1]} cannot serve: {problem}")
+                failure = self._fail(served, f"cannot serve: {problem}")
+                raise ModelNotLoaded(failure, retry_after=served.retry_in)
             served.running = running
             served.failed = None
             seconds = time.perf_counter() - started
@@ -139,13 +141,13 @@ class Loader:
             self.budget >> 20,
         )
 
-    def _fail(self, served: ServedVersion, why: str) -> None:
+    def _fail(self, served: ServedVersion, why: str) -> str:
+        """Mark ``served`` failed (refused at once until a load is tried again); the message that says so."""
         logger.warning("model %s version %s %s", served.model, served.version, why)
         self._metrics.model_loads.labels(served.model, served.version, "failed").inc()
-        served.failed = (
-            time.monotonic(),
-            f"model {served.model!r} version {served.version} {why} (tried again {FAILED_LOAD_BACKOFF:g} s after)",
-        )
+        failure = f"model {served.model!r} version {served.version} {why} (tried again {FAILED_LOAD_BACKOFF:g} s after)"
+        served.failed = (time.monotonic(), failure)
+        return failure
 
     def _idle(self, besides: ServedVersion) -> list[ServedVersion]:
         """Loaded versions no request uses or waits for, least recently used first."""

@@ -186,8 +186,17 @@ async def _start_version(
     served.metrics.bind(batcher)
     batcher.start()
     health = BackendHealth(chosen, served.metrics, settings.readiness_interval, name=f"{name}/{spec.version}")
-    await health.refresh()
-    logger.info("model %s version %s ready: %s on the %s backend", name, spec.version, profile.name, chosen.name)
+    if (problem := await health.refresh()) is None:
+        logger.info("model %s version %s ready: %s on the %s backend", name, spec.version, profile.name, chosen.name)
+    else:  # served once its backend can, without a restart: not ready, and not said to be
+        logger.warning(
+            "model %s version %s unavailable: %s on the %s backend: %s",
+            name,
+            spec.version,
+            profile.name,
+            chosen.name,
+            problem,
+        )
     random_weights = served.random_weights
     if random_weights:
         logger.warning(

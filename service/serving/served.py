@@ -7,6 +7,7 @@ import asyncio
 import bisect
 import hashlib
 import itertools
+import math
 import random
 import time
 from concurrent.futures import Executor
@@ -14,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from service.backends.base import Backend
+from service.backends.factory import MODEL_ELSEWHERE, runs_on
 from service.backends.health import BackendHealth
 from service.classifier import Classifier
 from service.errors import NotFound
@@ -21,6 +23,7 @@ from service.images.budget import BudgetShare
 from service.images.preprocess import PreprocessConfig
 from service.metrics import ModelMetrics
 from service.models.checkpoints import weights_for
+from service.schemas import VersionState
 from service.serving.catalog import Catalog, ModelSpec, VersionSpec
 from service.serving.fair import Admission, Lane
 
@@ -55,6 +58,8 @@ class ServedVersion:
     """Loaded on first use and unloaded when the memory budget needs its room (``Loader``)."""
     in_use: int = 0
     """Requests using it now (or waiting for its load): it is not unloaded while any is."""
+    loading: bool = False
+    """A load of it is under way (``Loader``)."""
     last_used: float = 0.0
     failed: tuple[float, str] | None = None
     """When its last load failed, and why (cleared by a load that succeeds)."""
@@ -80,6 +85,12 @@ class ServedVersion:
         return self.failed[1]
 
     @property
+    def retry_in(self) -> int:
+        """Whole seconds (at least 1) until a load of it is tried again after a failed one."""
+        since = time.monotonic() - self.failed[0] if self.failed is not None else FAILED_LOAD_BACKOFF
+        return max(1, math.ceil(FAILED_LOAD_BACKOFF - since))
+
+    @property
     def version(self) -> str:
         return self.spec.version
 
@@ -96,6 +107,27 @@ class ServedVersion:
     @property
     def backend_name(self) -> str:
         return self.running.backend.name if self.running is not None else self.spec.settings.backend
+
+    @property
+    def state(self) -> tuple[VersionState, str | None]:
+        """Where it stands, and why when it is unavailable or failed."""
+        if self.running is not None:
+            problem = self.running.health.problem
+            return (VersionState.READY, None) if problem is None else (VersionState.UNAVAILABLE, problem)
+        if self.loading:
+            return VersionState.LOADING, None
+        if (failure := self.failure) is not None:
+            return VersionState.FAILED, failure
+        # not started: a lazy version until its first request; any other only while the gateway starts
+        return (VersionState.UNLOADED if self.lazy else VersionState.LOADING), None
+
+    @property
+    def loaded(self) -> bool:
+        """Its model is in memory where it runs: started here, or, in Triton or the shared engine, as
+        far as the latest readiness check says (an unreachable one is not taken to hold it)."""
+        if self.running is None:
+            return False
+        return self.running.health.problem is None or runs_on(self.spec.settings) not in MODEL_ELSEWHERE
 
     @property
     def problem(self) -> str | None:

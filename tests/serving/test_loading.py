@@ -7,9 +7,22 @@ from __future__ import annotations
 
 import asyncio
 import re
+import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import pytest
+from prometheus_client import CollectorRegistry
+
+from service.backends.fake import FakeBackend
+from service.backends.health import BackendHealth
+from service.errors import ModelNotLoaded
+from service.metrics import Metrics
+from service.schemas import VersionState
+from service.serving.catalog import load_catalog
+from service.serving.loading import Loader
+from service.serving.served import FAILED_LOAD_BACKOFF, Running, ServedVersion
 from service.settings import Settings
 from tests.conftest import GatewayClient, running_gateway
 
@@ -147,3 +160,83 @@ async def test_requests_waiting_for_a_load_keep_it_from_the_next_load(
             assert refused.headers["retry-after"] == "5"
         assert await _loaded(client) == {"a": False, "b": True, "c": False}
         assert (await client.post("/v1/models/c/classify", content=coffee_jpeg, headers=JPEG)).status_code == 200
+
+
+async def test_a_versions_state_follows_its_load(tmp_path: Path) -> None:
+    """A lazy version is ``unloaded`` until its first request, ``loading`` while its load runs (the
+    request waits), ``ready`` once loaded; one whose load fails is ``failed`` with the error in its
+    own ``reason`` (the waiting request is told to retry when a load is tried again, 30 s, not 1 s),
+    and ``unloaded`` again once that time has passed. States are the fixed set, never error text."""
+    settings = Settings(model="trivial", backend="fake", models_dir=tmp_path)
+    spec = load_catalog(settings).models[0].versions[0]
+    metrics = Metrics(CollectorRegistry())
+    started, go = asyncio.Event(), asyncio.Event()
+
+    async def start(served: ServedVersion) -> Running:
+        started.set()
+        await go.wait()
+        if served.model == "bad":
+            raise RuntimeError("its weights file is not one")
+        health = BackendHealth(FakeBackend(), served.metrics, 1.0)
+        await health.refresh()
+        return Running(classifier=None, backend=health.backend, health=health, watcher=None)  # type: ignore[arg-type]
+
+    async def stop(running: Running) -> None:
+        pass
+
+    with ThreadPoolExecutor(1) as pool:
+        good, bad = (
+            ServedVersion(name, spec, metrics.model(name, "1", "fake"), pool, lazy=True) for name in ("good", "bad")
+        )
+        loader = Loader(100 * MB, [good, bad], start, stop, metrics)
+        assert (good.state, good.loaded, good.problem) == ((VersionState.UNLOADED, None), False, None)
+        waiting = asyncio.create_task(loader.acquire(good, None))
+        await started.wait()
+        assert (good.state, good.loaded) == ((VersionState.LOADING, None), False)
+        go.set()
+        await waiting
+        loader.release(good)
+        assert (good.state, good.loaded) == ((VersionState.READY, None), True)
+
+        with pytest.raises(ModelNotLoaded) as refused:
+            await loader.acquire(bad, None)
+        assert refused.value.headers == {"Retry-After": str(int(FAILED_LOAD_BACKOFF))}
+        state, reason = bad.state
+        assert (state, bad.loaded) == (VersionState.FAILED, False)
+        assert "failed to load: its weights file is not one" in str(reason)
+        assert bad.failed is not None
+        bad.failed = (time.monotonic() - FAILED_LOAD_BACKOFF - 1, bad.failed[1])  # its backoff is over
+        assert bad.state == (VersionState.UNLOADED, None)
+
+
+async def test_a_failed_load_is_refused_for_the_time_it_says(
+    gateway_factory: MakeSettings, tmp_path: Path, coffee_jpeg: bytes
+) -> None:
+    """A real gateway with a version whose load fails (its weights file is not one): the request
+    that waited for the load gets 503 ``model_not_loaded`` with ``Retry-After: 30``, the time until a
+    load is tried again (it said 1 while the version was refused for 30 s); a request a moment later
+    gets the time that is left; ``GET /v1/models`` says ``failed``, the error in ``reason``."""
+    junk = tmp_path / "junk.pth"
+    junk.write_bytes(b"not a checkpoint")
+    models = tmp_path / "models.toml"
+    models.write_text(
+        f"default = 'small'\n[models.small]\nprofile = 'trivial'\nbackend = 'fake'\nmemory = {MB}\n"
+        f"[models.bad]\nprofile = 'resnet50'\nmodel_weights = '{junk}'\nmemory = {MB}\n"
+    )
+    async with running_gateway(gateway_factory(models_file=models, model_memory_budget=10 * MB)) as client:
+        before = (await client.get("/v1/models/bad")).json()["versions"][0]
+        assert (before["state"], before["loaded"], before["reason"]) == ("unloaded", False, None)
+        first = await client.post("/v1/models/bad/classify", content=coffee_jpeg, headers=JPEG)
+        assert first.status_code == 503, first.text
+        assert first.json()["error"] == "model_not_loaded"
+        assert "failed to load" in first.json()["detail"]
+        assert first.headers["retry-after"] == "30"
+        failed_at = time.monotonic()
+        await asyncio.sleep(1.2)
+        again = await client.post("/v1/models/bad/classify", content=coffee_jpeg, headers=JPEG)
+        assert again.status_code == 503
+        left = FAILED_LOAD_BACKOFF - (time.monotonic() - failed_at)
+        assert left <= int(again.headers["retry-after"]) <= 29
+        after = (await client.get("/v1/models/bad")).json()["versions"][0]
+        assert (after["state"], after["loaded"], after["ready"]) == ("failed", False, False)
+        assert "failed to load" in after["reason"]

@@ -5,16 +5,19 @@ others in service; traffic splits between versions as weighted; tritonclient rea
 from __future__ import annotations
 
 import asyncio
+import logging
 import re
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
+import pytest
 import tritonclient.http as triton_http
 
 from service.settings import Settings
 from tests.conftest import running_gateway
+from tests.triton_server import free_ports
 
 MakeSettings = Callable[..., Settings]
 
@@ -46,6 +49,7 @@ async def test_two_real_models_answer_by_name_with_their_own_metrics(
                 "ready": True,
                 "loaded": True,
                 "state": "ready",
+                "reason": None,
             }
         ]
         named = await client.post("/v1/models/efficientnet-lite0/classify", content=coffee_jpeg, headers=jpeg)
@@ -141,6 +145,45 @@ async def test_a_failing_model_leaves_the_others_in_service(
         assert failed.json()["error"] in ("backend_error", "backend_unavailable")
         good = await client.post("/v1/models/good/classify", content=coffee_jpeg, headers=jpeg)
         assert good.status_code == 200
+
+
+async def test_a_model_whose_triton_is_unreachable_is_unavailable_not_ready(
+    gateway_factory: MakeSettings, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A model on a Triton nobody runs (a closed port) is logged unavailable, never ready, and listed
+    with ``state`` one of the fixed states (``unavailable``), the error in ``reason``, and ``loaded``
+    false (it was listed ``"loaded": true`` with the error text as its state); the model beside it is
+    ``ready`` with no reason."""
+    (closed,) = free_ports(1)
+    models = _write(
+        tmp_path / "models.toml",
+        f"""
+        default = "good"
+        [models.good]
+        profile = "trivial"
+        backend = "fake"
+        [models.remote]
+        profile = "trivial"
+        backend = "triton"
+        triton_url = "127.0.0.1:{closed}"
+        """,
+    )
+    caplog.set_level(logging.INFO, logger="service")
+    async with running_gateway(gateway_factory(models_file=models)) as client:
+        listed = {m["name"]: m["versions"][0] for m in (await client.get("/v1/models")).json()["models"]}
+        one = (await client.get("/v1/models/remote")).json()["versions"][0]
+    remote = listed["remote"]
+    assert (remote["state"], remote["ready"], remote["loaded"]) == ("unavailable", False, False)
+    assert f"Triton at 127.0.0.1:{closed} is unreachable" in remote["reason"]
+    assert (one["state"], one["reason"]) == (remote["state"], remote["reason"])
+    good = listed["good"]
+    assert (good["state"], good["ready"], good["loaded"], good["reason"]) == ("ready", True, True, None)
+    said = [(r.levelno, r.getMessage()) for r in caplog.records]
+    assert not any(message.startswith("model remote version 1 ready") for _, message in said)
+    assert any(
+        level == logging.WARNING and message.startswith("model remote version 1 unavailable") for level, message in said
+    )
+    assert any(message.startswith("model good version 1 ready") for _, message in said)
 
 
 async def test_traffic_splits_between_versions_as_weighted(
