@@ -137,6 +137,9 @@ async def test_models_found_in_tritons_index_are_served_and_loaded_when_the_oper
         unloaded = await client.post("/v1/models/moderation/unload", headers=admin)
         assert unloaded.status_code == 200, unloaded.text
         assert unloaded.json()["ready"] is False
+        version = unloaded.json()["versions"][0]  # a state of the fixed set, Triton's answer as its reason
+        assert (version["state"], version["loaded"]) == ("unavailable", False)
+        assert "not ready" in version["reason"]
         refused = await client.post("/v1/models/moderation/classify", content=coffee_jpeg, headers=JPEG)
         assert refused.status_code == 503, refused.text
         state = await client.get(f"http://{two_model_triton.http_url}/v2/models/moderation/ready")
@@ -145,6 +148,8 @@ async def test_models_found_in_tritons_index_are_served_and_loaded_when_the_oper
         loaded = await client.post("/v1/models/moderation/load", headers=admin)
         assert loaded.status_code == 200, loaded.text
         assert loaded.json()["ready"] is True
+        version = loaded.json()["versions"][0]
+        assert (version["state"], version["loaded"], version["reason"]) == ("ready", True, None)
         answer = await client.post("/v1/models/moderation/classify", content=coffee_jpeg, headers=JPEG)
         assert answer.status_code == 200, answer.text
         products = await client.post("/v1/models/products/classify", content=coffee_jpeg, headers=JPEG)
