@@ -83,6 +83,11 @@ class JobStatus(BaseModel):
     job_id: str
     status: str = Field(description="pending, done or failed.")
     filename: str | None = None
+    waiting: str | None = Field(
+        default=None,
+        description="While pending: why the job is not classified yet, when a worker said so "
+        "(e.g. \"no worker serves model 'x': requeued for one that does ...\"); null otherwise.",
+    )
     labels: list[Label] = Field(default_factory=list)
     error: ErrorBody | None = None
     model: ModelInfo | None = None

@@ -32,8 +32,9 @@ from service.http.middleware import API_KEY, AUTHENTICATED
 from service.http.openapi import CLASSIFY_BODY, ERRORS
 from service.http.quotas import Quotas
 from service.images.files import MEDIA_TYPES
-from service.jobs.client import JobsClient, JobTarget, OfflineImage, PendingJob
+from service.jobs.client import JobsClient, JobTarget, OfflineImage
 from service.jobs.owners import JOB_ID_CHARS
+from service.jobs.store import PendingJob
 from service.metrics import Metrics
 from service.models.checkpoints import real_weights_hint
 from service.schemas import (
@@ -459,7 +460,7 @@ async def job_status(request: Request, job_id: str) -> JobStatus:
             "and not finished yet"
         )
     if isinstance(state, PendingJob):
-        return JobStatus(job_id=job_id, status="pending", filename=state.filename)
+        return JobStatus(job_id=job_id, status="pending", filename=state.filename, waiting=state.waiting)
     error = ErrorBody(error=state.error.error, detail=state.error.detail) if state.error else None
     return JobStatus(
         job_id=job_id,

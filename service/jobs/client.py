@@ -1,8 +1,9 @@
 """The API's side of offline mode: publish images as jobs, and learn the results of its jobs.
 
 Each API replica binds a queue of its own to the results exchange for the API's routing key only
-(``jobs``: never the results of ``gateway ingest`` runs), and keeps job states in memory for
-``GET /jobs/{id}``, bounded in bytes and age. A job is ``pending`` on the replica that accepted it
+(``jobs``: never the results of ``gateway ingest`` runs), and to the notices exchange for the
+same key (a worker's word on why a job still waits: ``waiting``), and keeps job states in memory
+for ``GET /jobs/{id}``, bounded in bytes and age. A job is ``pending`` on the replica that accepted it
 until its result arrives; other replicas answer 404 for it until then, and every replica answers
 ``done``/``failed`` once the result is out (see docs/offline.md).
 
@@ -17,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import sys
 import time
 import uuid
 from collections.abc import Mapping, Sequence
@@ -25,14 +25,14 @@ from dataclasses import dataclass
 
 import aio_pika
 from aio_pika.abc import AbstractIncomingMessage
-from cachetools import TTLCache
 from pydantic import ValidationError
 
 from service.errors import BackendUnavailable, BadRequest, GatewayError
 from service.jobs.broker import Broker
 from service.jobs.idempotency import HOLD_TIMEOUTS, MAX_IMAGES, IdempotencyLog, fingerprint, key_digest
-from service.jobs.messages import DEFAULT_REPLY_TO, JobResult, request_message
+from service.jobs.messages import DEFAULT_REPLY_TO, WAITING_TYPE, JobNotice, JobResult, request_message
 from service.jobs.owners import derived_job_ids, fresh_job_id, owns
+from service.jobs.store import JobStore, PendingJob
 from service.jobs.topology import REQUEST_KEY, Names, Route
 from service.metrics import Metrics
 from service.settings import Settings
@@ -41,57 +41,6 @@ from service.tracing import Tracing, publishing
 logger = logging.getLogger(__name__)
 
 RESULTS_QUEUE_EXPIRES_MS = 10 * 60 * 1000
-PENDING_BYTES = 200
-"""What a pending marker costs, roughly (id, filename, the cache's own entry)."""
-
-
-@dataclass
-class PendingJob:
-    job_id: str
-    filename: str | None
-
-
-def _result_bytes(result: JobResult) -> int:
-    """What a result costs in the store: its JSON size is a fair proxy for the model's (~4-12 KB
-    with top-5 labels and timings)."""
-    return len(result.model_dump_json()) + sys.getsizeof(result.job_id)
-
-
-class JobStore:
-    """Job states by id: pending markers and results in two TTL caches bounded in bytes, so that a
-    burst of results can never evict the markers of jobs still running."""
-
-    def __init__(self, max_bytes: int, ttl: float) -> None:
-        self._pending: TTLCache[str, PendingJob] = TTLCache(
-            maxsize=max(1, max_bytes // 4), ttl=ttl, getsizeof=lambda _: PENDING_BYTES
-        )
-        self._results: TTLCache[str, JobResult] = TTLCache(maxsize=max_bytes, ttl=ttl, getsizeof=_result_bytes)
-
-    def pending(self, job_id: str, filename: str | None) -> None:
-        if job_id not in self._results:
-            self._pending[job_id] = PendingJob(job_id, filename)
-
-    def record(self, result: JobResult) -> None:
-        """Keep the result; a late ``failed`` duplicate (at-least-once delivery) never replaces a
-        ``done``."""
-        known = self._results.get(result.job_id)
-        if known is not None and known.status == "done" and result.status != "done":
-            return
-        try:
-            self._results[result.job_id] = result
-        except ValueError:  # larger than the whole store: keep nothing rather than fail
-            logger.warning("jobs: result of %s is larger than GATEWAY_JOBS_CACHE_BYTES", result.job_id)
-        self._pending.pop(result.job_id, None)
-
-    def get(self, job_id: str) -> PendingJob | JobResult | None:
-        return self._results.get(job_id) or self._pending.get(job_id)
-
-    @property
-    def bytes(self) -> int:
-        return int(self._pending.currsize + self._results.currsize)
-
-    def __len__(self) -> int:
-        return len(self._pending) + len(self._results)
 
 
 @dataclass(frozen=True)
@@ -196,11 +145,18 @@ class JobsClient:
             self.listen_queue, durable=True, arguments={"x-queue-type": "quorum", "x-expires": RESULTS_QUEUE_EXPIRES_MS}
         )
         await queue.bind(broker.topology.results_exchange, DEFAULT_REPLY_TO)
+        await queue.bind(broker.topology.notices_exchange, DEFAULT_REPLY_TO)
         await queue.consume(self._on_result, no_ack=True)
         assert broker.connection is not None
         await self.idempotency.follow(broker.connection)
 
     async def _on_result(self, message: AbstractIncomingMessage) -> None:
+        if message.type == WAITING_TYPE:
+            try:
+                self.store.waiting(JobNotice.model_validate_json(message.body))
+            except ValidationError as exc:
+                logger.warning("jobs: ignoring a malformed notice: %s", exc)
+            return
         try:
             result = JobResult.model_validate_json(message.body)
         except ValidationError as exc:

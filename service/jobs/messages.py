@@ -44,6 +44,10 @@ WEBHOOK_URL_MAX = 8192
 UNDECODABLE_HEADER = "x-gateway-undecodable"
 """Set on receipt when a message's properties could not be decoded (``service.jobs.frames``)."""
 DEFAULT_REPLY_TO = "jobs"
+WAITING_TYPE = "job.waiting"
+"""The AMQP ``type`` of a notice that a job is still waiting, and why (``JobNotice``)."""
+NOTICE_TTL_MS = 60_000
+"""A notice not taken within this long is dropped: a later one, or the result, says more."""
 TRACE_HEADERS = ("traceparent", "tracestate")
 
 
@@ -67,6 +71,25 @@ class JobResult(BaseModel):
     timings: dict[str, float] = Field(default_factory=dict)
     """Seconds: ``queued`` (publish to worker), ``processing`` (worker: decode, batch, infer)."""
     worker: str | None = None
+
+
+class JobNotice(BaseModel):
+    """What a worker tells the API about a job it could not run yet, on ``<prefix>.notices``
+    (``GET /jobs/{id}``'s ``waiting``)."""
+
+    job_id: str
+    waiting: str
+
+
+def notice_message(notice: JobNotice) -> aio_pika.Message:
+    """A notice: transient and short-lived (best effort: the job's result is what counts)."""
+    return aio_pika.Message(
+        notice.model_dump_json().encode(),
+        message_id=notice.job_id,
+        content_type="application/json",
+        type=WAITING_TYPE,
+        expiration=NOTICE_TTL_MS / 1000,
+    )
 
 
 def new_job_id() -> str:

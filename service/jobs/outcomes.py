@@ -21,9 +21,11 @@ from service.jobs.headers import JobHeaders, filename, webhook_url
 from service.jobs.messages import (
     DEFAULT_REPLY_TO,
     JobError,
+    JobNotice,
     JobResult,
     dead_letter_message,
     new_job_id,
+    notice_message,
     request_message,
     result_message,
     trace_headers,
@@ -127,6 +129,20 @@ class Outcomes:
         await self.publish("dead", dead, "", message)
         self.metrics.queue_events["dead_lettered"].inc()
         self.metrics.queue_events["acked"].inc()
+
+    async def notify(self, message: AbstractIncomingMessage, waiting: str) -> None:
+        """Tell the API replicas why the job is still waiting (``GET /jobs/{id}``'s ``waiting``):
+        best effort, once, never held up long (the job's outcome does not depend on it). Nothing
+        takes a notice of a job whose results go elsewhere (an ingest run's)."""
+        topology = self.broker.topology
+        if topology is None or not message.message_id:
+            return
+        notice = notice_message(JobNotice(job_id=message.message_id, waiting=waiting))
+        try:
+            async with asyncio.timeout(self.broker.publish_timeout):
+                await topology.notices_exchange.publish(notice, message.reply_to or DEFAULT_REPLY_TO)
+        except Exception as exc:  # a notice lost costs nothing but the explanation
+            logger.info("worker: job %s: notice not published (%s)", message.message_id, exc)
 
     async def republish(
         self, message: AbstractIncomingMessage, job: JobHeaders, route: Route, *, retries: int, requeues: int

@@ -11,6 +11,8 @@
                                    -> each ingest run's quorum queue    (binding "ingest.<run>")
 <prefix>.dead      fanout exchange -> quorum queue <prefix>.dead        (reason in x-gateway-error,
                                                                          or x-death for the broker's)
+<prefix>.notices   topic exchange  -> each API replica's own queue      (binding "jobs": why a job is
+                                                                         still waiting, JobNotice)
 (default exchange)                 -> quorum queue <prefix>.webhooks    (deliveries to make)
                                    -> quorum queues <prefix>.webhooks.retry.<ms>ms (deliveries to retry:
                                       dead-lettered back to <prefix>.webhooks when their TTL expires;
@@ -77,6 +79,11 @@ class Names:
         return f"{self.prefix}.dead"
 
     @property
+    def notices(self) -> str:
+        """The exchange of notices about jobs still waiting (``service.jobs.messages.JobNotice``)."""
+        return f"{self.prefix}.notices"
+
+    @property
     def idempotency(self) -> str:
         """The stream of idempotency claims API replicas share (``service.jobs.idempotency``)."""
         return f"{self.prefix}.idempotency"
@@ -133,6 +140,7 @@ class Topology:
     results_exchange: AbstractExchange
     dead_exchange: AbstractExchange
     dead_queue: AbstractQueue
+    notices_exchange: AbstractExchange
 
 
 async def declare(
@@ -142,6 +150,7 @@ async def declare(
     requests_exchange = await channel.declare_exchange(names.requests, aio_pika.ExchangeType.DIRECT, durable=True)
     results_exchange = await channel.declare_exchange(names.results, aio_pika.ExchangeType.TOPIC, durable=True)
     dead_exchange = await channel.declare_exchange(names.dead, aio_pika.ExchangeType.FANOUT, durable=True)
+    notices_exchange = await channel.declare_exchange(names.notices, aio_pika.ExchangeType.TOPIC, durable=True)
     work_queues: dict[str, AbstractQueue] = {}
     for queue, key in {names.work: REQUEST_KEY, **{route.queue: route.key for route in routes}}.items():
         work_queues[queue] = await channel.declare_queue(queue, durable=True, arguments={"x-queue-type": "quorum"})
@@ -155,7 +164,16 @@ async def declare(
     dead_queue = await declare_replicated(connection, channel, names.dead)
     await dead_queue.bind(dead_exchange)
     await channel.declare_queue(names.webhooks, durable=True, arguments={"x-queue-type": "quorum"})
-    return Topology(names, requests_exchange, requests_queue, work_queues, results_exchange, dead_exchange, dead_queue)
+    return Topology(
+        names,
+        requests_exchange,
+        requests_queue,
+        work_queues,
+        results_exchange,
+        dead_exchange,
+        dead_queue,
+        notices_exchange,
+    )
 
 
 async def declare_replicated(connection: AbstractConnection, channel: AbstractChannel, name: str) -> AbstractQueue:

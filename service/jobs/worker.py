@@ -87,6 +87,15 @@ from service.errors import (
 )
 from service.jobs import headers as job_headers
 from service.jobs.acks import Acks
+from service.jobs.assignment import (
+    NOT_SERVED_REQUEUES,
+    Misrouted,
+    NotServedHere,
+    assignment,
+    not_served_notice,
+    resolve,
+    worker_catalog,
+)
 from service.jobs.broker import Broker
 from service.jobs.headers import JobHeaders
 from service.jobs.messages import DEFAULT_REPLY_TO, JobResult, new_job_id, published_at
@@ -98,10 +107,10 @@ from service.jobs.webhooks import WebhookSender
 from service.logs import JOB_ID
 from service.metrics import Metrics
 from service.schemas import Label, ModelInfo
-from service.serving.catalog import Catalog, CatalogError, load_catalog
+from service.serving.catalog import load_catalog
 from service.serving.loading import Loader
 from service.serving.pipeline import open_models
-from service.serving.served import ServedModels, ServedVersion
+from service.serving.served import ServedModels
 from service.settings import Settings
 from service.tracing import Tracing
 
@@ -115,28 +124,10 @@ class DeliveryLimit(GatewayError):
     error = "delivery_limit"
 
 
-class NotServedHere(GatewayError):
-    """The job names a model or version this worker does not serve: requeued for one that does
-    (for a while: ``NOT_SERVED_REQUEUES``)."""
-
-    status_code = 503
-    error = "model_not_served"
-
-
-class Misrouted(Exception):
-    """The job names a model of another queue: it goes there."""
-
-    def __init__(self, route: Route) -> None:
-        self.route = route
-
-
 POISON = (BadImage, BadRequest, PayloadTooLarge, UnsupportedMediaType, DeliveryLimit)
 OVERLOAD_PAUSE = 0.5
 """Seconds before the first requeue of a job refused for overload; doubled at each requeue."""
 OVERLOAD_PAUSE_MAX = 30.0
-NOT_SERVED_REQUEUES = 20
-"""Requeues of a job no worker has served (pauses 0.5 s doubling to 30 s: about 7 minutes) before
-it fails as ``model_not_served``."""
 BROKER_CALLS_TIMEOUT = 15.0
 """Seconds the background broker calls get to finish at shutdown."""
 
@@ -247,23 +238,6 @@ class Worker:
         else:
             self._acks.finished(message)
 
-    def _served(self, job: JobHeaders, route: Route) -> ServedVersion:
-        """The model version the job names (the model of its queue if none)."""
-        name = job.model or route.model
-        model = self.models.models.get(name)
-        if model is None:
-            home = self.known.get(name)
-            if home is not None and home.queue != route.queue:
-                raise Misrouted(home)
-            raise NotServedHere(
-                f"no worker has served model {name!r} (this one serves {', '.join(self.models.models)})"
-            )
-        if job.version is None:
-            return model.pick(None)
-        if job.version not in model.versions:
-            raise NotServedHere(f"no worker has served version {job.version!r} of model {name!r}")
-        return model.versions[job.version]
-
     async def _process(self, message: AbstractIncomingMessage, route: Route) -> None:
         started = time.perf_counter()
         headers = message.headers or {}
@@ -280,7 +254,7 @@ class Worker:
             await self.outcomes.fail(message, base, exc, reply_to)
             return
         try:
-            served = self._served(job, route)
+            served = resolve(self.models, self.known, job, route)
             base.model = ModelInfo(name=served.model, version=served.version, random_weights=served.random_weights)
             if job.deliveries >= self.settings.queue_delivery_limit:
                 raise DeliveryLimit(
@@ -314,6 +288,7 @@ class Worker:
             if job.requeues >= NOT_SERVED_REQUEUES:
                 await self.outcomes.fail(message, base, exc, reply_to)
             else:
+                await self.outcomes.notify(message, not_served_notice(exc.what, job.requeues))
                 await self._requeue_later(message, job, route, exc)
         except (BackendUnavailable, QueueFull, DeadlineExceeded) as exc:
             await self._requeue_later(message, job, route, exc)
@@ -345,22 +320,6 @@ class Worker:
         await self._acks.aclose()
 
 
-def worker_catalog(catalog: Catalog, wanted: str) -> Catalog:
-    """The part of ``catalog`` a worker serves: the models ``wanted`` names (``worker_models``),
-    all of them for ``*``, the default model alone for ""."""
-    if wanted.strip() == "*":
-        return catalog
-    names = [name.strip() for name in wanted.split(",") if name.strip()] or [catalog.default]
-    unknown = [name for name in names if catalog.model(name) is None]
-    if unknown:
-        raise CatalogError(
-            f"worker_models names {', '.join(map(repr, unknown))}, not among the models served "
-            f"({', '.join(model.name for model in catalog.models)}); a model found in Triton's index is served "
-            "by a worker given '*'"
-        )
-    return catalog.only(names)
-
-
 async def run_worker(
     settings: Settings,
     stop: asyncio.Event | None = None,
@@ -389,22 +348,16 @@ async def run_worker(
     names = Names(settings.queue_prefix)
     tracing = Tracing.from_settings(settings, role="worker")
     async with open_models(settings, metrics, backend, tracing, catalog) as models:
-        served = list(models.models)  # with "*", the models found in Triton's index too
-        everyone = [*(model.name for model in full.models), *served]
-        # the queues of the models served here, the default model's both (``Names.queues``)
-        routes = names.queues(served, full.default)
-        # every model's queues are declared and their depth sampled, served here or not: a queue
-        # no worker serves is seen growing; a job that waited in the wrong queue is moved to its own
-        known = {route.model: route for route in names.routes(everyone, full.default)}
+        queues = assignment(names, full, models.models)  # with "*", the models found in Triton's index too
         broker = Broker(
             settings.broker_url,
             names,
             publish_timeout=settings.publish_timeout,
             prefetch=prefetch,
-            routes=list(dict.fromkeys(names.queues(everyone, full.default))),
+            routes=queues.declared,
         )
         await broker.connect()
-        worker = Worker(settings, models, routes, broker, metrics, tracing, known)
+        worker = Worker(settings, models, queues.consumed, broker, metrics, tracing, queues.known)
         await worker.start()
         webhooks = WebhookSender(settings, broker, metrics) if settings.webhook_secret is not None else None
         if webhooks is not None:

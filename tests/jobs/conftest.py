@@ -38,7 +38,7 @@ async def _delete_everything(prefix: str) -> None:
         channel = await connection.channel()
         for queue in {*queues, names.work, names.legacy_requests, names.results, names.dead}:
             await channel.queue_delete(queue)
-        for exchange in (names.requests, names.results, names.dead):
+        for exchange in (names.requests, names.results, names.dead, names.notices):
             await channel.exchange_delete(exchange)
 
 

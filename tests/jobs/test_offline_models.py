@@ -18,10 +18,11 @@ import aio_pika
 import httpx
 import pytest
 
+from service.jobs.assignment import NOT_SERVED_REQUEUES
 from service.jobs.messages import ERROR_HEADER, MODEL_HEADER, REQUEUES_HEADER, VERSION_HEADER
 from service.jobs.policies import gateway_policies, rabbitmqctl_commands
 from service.jobs.topology import Names
-from service.jobs.worker import NOT_SERVED_REQUEUES, run_worker
+from service.jobs.worker import run_worker
 from service.metrics import Metrics
 from service.settings import Settings
 from tests.conftest import CAT_CLASSES, png_bytes, running_gateway, solid_image

@@ -3,8 +3,8 @@ from __future__ import annotations
 import time
 
 from service.jobs.broker import redact
-from service.jobs.client import JobStore, PendingJob
-from service.jobs.messages import JobResult
+from service.jobs.messages import JobNotice, JobResult
+from service.jobs.store import WAITING_CHARS, JobStore, PendingJob
 from service.schemas import Label
 
 
@@ -69,3 +69,22 @@ def test_a_late_pending_marker_does_not_hide_a_result() -> None:
 def test_broker_urls_are_redacted() -> None:
     assert redact("amqp://gateway:s3cret@rabbit:5672/prod") == "amqp://gateway:***@rabbit:5672/prod"
     assert redact("amqp://rabbit:5672/") == "amqp://rabbit:5672/"
+
+
+def test_a_pending_job_keeps_what_a_worker_said_until_its_result() -> None:
+    """A worker's notice is kept on the job's pending marker (cut to ``WAITING_CHARS``), counted in
+    the store's bytes; a notice for a job not pending here is ignored; the result replaces both."""
+    store = JobStore(max_bytes=1024 * 1024, ttl=3600)
+    store.pending("mine", None)
+    before = store.bytes
+    store.waiting(JobNotice(job_id="mine", waiting="no worker serves model 'x'" + "!" * 1000))
+    store.waiting(JobNotice(job_id="elsewhere", waiting="no worker serves model 'x'"))
+    pending = store.get("mine")
+    assert isinstance(pending, PendingJob)
+    assert pending.waiting is not None
+    assert pending.waiting.startswith("no worker serves model 'x'")
+    assert len(pending.waiting) == WAITING_CHARS
+    assert store.bytes == before + WAITING_CHARS
+    assert store.get("elsewhere") is None
+    store.record(_result("mine"))
+    assert isinstance(store.get("mine"), JobResult)
