@@ -1,5 +1,9 @@
 """Image format, dimensions, sample layout and EXIF orientation, read from the header without decoding.
 
+EXIF orientation comes from a JPEG's APP1 segment, a TIFF's first IFD, a PNG's ``eXIf`` chunk before
+the image data and an extended WebP's ``EXIF`` chunk (OpenCV's decoders apply all four themselves;
+the gateway decodes with orientation ignored and applies it after the crop).
+
 What the header says (width x height x channels x bytes per sample, and for JPEG whether the decoder
 must keep the whole image's DCT coefficients) is what lets the gateway refuse a decompression bomb
 before decoding it, and the same cheap check validates images in offline mode.
@@ -189,6 +193,30 @@ def _jpeg_info(
     )
 
 
+def _exif_orientation(tiff: bytes) -> int:
+    """The orientation an EXIF block (a TIFF structure, after an ``Exif\\0\\0`` prefix or not)
+    gives, 1 where it gives none or one out of range."""
+    orientation = _tiff_tags(tiff.removeprefix(b"Exif\x00\x00"), {_ORIENTATION_TAG}).get(_ORIENTATION_TAG, 1)
+    return orientation if 1 <= orientation <= 8 else 1
+
+
+def _png_orientation(data: bytes) -> int:
+    """The EXIF orientation of an ``eXIf`` chunk before the image data (where PNG's extension puts
+    it, and OpenCV's decoder, which applies it, reads it), walking at most ``MAX_SEGMENTS`` chunks
+    within ``HEADER_WINDOW`` bytes."""
+    pos = 8
+    for _ in range(MAX_SEGMENTS):
+        if pos + 8 > min(len(data), HEADER_WINDOW):
+            break
+        length, kind = struct.unpack_from(">I4s", data, pos)
+        if kind == b"eXIf":
+            return _exif_orientation(data[pos + 8 : pos + 8 + length])
+        if kind in (b"IDAT", b"IEND"):
+            break
+        pos += 12 + length
+    return 1
+
+
 def _png(data: bytes) -> ImageInfo:
     if data[12:16] != b"IHDR" or len(data) < 26:
         raise BadImage("corrupt PNG: no IHDR chunk")
@@ -198,7 +226,32 @@ def _png(data: bytes) -> ImageInfo:
     channels, alpha = _PNG_COLOUR[colour]
     # A palette or grey image may still carry transparency in a tRNS chunk; assume it may.
     alpha = alpha or (colour in (0, 2, 3) and b"tRNS" in data[: data.find(b"IDAT")])
-    return ImageInfo("png", w, h, channels=channels, bits=16 if depth == 16 else 8, alpha=alpha, grey=colour == 0)
+    return ImageInfo(
+        "png",
+        w,
+        h,
+        _png_orientation(data),
+        channels=channels,
+        bits=16 if depth == 16 else 8,
+        alpha=alpha,
+        grey=colour == 0,
+    )
+
+
+def _webp_orientation(data: bytes) -> int:
+    """The EXIF orientation of an extended WebP's ``EXIF`` chunk (after the image data, usually:
+    the RIFF chunks are skipped by their sizes, at most ``MAX_SEGMENTS`` of them)."""
+    if not data[20] & 0x08:  # VP8X: no EXIF chunk
+        return 1
+    pos = 12
+    for _ in range(MAX_SEGMENTS):
+        if pos + 8 > len(data):
+            break
+        kind, length = struct.unpack_from("<4sI", data, pos)
+        if kind == b"EXIF":
+            return _exif_orientation(data[pos + 8 : pos + 8 + length])
+        pos += 8 + length + (length & 1)
+    return 1
 
 
 def _webp(data: bytes) -> ImageInfo:
@@ -216,7 +269,7 @@ def _webp(data: bytes) -> ImageInfo:
         alpha = bool(data[20] & 0x10)
         w = int.from_bytes(data[24:27], "little") + 1
         h = int.from_bytes(data[27:30], "little") + 1
-        return ImageInfo("webp", w, h, channels=4 if alpha else 3, alpha=alpha)
+        return ImageInfo("webp", w, h, _webp_orientation(data), channels=4 if alpha else 3, alpha=alpha)
     raise BadImage("corrupt WebP header")
 
 

@@ -36,6 +36,12 @@ _REDUCED_GREY = {
 _IGNORE_ORIENTATION = cv2.IMREAD_IGNORE_ORIENTATION
 
 
+DECODER_MAX_SIDE = {"jpeg": 65_500, "png": 1_000_000, "webp": 16_383}
+"""The longest side OpenCV's decoders take, by format (libjpeg's ``JPEG_MAX_DIMENSION``, libpng's
+default user limit, WebP's own): a header over it is refused by name, before decoding, where
+decoding it failed as "truncated or corrupt" (and offline, only in the worker)."""
+
+
 @dataclass(frozen=True)
 class PreprocessConfig:
     image_size: int = 224
@@ -206,6 +212,11 @@ def check_limits(info: ImageInfo, config: PreprocessConfig) -> int:
     """Refuse an image the header says is empty or over the budget; return the bytes decoding takes."""
     if info.width == 0 or info.height == 0:
         raise BadImage(f"{info.format.upper()} header says the image is {info.width}x{info.height}")
+    side = DECODER_MAX_SIDE.get(info.format)
+    if side is not None and max(info.width, info.height) > side:
+        raise BadImage(
+            f"{info.format.upper()} image is {info.width}x{info.height}: its decoder takes at most {side} pixels a side"
+        )
     needed = decoded_bytes(info, config.needed_short_side)
     if needed > config.max_image_bytes:
         raise PayloadTooLarge(
