@@ -19,7 +19,7 @@ gives each its own backend and batcher settings, versions and shares::
     traffic = 10
 
 Every value is checked at start with the setting's own rules, and an error names the model, the
-version and the key. A reload (``reload_traffic``) may change traffic weights, shares and sticky
+version and the key. A reload (``service.serving.reload``) may change traffic weights, shares and sticky
 flags, and nothing else.
 """
 
@@ -394,28 +394,3 @@ def _adapter(key: str) -> TypeAdapter[Any]:
         config = ConfigDict(allow_inf_nan=False)  # as the settings refuse them
         _ADAPTERS[key] = TypeAdapter(kind, config=config)  # type: ignore[arg-type]
     return _ADAPTERS[key]
-
-
-def _served(catalog: Catalog) -> dict[str, list[tuple[str, ModelProfile, Settings]]]:
-    """What a catalog starts: per model, its versions' profiles and settings (not their weights)."""
-    return {m.name: [(v.version, v.profile, v.settings) for v in m.versions] for m in catalog.models}
-
-
-def reload_traffic(catalog: Catalog, table: dict[str, Any], settings: Settings, where: str) -> Catalog:
-    """``catalog`` with the traffic weights (and shares, sticky) of a reloaded models file; anything
-    else changed (a model, version, profile or setting added, removed or altered) is refused: that
-    needs a restart, which loads and warms the new backends."""
-    if catalog.discovered:  # the models found in Triton's index at start stay (the file's own win)
-        own = _object(table.get("models"))
-        table = {**table, "models": {**own, **{k: v for k, v in catalog.discovered.items() if k not in own}}}
-    fresh = parse_catalog(table, settings, where)
-    if _served(fresh) != _served(catalog) or fresh.default != catalog.default:
-        raise CatalogError(
-            f"{where}: only traffic, share and sticky change without a restart; models, versions and their "
-            "settings are as at start"
-        )
-    return Catalog(fresh.models, fresh.default, fresh.discovery, fresh.table, catalog.discovered)
-
-
-def _object(value: Any) -> dict[str, Any]:
-    return value if isinstance(value, dict) else {}

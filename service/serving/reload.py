@@ -10,15 +10,42 @@ import asyncio
 import logging
 import os
 from pathlib import Path
+from typing import Any
 
 from service.metrics import Metrics
-from service.serving.catalog import CatalogError, read_models_file, reload_traffic
+from service.models.profiles import ModelProfile
+from service.serving.catalog import Catalog, CatalogError, parse_catalog, read_models_file
 from service.serving.served import ServedModels
 from service.settings import Settings
 
 logger = logging.getLogger(__name__)
 
 POLL_SECONDS = 2.0
+
+
+def _served(catalog: Catalog) -> dict[str, list[tuple[str, ModelProfile, Settings]]]:
+    """What a catalog starts: per model, its versions' profiles and settings (not their weights)."""
+    return {m.name: [(v.version, v.profile, v.settings) for v in m.versions] for m in catalog.models}
+
+
+def reload_traffic(catalog: Catalog, table: dict[str, Any], settings: Settings, where: str) -> Catalog:
+    """``catalog`` with the traffic weights (and shares, sticky) of a reloaded models file; anything
+    else changed (a model, version, profile or setting added, removed or altered) is refused: that
+    needs a restart, which loads and warms the new backends."""
+    if catalog.discovered:  # the models found in Triton's index at start stay (the file's own win)
+        own = _object(table.get("models"))
+        table = {**table, "models": {**own, **{k: v for k, v in catalog.discovered.items() if k not in own}}}
+    fresh = parse_catalog(table, settings, where)
+    if _served(fresh) != _served(catalog) or fresh.default != catalog.default:
+        raise CatalogError(
+            f"{where}: only traffic, share and sticky change without a restart; models, versions and their "
+            "settings are as at start"
+        )
+    return Catalog(fresh.models, fresh.default, fresh.discovery, fresh.table, catalog.discovered)
+
+
+def _object(value: Any) -> dict[str, Any]:
+    return value if isinstance(value, dict) else {}
 
 
 def stamp(path: Path) -> tuple[int, int, int] | None:

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from service.serving.catalog import CatalogError, load_catalog, read_models_file, reload_traffic, with_discovered
+from service.serving.catalog import CatalogError, load_catalog, read_models_file, with_discovered
+from service.serving.reload import reload_traffic
 from service.settings import Settings
 
 TWO = """
