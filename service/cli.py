@@ -359,7 +359,10 @@ def _queue_policies(args: argparse.Namespace) -> int:
 
     settings = _settings(args)
     policies = gateway_policies(
-        Names(settings.queue_prefix), settings.queue_delivery_limit, idempotency_ttl=settings.idempotency_ttl
+        Names(settings.queue_prefix),
+        settings.queue_delivery_limit,
+        idempotency_ttl=settings.idempotency_ttl,
+        ingest_ttl=settings.ingest_results_ttl,
     )
     if args.apply is None:
         print(shell_lines(policies, args.vhost))

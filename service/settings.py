@@ -407,6 +407,11 @@ class Settings(BaseSettings):
     """Webhook deliveries one worker makes at once."""
     publish_timeout: float = Field(5.0, gt=0.0)
     """Seconds to wait for the broker to confirm a publish before answering 503."""
+    ingest_results_ttl: float = Field(7 * 86400.0, gt=0.0, le=365 * 86400.0)
+    """Seconds the results queue of a ``gateway ingest`` run is kept while nothing reads it (the run
+    was interrupted and not rerun): rerunning the same command within it resumes with the results
+    that arrived meanwhile; after it the broker deletes the queue, and a rerun classifies the images
+    still missing from its output again. Also the ``expires`` policy of ``gateway queues policies``."""
     worker_models: str = ""
     """The models a queue worker serves, comma-separated names of the models setting or file (each
     from its own queue, ``<prefix>.work.<model>``; the default model's is ``<prefix>.work``), or

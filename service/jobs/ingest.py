@@ -6,7 +6,9 @@
   this command is down (or while the broker restarts) wait for it; each is written as one JSON line
   and flushed before its message is acknowledged.
 * Re-running with the same ``--out`` skips the images already in the file: an interrupted run is
-  finished without redoing work. Duplicates (a result delivered twice, an image published twice)
+  finished without redoing work. The results queue of a run that is never rerun is deleted by the
+  broker once unused for ``ingest_results_ttl`` (7 days; ``x-expires``); a rerun after that
+  classifies again the images whose results were in it. Duplicates (a result delivered twice, an image published twice)
   are written once.
 * Images still without a result after ``resend_after`` seconds without progress are published again.
 * ``--model NAME`` (and ``--model-version V``) sends the jobs to that model's queue, for the workers
@@ -32,7 +34,7 @@ from service.images.imageinfo import probe
 from service.jobs.acks import Acks
 from service.jobs.broker import Broker
 from service.jobs.messages import new_job_id, request_message
-from service.jobs.topology import Names, Route, declare_replicated, queue_exists
+from service.jobs.topology import Names, Route, declare_replicated, ingest_arguments, queue_exists
 from service.serving.catalog import VERSION, load_catalog
 from service.settings import MODEL_NAME, Settings
 from service.tracing import Tracing, publishing
@@ -181,9 +183,11 @@ async def run_ingest(
     assert broker.channel is not None
     assert broker.topology is not None
     assert broker.connection is not None
-    # replicated: it survives its node's loss in a cluster (a run resumed from an earlier version's
-    # classic queue keeps that queue)
-    queue = await declare_replicated(broker.connection, broker.channel, names.ingest_queue(run))
+    # replicated: it survives its node's loss in a cluster; it expires once unused for
+    # ingest_results_ttl, so a run never rerun does not leave it for ever (a run resumed from an
+    # earlier version's queue, declared without the expiry, keeps that queue)
+    arguments = ingest_arguments(settings.ingest_results_ttl)
+    queue = await declare_replicated(broker.connection, broker.channel, names.ingest_queue(run), arguments)
     await queue.bind(broker.topology.results_exchange, f"ingest.{run}")
     all_done = asyncio.Event()
     last_progress = time.monotonic()

@@ -11,7 +11,11 @@ only and these policies carry the rest:
   redelivered for ever) and ``dead-letter-exchange`` (``<prefix>.dead``);
 * ``<prefix>-webhooks`` (the quorum queue of webhook deliveries): the same ``delivery-limit`` and
   ``dead-letter-exchange``, for a delivery that keeps crashing the workers that take it;
-* ``<prefix>-results``: ``max-length`` with ``overflow: drop-head`` (a capped audit trail);
+* ``<prefix>-results``: ``max-length`` with ``overflow: drop-head`` (a capped audit trail; the
+  gateway also declares the queue with that cap as arguments, so it holds without the policy);
+* ``<prefix>-ingest`` (each ``gateway ingest`` run's results queue): ``expires``, the time an
+  interrupted run's queue is kept unused (also declared as an argument by the run itself; the
+  policy covers the queues of earlier versions, declared without it);
 * ``<prefix>-idempotency`` (the stream of idempotency claims): ``max-age``, the keys' TTL.
 
 ``gateway queues policies`` prints them as ``rabbitmqctl set_policy`` commands, or applies them
@@ -30,9 +34,7 @@ from urllib.parse import quote, urlsplit
 
 import aiohttp
 
-from service.jobs.topology import Names
-
-RESULTS_CAP = 1_000_000
+from service.jobs.topology import RESULTS_CAP, Names
 
 
 @dataclass(frozen=True)
@@ -45,7 +47,11 @@ class Policy:
 
 
 def gateway_policies(
-    names: Names, delivery_limit: int, results_cap: int = RESULTS_CAP, idempotency_ttl: float = 86400.0
+    names: Names,
+    delivery_limit: int,
+    results_cap: int = RESULTS_CAP,
+    idempotency_ttl: float = 86400.0,
+    ingest_ttl: float = 7 * 86400.0,
 ) -> list[Policy]:
     prefix = re.escape(names.prefix)
     return [
@@ -66,6 +72,12 @@ def gateway_policies(
             f"^{prefix}\\.results$",
             "queues",
             {"max-length": results_cap, "overflow": "drop-head"},
+        ),
+        Policy(
+            f"{names.prefix}-ingest",
+            f"^{prefix}\\.ingest\\.[0-9a-f]{{16}}$",
+            "queues",
+            {"expires": max(1, round(ingest_ttl * 1000))},
         ),
         Policy(
             f"{names.prefix}-idempotency",

@@ -8,7 +8,8 @@
                                                                          while another was the default)
 <prefix>.results   topic exchange  -> quorum queue <prefix>.results     (binding "#", capped)
                                    -> each API replica's own queue      (binding "jobs")
-                                   -> each ingest run's quorum queue    (binding "ingest.<run>")
+                                   -> each ingest run's quorum queue    (binding "ingest.<run>",
+                                      <prefix>.ingest.<run>: expires once unused)
 <prefix>.dead      fanout exchange -> quorum queue <prefix>.dead        (reason in x-gateway-error,
                                                                          or x-death for the broker's)
 <prefix>.notices   topic exchange  -> each API replica's own queue      (binding "jobs": why a job is
@@ -18,9 +19,15 @@
                                       dead-lettered back to <prefix>.webhooks when their TTL expires;
                                       see ``service.jobs.webhooks``)
 
-Queues are declared with no arguments but their type: the delivery limit, dead-letter exchange and
-length caps come from RabbitMQ policies (``service.jobs.policies``), which can change on a live
-queue, where a changed queue argument fails every later declaration with PRECONDITION_FAILED.
+The work queues are declared with no arguments but their type: the delivery limit and dead-letter
+exchange come from RabbitMQ policies (``service.jobs.policies``), which can change on a live queue,
+where a changed queue argument fails every later declaration with PRECONDITION_FAILED. Two queues
+would otherwise grow without bound where nobody applies the policies (the quick start does not),
+so the gateway declares their bounds itself, as arguments: ``<prefix>.results`` is capped
+(``x-max-length``, ``x-overflow: drop-head``: the oldest results go first), and each ingest run's
+queue expires once unused (``x-expires``: an interrupted run that is never rerun). A queue of the
+same name declared by an earlier version without them is used as it is (``declare_replicated``,
+with a warning): its bounds then come from the policies, which cover it too.
 
 Migration from the classic ``<prefix>.requests`` queue of earlier versions (a classic queue cannot
 become a quorum queue in place): ``migrate_legacy`` unbinds it, so new jobs reach only the quorum
@@ -30,15 +37,32 @@ empty. Workers run it at start and every minute, so a rolling upgrade loses noth
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import logging
+import re
+from collections.abc import Iterable, Mapping
+from contextlib import suppress
 from dataclasses import dataclass
+from typing import Any
 
 import aio_pika
 from aio_pika.abc import AbstractChannel, AbstractConnection, AbstractExchange, AbstractQueue
 
 from service.jobs.messages import copy_message
 
+logger = logging.getLogger(__name__)
+
 REQUEST_KEY = "classify"
+INGEST_REPLY = re.compile(r"ingest\.[0-9a-f]{16}")
+"""The ``reply_to`` of an ingest run's jobs (``service.jobs.ingest.run_id``)."""
+RESULTS_CAP = 1_000_000
+"""Results kept in ``<prefix>.results`` (the oldest dropped beyond it)."""
+RESULTS_ARGUMENTS = {"x-max-length": RESULTS_CAP, "x-overflow": "drop-head"}
+
+
+def ingest_arguments(expires: float) -> dict[str, int]:
+    """The arguments of an ingest run's results queue: deleted by the broker once unused for
+    ``expires`` seconds (no consumer, not declared again)."""
+    return {"x-expires": max(1, round(expires * 1000))}
 
 
 @dataclass(frozen=True)
@@ -100,6 +124,10 @@ class Names:
     def ingest_queue(self, run: str) -> str:
         return f"{self.prefix}.ingest.{run}"
 
+    def ingest_run(self, reply_to: str) -> str | None:
+        """The results queue of the ingest run a job's ``reply_to`` names (``ingest.<run>``), or None."""
+        return self.ingest_queue(reply_to[7:]) if INGEST_REPLY.fullmatch(reply_to) else None
+
     def route(self, model: str, default: str) -> Route:
         """The queue and routing key of ``model``'s jobs. The default model keeps the queue and key
         of the versions that served one model (``<prefix>.work``, ``classify``), so a gateway that
@@ -159,7 +187,7 @@ async def declare(
     # Quorum queues, replicated over a cluster's nodes: a classic queue lives on one node, and a
     # client that fails over could not even declare it while that node is down. A queue an earlier
     # version made classic is used as it is.
-    results_queue = await declare_replicated(connection, channel, names.results)
+    results_queue = await declare_replicated(connection, channel, names.results, RESULTS_ARGUMENTS)
     await results_queue.bind(results_exchange, "#")
     dead_queue = await declare_replicated(connection, channel, names.dead)
     await dead_queue.bind(dead_exchange)
@@ -176,11 +204,30 @@ async def declare(
     )
 
 
-async def declare_replicated(connection: AbstractConnection, channel: AbstractChannel, name: str) -> AbstractQueue:
-    """A durable quorum queue, or the queue of that name as an earlier version declared it."""
-    if await queue_exists(connection, name):
+async def declare_replicated(
+    connection: AbstractConnection, channel: AbstractChannel, name: str, arguments: Mapping[str, Any] | None = None
+) -> AbstractQueue:
+    """A durable quorum queue with ``arguments``, or the queue of that name as an earlier version
+    declared it (classic, or without these arguments: RabbitMQ refuses a declaration whose
+    arguments differ, so it is tried on a channel of its own first)."""
+    wanted = {"x-queue-type": "quorum", **(arguments or {})}
+    probe = await connection.channel()
+    try:
+        await probe.declare_queue(name, durable=True, arguments=wanted)
+    except aio_pika.exceptions.ChannelClosed as exc:  # PRECONDITION_FAILED: it exists, otherwise
+        if arguments:
+            logger.warning(
+                "topology: queue %s exists without %s (%s); it is used as it is, bounded only by the "
+                "policies (gateway queues policies --apply)",
+                name,
+                ", ".join(f"{key}={value}" for key, value in arguments.items()),
+                exc,
+            )
         return await channel.declare_queue(name, durable=True, passive=True)
-    return await channel.declare_queue(name, durable=True, arguments={"x-queue-type": "quorum"})
+    finally:  # closed even when the broker closed it: a robust channel would reopen itself
+        with suppress(Exception):
+            await probe.close()
+    return await channel.declare_queue(name, durable=True, arguments=wanted)
 
 
 async def queue_exists(connection: AbstractConnection, name: str) -> bool:

@@ -1,21 +1,28 @@
 """What a worker does besides its jobs, in the background: sample the depth of the gateway's
-queues, move jobs out of the classic queue of earlier versions, and touch its heartbeat file."""
+queues (and of the ingest runs' it knows), move jobs out of the classic queue of earlier versions,
+and touch its heartbeat file."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 import time
+from collections.abc import Iterator
 from contextlib import suppress
 from pathlib import Path
 
+import aiormq
+from aio_pika.abc import AbstractChannel
+
 from service.jobs.broker import Broker
-from service.jobs.topology import migrate_legacy
+from service.jobs.topology import Names, migrate_legacy
 from service.metrics import Metrics
 
 logger = logging.getLogger(__name__)
 
 HEARTBEAT_INTERVAL = 1.0
+INGEST_QUEUES_MAX = 64
+"""Ingest runs' queues a worker samples at most (a bound on the series, whatever ``reply_to`` says)."""
 
 
 async def until(stop: asyncio.Event, seconds: float) -> None:
@@ -24,23 +31,96 @@ async def until(stop: asyncio.Event, seconds: float) -> None:
         await asyncio.wait_for(stop.wait(), seconds)
 
 
-async def sample_depth(broker: Broker, metrics: Metrics, stop: asyncio.Event, interval: float = 5.0) -> None:
-    """Queue lengths as the broker counts them now. A passive declare on aio-pika's robust channel
-    returns the queue object it cached, with the count of its first declaration, so ask the
-    underlying channel each time.
+class IngestQueues:
+    """The results queues of the ``gateway ingest`` runs whose jobs this worker handled (by their
+    ``reply_to``), sampled with the gateway's own queues: AMQP cannot list queues, and an ingest
+    run's queue is the one that fills while nobody reads it. At most ``INGEST_QUEUES_MAX``, the
+    oldest forgotten first; one the broker no longer has (its run finished, or it expired) is
+    forgotten with its series. A worker started after a run's last job does not know that run's
+    queue; the queue's expiry bounds it anyway."""
+
+    def __init__(self, names: Names) -> None:
+        self.names = names
+        self._queues: dict[str, None] = {}
+        """Insertion-ordered."""
+
+    def saw(self, reply_to: str | None) -> None:
+        queue = self.names.ingest_run(reply_to or "")
+        if queue is None or queue in self._queues:
+            return
+        self._queues[queue] = None
+        while len(self._queues) > INGEST_QUEUES_MAX:
+            del self._queues[next(iter(self._queues))]
+
+    def forget(self, queue: str) -> None:
+        self._queues.pop(queue, None)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(list(self._queues))
+
+
+async def sample_depth(
+    broker: Broker,
+    metrics: Metrics,
+    stop: asyncio.Event,
+    interval: float = 5.0,
+    ingest: IngestQueues | None = None,
+) -> None:
+    """Queue lengths as the broker counts them now: the work queues, ``<prefix>.dead``,
+    ``<prefix>.results`` and the ingest runs' queues a worker knows. A passive declare on
+    aio-pika's robust channel returns the queue object it cached, with the count of its first
+    declaration, so ask the underlying channel each time.
 
     Ends when ``stop`` is set, after the broker call in progress: it is never cancelled mid-call (an
     AMQP call cancelled while its answer is due left its task waiting for ever at shutdown)."""
+    names = broker.names
+    sampled: set[str] = set()
+    """The ingest queues with a series."""
     while not stop.is_set():
         if broker.is_open and broker.channel is not None:
-            for name in sorted({broker.names.work, broker.names.dead, *(route.queue for route in broker.routes)}):
+            for name in sorted({names.work, names.dead, names.results, *(route.queue for route in broker.routes)}):
                 try:
                     channel = await broker.channel.get_underlay_channel()
                     declared = await channel.queue_declare(queue=name, passive=True, timeout=5)
                     metrics.queue_depth_messages.labels(name).set(declared.message_count or 0)
                 except Exception as exc:
                     logger.debug("worker: cannot sample %s: %s", name, exc)
+            if ingest is not None:
+                sampled = await _sample_ingest(broker, metrics, ingest, sampled)
         await until(stop, interval)
+
+
+async def _sample_ingest(broker: Broker, metrics: Metrics, ingest: IngestQueues, sampled: set[str]) -> set[str]:
+    """Sample the ingest queues on a channel of their own (a queue that is gone closes the channel
+    it was asked on); drop the series of those forgotten. The ones with a series now."""
+    now: set[str] = set()
+    opened: list[AbstractChannel] = []
+    probe: aiormq.abc.AbstractChannel | None = None
+    try:
+        for name in ingest:
+            if broker.connection is None or broker.connection.is_closed:
+                break
+            if probe is None or probe.is_closed:
+                opened.append(await broker.connection.channel())
+                probe = await opened[-1].get_underlay_channel()
+            try:
+                declared = await probe.queue_declare(queue=name, passive=True, timeout=5)
+            except aiormq.exceptions.ChannelNotFoundEntity:
+                ingest.forget(name)
+                continue
+            except Exception as exc:
+                logger.debug("worker: cannot sample %s: %s", name, exc)
+                continue
+            metrics.queue_depth_messages.labels(name).set(declared.message_count or 0)
+            now.add(name)
+    finally:
+        for each in opened:  # closed by us even when the broker closed it: else it reopens itself
+            with suppress(Exception):
+                await each.close()
+    for name in sampled - now:
+        with suppress(KeyError):
+            metrics.queue_depth_messages.remove(name)
+    return now
 
 
 async def migrate_legacy_queue(broker: Broker, stop: asyncio.Event, interval: float = 60.0) -> None:

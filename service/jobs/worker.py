@@ -101,7 +101,7 @@ from service.jobs.headers import JobHeaders
 from service.jobs.messages import DEFAULT_REPLY_TO, JobResult, new_job_id, published_at
 from service.jobs.outcomes import ChannelLost, Outcomes, mark
 from service.jobs.topology import Names, Route
-from service.jobs.upkeep import HEARTBEAT_INTERVAL, heartbeat, migrate_legacy_queue, sample_depth
+from service.jobs.upkeep import HEARTBEAT_INTERVAL, IngestQueues, heartbeat, migrate_legacy_queue, sample_depth
 from service.jobs.upkeep import heartbeat_age as heartbeat_age  # for ``gateway alive``
 from service.jobs.webhooks import WebhookSender
 from service.logs import JOB_ID
@@ -150,6 +150,8 @@ class Worker:
         self.routes = routes
         """Their queues, each consumed."""
         self.known = dict(known or {})
+        self.ingest = IngestQueues(broker.names)
+        """The ingest runs' results queues of the jobs it handled (their depth is sampled)."""
         """The queue of every model the gateway serves (the ones served here, and the others)."""
         self.loader: Loader | None = models.loader
         self.broker = broker
@@ -240,6 +242,7 @@ class Worker:
 
     async def _process(self, message: AbstractIncomingMessage, route: Route) -> None:
         started = time.perf_counter()
+        self.ingest.saw(message.reply_to)
         headers = message.headers or {}
         job_id = message.message_id or new_job_id()
         reply_to = message.reply_to or DEFAULT_REPLY_TO
@@ -365,7 +368,7 @@ async def run_worker(
         else:
             logger.info("worker: no GATEWAY_WEBHOOK_SECRET; webhook deliveries wait for a worker that has it")
         broker_tasks = [  # they end by themselves once stop is set, each after its broker call
-            asyncio.create_task(sample_depth(broker, metrics, stop)),
+            asyncio.create_task(sample_depth(broker, metrics, stop, ingest=worker.ingest)),
             asyncio.create_task(migrate_legacy_queue(broker, stop)),
         ]
         beating = None
