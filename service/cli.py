@@ -335,6 +335,8 @@ def _worker(args: argparse.Namespace) -> int:
 def _ingest(args: argparse.Namespace) -> int:
     from service.jobs.ingest import run_ingest
 
+    if args.connect_timeout < 0:
+        sys.exit("gateway ingest: --connect-timeout must be 0 (wait for ever) or more seconds")
     settings = _settings(args)
     _logging(settings)
     return eventloop.run(
@@ -347,6 +349,7 @@ def _ingest(args: argparse.Namespace) -> int:
             resend_after=args.resend_after,
             model=args.target_model,
             version=args.model_version,
+            connect_timeout=args.connect_timeout or None,
         )
     )
 
@@ -473,6 +476,14 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="NAME",
         help="the model the jobs are for, one the models setting or file names (default: the default model; "
         "its queue is the one its workers take: see docs/routing.md)",
+    )
+    ingest.add_argument(
+        "--connect-timeout",
+        type=float,
+        default=30.0,
+        metavar="SECONDS",
+        help="how long to wait for the first connection to the broker before giving up with exit status 69 "
+        "(0: for ever); Ctrl-C or SIGTERM stops a run with exit status 130, and the same command resumes it",
     )
     ingest.add_argument(
         "--model-version",

@@ -13,6 +13,9 @@
 * Images still without a result after ``resend_after`` seconds without progress are published again.
 * ``--model NAME`` (and ``--model-version V``) sends the jobs to that model's queue, for the workers
   that serve it (``service.jobs.topology``); without it, the default model's.
+* Without a broker connection within ``--connect-timeout`` it stops with ``EX_UNAVAILABLE`` (69);
+  Ctrl-C or SIGTERM stops it with ``EX_INTERRUPTED`` (130) and one line saying that the same command
+  resumes the run (it does: see above), no traceback.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import asyncio
 import hashlib
 import json
 import logging
+import signal
 import sys
 import time
 from pathlib import Path
@@ -41,6 +45,12 @@ from service.tracing import Tracing, publishing
 
 logger = logging.getLogger(__name__)
 
+CONNECT_TIMEOUT = 30.0
+"""Seconds ``gateway ingest`` waits for its first connection to the broker (``--connect-timeout``)."""
+EX_UNAVAILABLE = 69
+"""Exit status without a broker connection within the connect timeout (sysexits' EX_UNAVAILABLE)."""
+EX_INTERRUPTED = 130
+"""Exit status after SIGINT or SIGTERM (128 + SIGINT, the shell's convention)."""
 READ_CHUNK = 32
 """Files read per thread hop while publishing."""
 
@@ -151,7 +161,12 @@ async def run_ingest(
     resend_after: float = 120.0,
     model: str | None = None,
     version: str | None = None,
+    connect_timeout: float | None = CONNECT_TIMEOUT,
 ) -> int:
+    """Classify ``paths`` into ``out`` (see the module's docstring); the exit status. Without a
+    broker connection within ``connect_timeout`` seconds (None: wait for ever) it ends with
+    ``EX_UNAVAILABLE``; SIGINT (Ctrl-C) or SIGTERM ends it with one line saying how to resume,
+    and ``EX_INTERRUPTED``."""
     if not settings.broker_url:
         raise SystemExit("gateway ingest: GATEWAY_BROKER_URL is not set")
     names = Names(settings.queue_prefix)
@@ -163,7 +178,6 @@ async def run_ingest(
     if not remaining:
         print(f"nothing to do: all {len(files)} images already have results in {out}", file=sys.stderr)
         return 0
-    run = run_id(out)
     tracing = Tracing.from_settings(settings, role="ingest")
     broker = Broker(
         settings.broker_url,
@@ -172,10 +186,102 @@ async def run_ingest(
         prefetch=max_outstanding,
         routes=[route] if named else [],
     )
-    await broker.connect()
+    try:
+        return await _unless_interrupted(
+            asyncio.create_task(
+                _ingest(
+                    settings,
+                    broker,
+                    tracing,
+                    progress,
+                    remaining,
+                    out,
+                    route=route,
+                    named=named,
+                    top_k=top_k,
+                    max_outstanding=max_outstanding,
+                    resend_after=resend_after,
+                    model=model,
+                    version=version,
+                    connect_timeout=connect_timeout,
+                )
+            )
+        )
+    except Interrupted:
+        if progress.tty:
+            print(file=sys.stderr)
+        finished = progress.already + progress.done
+        print(
+            f"gateway ingest: interrupted with {finished} of {progress.total} images done in {out}; "
+            "run the same command again to resume",
+            file=sys.stderr,
+        )
+        return EX_INTERRUPTED
+    finally:
+        await broker.aclose()
+        if tracing is not None:
+            await asyncio.to_thread(tracing.shutdown)
+
+
+class Interrupted(Exception):
+    """SIGINT (Ctrl-C) or SIGTERM stopped the run."""
+
+
+async def _unless_interrupted(body: asyncio.Task[int]) -> int:
+    """``body``'s outcome; SIGINT or SIGTERM meanwhile cancels it (its ``finally`` blocks run: the
+    results already written are acked) and raises ``Interrupted`` instead of asyncio's
+    KeyboardInterrupt and its chained tracebacks."""
+    loop = asyncio.get_running_loop()
+    caught: list[int] = []
+
+    def interrupt(sig: int) -> None:
+        caught.append(sig)
+        body.cancel()
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, interrupt, sig)
+    try:
+        return await body
+    except asyncio.CancelledError:
+        if caught and body.cancelled():
+            raise Interrupted from None
+        raise
+    finally:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)
+
+
+async def _ingest(
+    settings: Settings,
+    broker: Broker,
+    tracing: Tracing | None,
+    progress: Progress,
+    remaining: set[str],
+    out: Path,
+    *,
+    route: Route,
+    named: bool,
+    top_k: int,
+    max_outstanding: int,
+    resend_after: float,
+    model: str | None,
+    version: str | None,
+    connect_timeout: float | None,
+) -> int:
+    """The run itself, once its images are known: connect, publish, write results as they come."""
+    names = broker.names
+    run = run_id(out)
+    try:
+        await broker.connect(timeout=connect_timeout)
+    except TimeoutError:
+        print(
+            f"gateway ingest: no connection to the message broker within {connect_timeout:g} s (GATEWAY_BROKER_URL; "
+            "the warnings above say why; --connect-timeout waits longer); nothing was published",
+            file=sys.stderr,
+        )
+        return EX_UNAVAILABLE
     assert broker.connection is not None
     if not named and not await queue_exists(broker.connection, route.queue):
-        await broker.aclose()
         raise SystemExit(
             f"gateway ingest: no model {route.model!r} is served: it is not in the models file, and no gateway "
             f"or worker has found it in Triton's index (no queue {route.queue})"
@@ -214,9 +320,6 @@ async def run_ingest(
             acks.finished(message)  # acked once the line is flushed: a crash before means a redelivery
             if not remaining:
                 all_done.set()
-
-        consumer_tag = await queue.consume(on_result)
-        window = asyncio.Semaphore(max_outstanding)
 
         async def publish(path: str, data: bytes) -> None:
             job_id = new_job_id()
@@ -257,28 +360,29 @@ async def run_ingest(
                     task.add_done_callback(lambda _: window.release())
             await asyncio.gather(*publishing_now)
 
-        print(f"ingesting {len(remaining)} images ({progress.already} already done) -> {out}", file=sys.stderr)
-        await publish_all(sorted(remaining))
-        while not all_done.is_set():
-            try:
-                async with asyncio.timeout(1.0):
-                    await all_done.wait()
-            except TimeoutError:
-                progress.update()
-                if time.monotonic() - last_progress > resend_after:
-                    logger.warning(
-                        "ingest: no result for %.0f s; publishing %d images again", resend_after, len(remaining)
-                    )
-                    last_progress = time.monotonic()
-                    await publish_all(sorted(remaining))
-        await queue.cancel(consumer_tag)
-        await acks.aclose()
+        consumer_tag = await queue.consume(on_result)
+        window = asyncio.Semaphore(max_outstanding)
+        try:
+            print(f"ingesting {len(remaining)} images ({progress.already} already done) -> {out}", file=sys.stderr)
+            await publish_all(sorted(remaining))
+            while not all_done.is_set():
+                try:
+                    async with asyncio.timeout(1.0):
+                        await all_done.wait()
+                except TimeoutError:
+                    progress.update()
+                    if time.monotonic() - last_progress > resend_after:
+                        logger.warning(
+                            "ingest: no result for %.0f s; publishing %d images again", resend_after, len(remaining)
+                        )
+                        last_progress = time.monotonic()
+                        await publish_all(sorted(remaining))
+            await queue.cancel(consumer_tag)
+        finally:  # interrupted too: the results already written are acked, not delivered again
+            await acks.aclose()
     progress.update(force=True)
     if progress.tty:
         print(file=sys.stderr)
     await queue.delete(if_unused=False, if_empty=False)
-    await broker.aclose()
-    if tracing is not None:
-        await asyncio.to_thread(tracing.shutdown)
     print(f"{progress.done} results written ({progress.failed} failed) to {out}", file=sys.stderr)
     return 0
