@@ -432,7 +432,12 @@ class Settings(BaseSettings):
     jobs_ttl: float = Field(24 * 3600.0, gt=0.0)
     """Seconds a job state is kept after it was last written."""
     worker_metrics_port: int = Field(9101, ge=0, le=65535)
-    """Port of the worker's Prometheus endpoint (0: none)."""
+    """First port of the worker's Prometheus endpoint (0: none). A worker serves /metrics on the first
+    free port of ``worker_metrics_ports`` from this one and logs which: alone in a pod or container it
+    takes this one; several workers on one host take the next ones, in the order they start."""
+    worker_metrics_ports: int = Field(8, ge=1, le=1024)
+    """How many ports from ``worker_metrics_port`` a worker may take (1: that port only, and a second
+    worker on the host does not start). A worker that finds them all in use stops with a message."""
     worker_heartbeat_file: Path | None = Field(
         default_factory=lambda: Path(tempfile.gettempdir()) / "gateway-worker.heartbeat"
     )

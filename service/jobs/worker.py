@@ -71,7 +71,6 @@ from typing import Any
 
 import aiormq
 from aio_pika.abc import AbstractIncomingMessage
-from prometheus_client import start_http_server
 
 from service.backends.base import Backend
 from service.classifier import ImageInput
@@ -97,6 +96,7 @@ from service.jobs.assignment import (
     worker_catalog,
 )
 from service.jobs.broker import Broker
+from service.jobs.exposition import serve_metrics
 from service.jobs.headers import JobHeaders
 from service.jobs.messages import DEFAULT_REPLY_TO, JobResult, new_job_id, published_at
 from service.jobs.outcomes import ChannelLost, Outcomes, mark
@@ -338,8 +338,7 @@ async def run_worker(
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     metrics = metrics or Metrics()
-    if settings.worker_metrics_port:
-        start_http_server(settings.worker_metrics_port, addr=settings.host, registry=metrics.registry)
+    endpoint = serve_metrics(settings, metrics.registry)  # the first free port of its range, logged
     full = load_catalog(settings)
     catalog = worker_catalog(full, settings.worker_models)
     # the messages it holds wait in its models' batchers: as many as the smallest holds (prefetch
@@ -390,3 +389,5 @@ async def run_worker(
     if tracing is not None:
         await asyncio.to_thread(tracing.shutdown)
     logger.info("worker: stopped")
+    if endpoint is not None:
+        await asyncio.to_thread(endpoint.close)
