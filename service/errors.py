@@ -141,6 +141,13 @@ class DeadlineExceeded(GatewayError):
     error = "deadline_exceeded"
 
 
+def public_text(exc: BaseException) -> str:
+    """What of an exception a client may read: a ``GatewayError``'s detail (written for clients:
+    it names no internal identifier), or only the type of any other exception, whose text may name a
+    path, an address, a queue or a shared-memory region (that text goes to the log, at warning)."""
+    return exc.detail if isinstance(exc, GatewayError) else type(exc).__name__
+
+
 def printable(text: str) -> str:
     """``text`` as valid Unicode: a detail may quote bytes a client sent (a Location header, a
     filename) that were decoded with ``surrogateescape``; a lone surrogate cannot be encoded as

@@ -108,17 +108,27 @@ def gateway_handler(fmt: LogFormat = "text", repeat_interval: float = 10.0, stre
     return handler
 
 
+QUIET_LIBRARIES = ("aio_pika", "aiormq")
+"""Loggers held at warning by ``log_config`` (their info lines name the broker's address)."""
+
+
 def log_config(level: str, fmt: LogFormat = "text", repeat_interval: float = 10.0) -> dict[str, Any]:
     """A dictConfig for the gateway's loggers and uvicorn's (``uvicorn.run(log_config=...)``)."""
     level = level.upper()
+    # Libraries whose info lines name internal endpoints (aio-pika's reconnects name the broker's
+    # URL): at warning, where the operator's details are, unless the gateway logs at debug.
+    quiet = level if level == "DEBUG" or logging.getLevelName(level) > logging.WARNING else "WARNING"
     return {
         "version": 1,
         "disable_existing_loggers": False,
         "handlers": {"gateway": {"()": "service.logs.gateway_handler", "fmt": fmt, "repeat_interval": repeat_interval}},
         "root": {"handlers": ["gateway"], "level": level},
         "loggers": {
-            name: {"handlers": [], "level": level, "propagate": True}
-            for name in ("uvicorn", "uvicorn.error", "uvicorn.access")
+            **{
+                name: {"handlers": [], "level": level, "propagate": True}
+                for name in ("uvicorn", "uvicorn.error", "uvicorn.access")
+            },
+            **{name: {"handlers": [], "level": quiet, "propagate": True} for name in QUIET_LIBRARIES},
         },
     }
 

@@ -15,7 +15,7 @@ import pytest
 from loadtests.harness.otlp_receiver import OTLPReceiver
 from service.backends.fake import FakeBackend
 from service.errors import BackendError
-from service.logs import REQUEST_ID, gateway_handler
+from service.logs import QUIET_LIBRARIES, REQUEST_ID, gateway_handler, log_config
 from service.settings import Settings
 from tests.conftest import png_bytes, running_gateway, solid_image
 
@@ -108,3 +108,13 @@ def test_text_lines_name_the_request() -> None:
     inside, outside = stream.getvalue().splitlines()
     assert inside.endswith("INFO tests.text: inside a request [request_id=abc123]")
     assert outside.endswith("INFO tests.text: outside")
+
+
+@pytest.mark.parametrize(("level", "libraries"), [("info", "WARNING"), ("debug", "DEBUG"), ("error", "ERROR")])
+def test_libraries_that_name_the_broker_are_held_at_warning(level: str, libraries: str) -> None:
+    """aio-pika's and aiormq's info lines name the broker's URL (host, port, user): at the
+    gateway's info level they are held at warning, where the operator's details are (issue 46: no
+    info line names an internal endpoint); at debug everything shows, and a stricter level holds."""
+    loggers = log_config(level)["loggers"]
+    assert {name: loggers[name]["level"] for name in QUIET_LIBRARIES} == dict.fromkeys(QUIET_LIBRARIES, libraries)
+    assert set(QUIET_LIBRARIES) == {"aio_pika", "aiormq"}

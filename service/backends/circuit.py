@@ -21,7 +21,7 @@ from typing import Literal
 import numpy as np
 
 from service.backends.base import Backend, Images
-from service.errors import BackendUnavailable, DeadlineExceeded, QueueFull
+from service.errors import BackendUnavailable, DeadlineExceeded, QueueFull, public_text
 
 logger = logging.getLogger(__name__)
 
@@ -100,7 +100,7 @@ class CircuitBreaker:
             raise
         except Exception as exc:
             self.failures += 1
-            self._last_error = str(getattr(exc, "detail", exc))[:200]
+            self._last_error = public_text(exc)[:200]
             if trial or self.failures >= self.threshold:
                 self._open()
             raise
@@ -124,8 +124,7 @@ class CircuitBreaker:
             try:
                 await self.infer(self.probe, timeout=self.cooldown + 5.0)
             except Exception as exc:
-                detail = getattr(exc, "detail", None) or str(exc)
-                return f"circuit open: the trial batch failed ({detail})"
+                return f"circuit open: the trial batch failed ({public_text(exc)})"
         return None  # closed by the trial, or half-open: one batch will be let through
 
     async def aclose(self) -> None:

@@ -359,7 +359,10 @@ class EngineClient:
             try:
                 reader, writer = await self._connect()
             except OSError as exc:
-                self._problem = f"engine at {self.socket_path} not reachable: {exc}"
+                problem = f"the shared engine is not reachable ({type(exc).__name__})"  # its socket's path: logged
+                if problem != self._problem:
+                    logger.warning("engine client: the engine at %s is not reachable: %s", self.socket_path, exc)
+                self._problem = problem
                 await asyncio.sleep(0.5)
                 continue
             self._generation += 1

@@ -40,7 +40,7 @@ from service.backends.engine import (
 )
 from service.backends.factory import build_backend
 from service.batching.batcher import DynamicBatcher
-from service.errors import BackendUnavailable, DeadlineExceeded, QueueFull
+from service.errors import BackendUnavailable, DeadlineExceeded, GatewayError, QueueFull, public_text
 from service.models.profiles import get_profile
 from service.settings import Settings
 
@@ -205,7 +205,9 @@ class EngineServer:
                 if isinstance(exc, DeadlineExceeded)
                 else _FAILED
             )
-            message = (str(exc) if status != _FAILED else f"{type(exc).__name__}: {exc}").encode()
+            if not isinstance(exc, GatewayError):
+                logger.warning("engine: a call failed: %s: %s", type(exc).__name__, exc)
+            message = public_text(exc).encode()  # the workers answer it: no path, address or region in it
             return _REPLY.pack(request_id, status, 0, len(message)) + message
 
 
@@ -236,7 +238,8 @@ async def run_engine(socket_path: str, stop: asyncio.Event, on_ready: Callable[[
     engine = EngineServer(batcher, Geometry(profile.image_size, len(profile.labels)), detail)
     batcher.start()
     serving = asyncio.create_task(engine.serve(engine.listen(socket_path)), name="engine-accept")
-    logger.info("engine: %s, serving %s", detail, socket_path)
+    logger.info("engine: %s, serving", detail)
+    logger.debug("engine: serving %s", socket_path)
     if on_ready is not None:
         on_ready()
     stopping = asyncio.create_task(stop.wait())

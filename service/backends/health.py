@@ -13,6 +13,7 @@ import asyncio
 import logging
 
 from service.backends.base import Backend
+from service.errors import public_text
 from service.metrics import ModelMetrics
 
 logger = logging.getLogger(__name__)
@@ -33,7 +34,7 @@ class BackendHealth:
             problem = await self.backend.ready()
         except Exception as exc:  # a check must never kill the loop
             logger.warning("readiness check failed: %s", exc)
-            problem = f"readiness check failed: {type(exc).__name__}: {exc}"
+            problem = f"readiness check failed: {public_text(exc)}"
         if problem != self.problem:
             logger.info(
                 "%sbackend %s: %s", f"{self.name}: " if self.name else "", self.backend.name, problem or "ready"

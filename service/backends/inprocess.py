@@ -3,7 +3,8 @@ gateway's process): the model is loaded and batches run in a small dedicated thr
 per batch allowed in flight, so the event loop never waits on inference. The runtimes used here
 (ONNX Runtime, OpenVINO) release the GIL while they compute.
 
-A model that fails to load keeps the process up but not ready, with the reason in ``/readyz``."""
+A model that fails to load keeps the process up but not ready, with the reason in ``/readyz``; the
+model's path and the runtime's message (which names the path) are for the log only."""
 
 from __future__ import annotations
 
@@ -50,11 +51,12 @@ class InProcessBackend:
         try:
             await loop.run_in_executor(self._executor, self._load)
         except Exception as exc:
-            self._load_error = f"model {self._model_path} failed to load: {exc}"
+            self._load_error = f"the model failed to load ({type(exc).__name__}; the gateway's log says why)"
             logger.exception("%s backend: could not load %s", self.name, self._model_path)
             return
         self._loaded = True
-        logger.info("%s backend: loaded %s%s", self.name, self._model_path, f" ({self.detail})" if self.detail else "")
+        logger.info("%s backend: model loaded%s", self.name, f" ({self.detail})" if self.detail else "")
+        logger.debug("%s backend: loaded %s", self.name, self._model_path)
 
     def _run(self, images: Images) -> np.ndarray:
         """In the backend's thread: the batch is assembled here, not on the event loop."""
@@ -67,7 +69,8 @@ class InProcessBackend:
         try:
             return await loop.run_in_executor(self._executor, self._run, images)
         except self.runtime_errors as exc:
-            raise BackendError(f"{self.name} runtime failed: {exc}") from exc
+            logger.warning("%s backend: the runtime failed on a batch: %s", self.name, exc)
+            raise BackendError(f"the {self.name} runtime failed on the batch ({type(exc).__name__})") from exc
 
     async def ready(self) -> str | None:
         if not self._loaded:

@@ -160,7 +160,7 @@ class TorchBackend(InProcessBackend):
         try:
             await asyncio.gather(*(loop.run_in_executor(self._executor, warm) for _ in range(threads)))
         except Exception as exc:
-            self._loaded, self._load_error = False, f"warm-up failed: {exc}"
+            self._loaded, self._load_error = False, f"warm-up failed ({type(exc).__name__}; the gateway's log says why)"
             logger.exception("torch backend: warm-up failed")
             return
         if self._cuda_graphs:

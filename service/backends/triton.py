@@ -64,6 +64,8 @@ class TritonBackend:
         self._mod: Any = None
         self._shm: SharedMemoryPool | None = None
         self._buffer = BatchBuffer()
+        self._last_problem: str | None = None
+        """The readiness check's last problem (its detail is logged when it changes)."""
 
     async def start(self) -> None:
         if self.protocol == "grpc":
@@ -78,12 +80,12 @@ class TritonBackend:
                 self._shm_regions, self.max_batch_size * side * side * 3, self.max_batch_size * self.classes * 4
             )
         logger.info(
-            "triton backend: model %s at %s over %s%s",
+            "triton backend: model %s over %s%s",
             self.model,
-            self.url,
             self.protocol,
             " with shared memory" if self._use_shm else "",
         )
+        logger.debug("triton backend: model %s at %s", self.model, self.url)
 
     # -- inference -------------------------------------------------------------------------------
 
@@ -153,7 +155,8 @@ class TritonBackend:
         except _RegionsLost as exc:
             raise self._map(exc.__cause__) from exc
         except (aiohttp.ClientError, OSError) as exc:
-            raise BackendUnavailable(f"Triton at {self.url} is unreachable: {exc}") from exc
+            logger.warning("triton at %s is unreachable: %s", self.url, exc)
+            raise BackendUnavailable(f"Triton is unreachable ({type(exc).__name__})") from exc
 
     def _map(self, exc: InferenceServerException) -> GatewayError:
         status = str(exc.status() or "")
@@ -162,10 +165,12 @@ class TritonBackend:
             return QueueFull(f"Triton's queue for {self.model} is full; retry later")
         if status == "StatusCode.DEADLINE_EXCEEDED":
             return DeadlineExceeded("Triton did not answer within the request deadline")
+        # Triton's message may name its address, paths or shared-memory regions: the log has it
         if status in _UNAVAILABLE or "not ready" in message.lower() or "unknown model" in message.lower():
-            return BackendUnavailable(f"Triton at {self.url} cannot serve {self.model}: {message}")
+            logger.warning("triton at %s cannot serve %s (%s): %s", self.url, self.model, status, message)
+            return BackendUnavailable(f"Triton cannot serve {self.model} now")
         logger.error("triton rejected a batch for %s (%s): %s", self.model, status or "no status", message)
-        return BackendError(f"Triton failed on the batch: {message}")
+        return BackendError("Triton failed on the batch")
 
     # -- readiness -------------------------------------------------------------------------------
 
@@ -209,13 +214,22 @@ class TritonBackend:
         try:
             async with asyncio.timeout(2.0):
                 if not await self._client.is_server_ready():
-                    return f"Triton at {self.url} is not ready"
+                    return self._problem("Triton is not ready", "")
                 if not await self._client.is_model_ready(self.model, self.version):
-                    return f"model {self.model} is not ready on Triton at {self.url}"
+                    return self._problem(f"model {self.model} is not ready on Triton", "")
             async with asyncio.timeout(2.0):  # its own time: two calls more must not make a busy Triton look gone
-                return await self._metadata_problem()
+                self._last_problem = await self._metadata_problem()
+                return self._last_problem
         except (TimeoutError, InferenceServerException, aiohttp.ClientError, OSError) as exc:
-            return f"Triton at {self.url} is unreachable ({type(exc).__name__})"
+            return self._problem(f"Triton is unreachable ({type(exc).__name__})", exc)
+
+    def _problem(self, problem: str, detail: object) -> str:
+        """``problem`` as /readyz and answers say it (no address); logged once while it lasts with
+        Triton's address and ``detail``, for the operator."""
+        if problem != self._last_problem:
+            logger.warning("triton at %s: %s%s", self.url, problem, f" ({detail})" if detail else "")
+        self._last_problem = problem
+        return problem
 
     async def aclose(self) -> None:
         if self._shm is not None:

@@ -1,11 +1,13 @@
 """Triton's model repository, as the gateway asks about it and controls it: the index (which models
 and versions Triton has, and their state), and loading or unloading a model, which Triton allows
-when it runs with ``--model-control-mode=explicit``. Triton's refusals come back as ``BadRequest``
-with its message, an unreachable Triton as ``BackendUnavailable``."""
+when it runs with ``--model-control-mode=explicit``. Triton's refusals come back as ``BadRequest``,
+an unreachable Triton as ``BackendUnavailable``; Triton's own message and its address go to the log
+only (they name its host, its repository's paths)."""
 
 from __future__ import annotations
 
 import asyncio
+import logging
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -13,6 +15,8 @@ import aiohttp
 from tritonclient.utils import InferenceServerException
 
 from service.errors import BackendUnavailable, BadRequest
+
+logger = logging.getLogger(__name__)
 
 TIMEOUT = 300.0
 """Seconds a call may take (Triton answers a load when the model is loaded: a TensorRT engine's
@@ -43,15 +47,20 @@ class TritonRepository:
             async with asyncio.timeout(TIMEOUT):
                 return await getattr(client, method)(*args, **kwargs)
         except TimeoutError as exc:
-            raise BackendUnavailable(f"Triton at {self.url} did not answer {method} within {TIMEOUT:g} s") from exc
+            logger.warning("triton at %s did not answer %s within %g s", self.url, method, TIMEOUT)
+            raise BackendUnavailable(f"Triton did not answer {method} within {TIMEOUT:g} s") from exc
         except (aiohttp.ClientError, OSError) as exc:
-            raise BackendUnavailable(f"Triton at {self.url} is unreachable ({type(exc).__name__})") from exc
+            logger.warning("triton at %s is unreachable: %s", self.url, exc)
+            raise BackendUnavailable(f"Triton is unreachable ({type(exc).__name__})") from exc
         except InferenceServerException as exc:
             text = exc.message() or str(exc)
+            logger.warning("triton at %s: %s %s refused: %s", self.url, method, args, text)
             # a connection that failed; not a model "at UNAVAILABLE state", which is Triton's refusal
             if any(words in text for words in ("failed to connect", "Connection refused", "Socket closed")):
-                raise BackendUnavailable(f"Triton at {self.url} is unreachable: {text}") from exc
-            raise BadRequest(f"Triton at {self.url} refused: {text}") from exc
+                raise BackendUnavailable("Triton is unreachable") from exc
+            raise BadRequest(
+                f"Triton refused {method} {', '.join(map(str, args))}; its log and the gateway's say why"
+            ) from exc
         finally:
             await client.close()
 

@@ -51,6 +51,7 @@ from service.errors import (
     DeadlineUnmeetable,
     GatewayError,
     QueueFull,
+    public_text,
 )
 from service.tracing import Tracing, epoch_ns, trace_id_hex
 
@@ -452,7 +453,7 @@ class DynamicBatcher:
             error = exc
         except Exception as exc:
             logger.exception("backend failed on a batch of %d images", len(batch))
-            error = BackendError(f"backend failed: {type(exc).__name__}: {exc}")
+            error = BackendError(f"the backend failed on the batch ({public_text(exc)})")  # the rest: logged
         finally:
             if error is not None:
                 for item in batch:

@@ -223,11 +223,12 @@ class Broker:
         )
 
     def status(self) -> str:
+        """For /readyz and the 503 of a submit: no address in it (the log's warnings name them)."""
         if self.is_open:
             return "ok"
         if len(self.addresses) > 1:
-            return f"not connected to any of {len(self.addresses)} broker nodes (trying {redact(self.url)})"
-        return f"not connected to {redact(self.url)}"
+            return f"not connected to any of {len(self.addresses)} broker nodes"
+        return "not connected to the broker"
 
     async def publish(
         self,
@@ -252,13 +253,17 @@ class Broker:
                 channel = await self._publisher_channel()
                 exchange = await channel.get_exchange(exchange_name, ensure=False) if exchange_name else None
                 await (exchange or channel.default_exchange).publish(message, routing_key, mandatory=True)
+        # The queue's name and the broker's words (which name queues) are for the log only
         except aio_pika.exceptions.PublishError as exc:  # returned: no queue is bound for it
-            raise BackendUnavailable(f"the broker could not route the message to {routing_key!r}") from exc
+            logger.warning("broker: a message to %r was returned unroutable: %s", routing_key, exc)
+            raise BackendUnavailable("the broker could not route the message to its queue") from exc
         except aio_pika.exceptions.DeliveryError as exc:  # nacked: a queue refused it (full, stale, ...)
             self._retire(channel)
-            raise BackendUnavailable(f"the broker refused the message ({exc})") from exc
+            logger.warning("broker: a message to %r was refused: %s", routing_key, exc)
+            raise BackendUnavailable("the broker refused the message (its queue is full or gone)") from exc
         except (TimeoutError, aio_pika.exceptions.AMQPError, ConnectionError, RuntimeError) as exc:
-            raise BackendUnavailable(f"the broker did not confirm the message ({type(exc).__name__}: {exc})") from exc
+            logger.warning("broker: a message to %r was not confirmed: %s: %s", routing_key, type(exc).__name__, exc)
+            raise BackendUnavailable(f"the broker did not confirm the message ({type(exc).__name__})") from exc
 
     async def _publisher_channel(self) -> AbstractChannel:
         """The channel publishes go on; opened (with confirms, unroutable messages raising) when

@@ -280,7 +280,9 @@ class IdempotencyLog:
                 await self._channel.default_exchange.publish(message, self.stream, timeout=10)
                 return
             except (TimeoutError, aio_pika.exceptions.AMQPError, ConnectionError, RuntimeError) as exc:
-                logger.info("jobs: marker not appended to %s yet (%s); retrying", self.stream, exc)
+                logger.info(
+                    "jobs: marker not appended to the idempotency stream yet (%s); retrying", type(exc).__name__
+                )
                 await asyncio.sleep(1.0)
 
     def behind(self) -> str | None:
@@ -289,7 +291,7 @@ class IdempotencyLog:
             return None
         seconds = time.monotonic() - self._behind_since
         read = f"{self._read_behind:,} entries in {seconds:.1f} s"
-        return f"reading the claims stream {self.stream}: {read}, not at its end yet"
+        return f"reading the claims stream: {read}, not at its end yet"  # (its name: not for clients)
 
     def caught_up(self) -> bool:
         return self._caught_up is not None
@@ -312,7 +314,7 @@ class IdempotencyLog:
         the replica is behind until it reads a marker appended now.
         Skipping offsets already seen instead skipped a new stream's entries until it outgrew the
         old one: every idempotent submit was 503 meanwhile."""
-        logger.info("jobs: reading the idempotency stream %s from its start again", self.stream)
+        logger.info("jobs: reading the idempotency stream from its start again")
         self.states.clear()
         self._catch_up()
 
@@ -334,9 +336,8 @@ class IdempotencyLog:
             return
         if entry.claim == self._marker:
             self._marker, self._caught_up = None, time.monotonic()
-            logger.info(
-                "jobs: read the idempotency stream %s up to its end: %d entries in %.1f s",
-                self.stream,
+            logger.info(  # the stream's name (a queue's): not at info (issue 46)
+                "jobs: read the idempotency stream up to its end: %d entries in %.1f s",
                 self._read_behind,
                 self._caught_up - self._behind_since,
             )
@@ -420,9 +421,12 @@ class IdempotencyLog:
                 async with asyncio.timeout(timeout):
                     return claim, await future
             except TimeoutError:
+                logger.warning(
+                    "idempotency: a claim did not come back from the stream %s within %g s", self.stream, timeout
+                )
                 raise BackendUnavailable(
-                    f"the idempotency claim did not come back from the stream {self.stream} within {timeout:g} s "
-                    "(GATEWAY_PUBLISH_TIMEOUT); nothing was queued, retry with the same Idempotency-Key"
+                    f"the idempotency claim did not come back within {timeout:g} s (GATEWAY_PUBLISH_TIMEOUT); "
+                    "nothing was queued, retry with the same Idempotency-Key"
                 ) from None
         finally:
             self._decisions.pop(claim, None)

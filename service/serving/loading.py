@@ -18,7 +18,7 @@ import time
 from collections.abc import Awaitable, Callable
 from functools import partial
 
-from service.errors import Conflict, ModelNotLoaded
+from service.errors import Conflict, ModelNotLoaded, public_text
 from service.metrics import Metrics
 from service.models.store import model_path
 from service.serving.served import FAILED_LOAD_BACKOFF, Running, ServedVersion
@@ -119,7 +119,7 @@ class Loader:
             try:
                 running = await self._start(served)
             except Exception as exc:
-                failure = self._fail(served, f"failed to load: {exc}")
+                failure = self._fail(served, f"failed to load: {public_text(exc)}", f"failed to load: {exc}")
                 raise ModelNotLoaded(failure, retry_after=served.retry_in) from exc
             problem = running.health.problem
             if problem is not None:  # started, but cannot serve (a backend that keeps its error)
@@ -141,9 +141,10 @@ class Loader:
             self.budget >> 20,
         )
 
-    def _fail(self, served: ServedVersion, why: str) -> str:
-        """Mark ``served`` failed (refused at once until a load is tried again); the message that says so."""
-        logger.warning("model %s version %s %s", served.model, served.version, why)
+    def _fail(self, served: ServedVersion, why: str, logged: str | None = None) -> str:
+        """Mark ``served`` failed (refused at once until a load is tried again); the message that says
+        so (``why``; ``logged``, for the log only, may say more)."""
+        logger.warning("model %s version %s %s", served.model, served.version, logged or why)
         self._metrics.model_loads.labels(served.model, served.version, "failed").inc()
         failure = f"model {served.model!r} version {served.version} {why} (tried again {FAILED_LOAD_BACKOFF:g} s after)"
         served.failed = (time.monotonic(), failure)

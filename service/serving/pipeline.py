@@ -246,9 +246,8 @@ async def _discover(catalog: Catalog, settings: Settings) -> Catalog:
         shown = ", ".join(repr(name[:80]) for name in skipped[:10])
         more = f" and {len(skipped) - 10} more" if len(skipped) > 10 else ""
         logger.warning("models: %d of Triton's models not served: %s%s", len(skipped), shown, more)
-    logger.info(
-        "models: found in Triton's repository index at %s: %s",
-        catalog.discovery.url,
+    logger.info(  # Triton's address: not at info (issue 46)
+        "models: found in Triton's repository index: %s",
         ", ".join(grown.discovered) or "nothing the models file does not name",
     )
     return grown
