@@ -1,17 +1,17 @@
 """A connection to RabbitMQ that the API can hold while the broker is down.
 
-``connect_robust`` only reconnects after a first success, so the first connection is retried here
-in the background; until it exists, and whenever it is lost, ``publish`` fails at once with 503
-rather than hanging. Publishes use publisher confirms and ``mandatory``, with a timeout; the channel
+The connection is made in the background, and aio-pika's robust connection retries the first
+attempt as it retries after a loss; until it is set up, and whenever it is lost, ``publish`` fails
+at once with 503 rather than hanging. Publishes use publisher confirms and ``mandatory``, with a timeout; the channel
 is opened with aio-pika's ``on_return_raises``, so a publish the broker returns as unroutable fails
 (``PublishError``) like a nacked one instead of counting as confirmed.
 
 With several addresses (the nodes of a cluster, comma-separated in ``GATEWAY_BROKER_URL``) each
-process starts on one picked at random, so that clients spread over the nodes, and when its node is
-lost, every reconnection attempt of aio-pika's robust connection goes to the next address: the
-connection, its channels, queues and consumers are restored there as they would be on the same node.
-Attempts back off exponentially with jitter (``Backoff``), so that the clients of a dead node do not
-all arrive at the next one at the same instant.
+process starts on one picked at random, so that clients spread over the nodes; the connection is a
+``service.jobs.nodes.NodesConnection``, aio-pika's robust connection whose reconnect loop takes each
+attempt to the next address (passing a dead one in well under a second) and backs off only once
+every address has failed: the connection, its channels, queues and consumers are restored on the
+node it reaches as they would be on the same node.
 
 Publishes go on a channel of their own, not the consumers' channel (RabbitMQ's advice: publishing
 and consuming apart). A channel whose publish was nacked is retired and the next publish opens a
@@ -31,56 +31,21 @@ import logging
 import random
 from collections.abc import Awaitable, Callable, Sequence
 from contextlib import suppress
-from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Literal
 
 import aio_pika
-from aio_pika.abc import AbstractChannel, AbstractMessage, AbstractRobustChannel, AbstractRobustConnection
+from aio_pika.abc import AbstractChannel, AbstractMessage, AbstractRobustChannel
 from pamqp.common import FieldTable
-from yarl import URL
 
 from service.errors import BackendUnavailable
 from service.jobs import frames
+from service.jobs.nodes import HANDSHAKE_TIMEOUT, Backoff, NodesConnection, addresses, redact
 from service.jobs.topology import Names, Route, Topology, declare
 
 logger = logging.getLogger(__name__)
 
 RETIRE_INTERVAL = 1.0
 """Seconds between two retirements of the publisher channel (see ``Broker._retire``)."""
-
-
-def addresses(url: str) -> list[str]:
-    """The broker addresses of a ``GATEWAY_BROKER_URL``: one URL, or several comma-separated."""
-    return [part.strip() for part in url.split(",") if part.strip()]
-
-
-@dataclass
-class Backoff:
-    """Seconds before the next connection attempt: doubling from ``first`` up to ``cap``, each drawn
-    from [0.5, 1.5) of that ("equal jitter"), so that many clients spread out instead of retrying in
-    step."""
-
-    first: float = 0.5
-    cap: float = 10.0
-    attempt: int = 0
-
-    def next(self) -> float:
-        base = min(self.cap, self.first * 2**self.attempt)
-        self.attempt += 1
-        return float(base * random.uniform(0.5, 1.5))
-
-    def reset(self) -> None:
-        self.attempt = 0
-
-
-def redact(url: str) -> str:
-    """The URL without its password, for logs and errors."""
-    if "@" not in url:
-        return url
-    scheme, rest = url.split("://", 1) if "://" in url else ("", url)
-    credentials, host = rest.rsplit("@", 1)
-    user = credentials.split(":", 1)[0]
-    return f"{scheme}://{user}:***@{host}" if scheme else f"{user}:***@{host}"
 
 
 class Broker:
@@ -99,8 +64,7 @@ class Broker:
         self.addresses = addresses(url)
         if not self.addresses:
             raise ValueError("no broker address")
-        self._current = random.randrange(len(self.addresses))
-        self._backoff = Backoff()
+        self._start = random.randrange(len(self.addresses))
         self.names = names
         self.publish_timeout = publish_timeout
         self.prefetch = prefetch
@@ -109,11 +73,10 @@ class Broker:
         """The models' work queues declared besides ``<prefix>.work`` (``service.jobs.topology``)."""
         self.name = name
         """Connection name shown by RabbitMQ (management UI, ``rabbitmqctl list_connections``)."""
-        self.connection: AbstractRobustConnection | None = None
+        self.connection: NodesConnection | None = None
         self.channel: AbstractRobustChannel | None = None
         self.topology: Topology | None = None
         self._connector: asyncio.Task[None] | None = None
-        self._follower: asyncio.Task[None] | None = None
         self._publisher: AbstractChannel | None = None
         """The channel publishes go on (opened on first use, replaced once it nacks)."""
         self._publisher_lock = asyncio.Lock()
@@ -121,83 +84,52 @@ class Broker:
         self._retired_at = float("-inf")
         self.publishers_opened = 0
         """Publisher channels opened: the first, and one after each nack (for tests and logs)."""
-        self._closing = False
         self.connected = asyncio.Event()
 
     @property
     def url(self) -> str:
         """The address in use (or tried next)."""
-        return self.addresses[self._current]
+        return self.connection.address if self.connection is not None else self.addresses[self._start]
 
-    def _rotate(self) -> str:
-        self._current = (self._current + 1) % len(self.addresses)
-        return self.url
-
-    async def _connect_once(self) -> None:
-        properties: FieldTable | None = {"connection_name": self.name} if self.name else None
-        connection = await aio_pika.connect_robust(
-            self.url, timeout=5, reconnect_interval=self._backoff.first, client_properties=properties
-        )
-        if len(self.addresses) > 1:
-            connection.close_callbacks.add(self._on_lost)
-            connection.reconnect_callbacks.add(self._on_restored)
+    async def _set_up(self, connection: NodesConnection) -> None:
+        """The consumers' channel, the topology and ``on_connect``'s consumers, on a new connection."""
         try:
             channel = await connection.channel(publisher_confirms=True, on_return_raises=True)
             if self.prefetch:
                 await channel.set_qos(prefetch_count=self.prefetch)
             self.topology = await declare(connection, channel, self.names, self.routes)
-            self.connection, self.channel = connection, channel
+            self.channel = channel
             if self._on_connect is not None:  # its consumers are part of being connected
                 await self._on_connect(self)
-        except BaseException:  # a failed set-up must not leave a connection behind per retry
-            self.connection = self.channel = None
-            await connection.close()
+        except BaseException:
+            self.channel = None
             raise
         self.connected.set()
-        self._backoff.reset()
         logger.info("broker: connected to %s", redact(self.url))
 
-    def _on_lost(self, connection: Any, exc: BaseException | None = None) -> None:
-        """The node is gone (or the link to it): aim the robust connection's attempts elsewhere.
-        Called before aio-pika's first attempt, so that attempt already goes to the next node; a
-        follower keeps moving on while the attempts fail."""
-        if self._closing or self.connection is None or connection is not self.connection:
-            return  # closed on purpose, or not ours
-        logger.warning("broker: lost %s (%s); trying %s", redact(self.url), exc, redact(self._rotate()))
-        self._aim(self.connection)
-        if self._follower is None or self._follower.done():
-            self._follower = asyncio.get_running_loop().create_task(self._fail_over(self.connection))
-
-    def _on_restored(self, connection: Any) -> None:
-        self._backoff.reset()
-        logger.info("broker: reconnected to %s", redact(self.url))
-
-    def _aim(self, connection: AbstractRobustConnection) -> None:
-        connection.url = URL(self.url)  # type: ignore[attr-defined]  # read by each attempt
-        connection.reconnect_interval = self._backoff.next()  # type: ignore[attr-defined]
-
-    async def _fail_over(self, connection: AbstractRobustConnection) -> None:
-        """While the robust connection is down, move it on to the next address after each interval."""
-        while not connection.is_closed:
-            await asyncio.sleep(connection.reconnect_interval)  # type: ignore[attr-defined]
-            if connection.connected.is_set() or connection.is_closed:
-                return
-            self._rotate()
-            self._aim(connection)
-
     async def _connect_forever(self) -> None:
+        """Connect (the connection itself tries every address in turn until one answers), then set
+        up; a set-up that fails closes that connection and starts again after a backoff, from the
+        address the connection would have tried next."""
+        properties: FieldTable | None = {"connection_name": self.name} if self.name else None
+        start, backoff = self._start, Backoff()
         while True:
+            connection = NodesConnection(self.addresses, start=start, client_properties=properties)
+            self.connection = connection  # status() names the address it tries
             try:
-                await self._connect_once()
+                await connection.connect(timeout=HANDSHAKE_TIMEOUT)
+                await self._set_up(connection)
                 return
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:
-                delay = self._backoff.next()
-                tried = redact(self.url)
+            except BaseException as exc:  # a failed set-up must not leave a connection behind per retry
+                self.connection = None
+                await connection.close()
+                if not isinstance(exc, Exception):
+                    raise
+                delay = backoff.next()
                 logger.warning(
-                    "broker: cannot connect to %s (%s); trying %s in %.1f s", tried, exc, redact(self._rotate()), delay
+                    "broker: cannot set up on %s (%s); again in %.1f s", redact(connection.address), exc, delay
                 )
+                start = connection.current + 1
                 await asyncio.sleep(delay)
 
     def start(self) -> None:
@@ -305,8 +237,7 @@ class Broker:
         task.add_done_callback(self._retired.discard)
 
     async def aclose(self) -> None:
-        self._closing = True
-        for task in (self._connector, self._follower, *self._retired):
+        for task in (self._connector, *self._retired):
             if task is not None:
                 task.cancel()
                 await asyncio.gather(task, return_exceptions=True)

@@ -2,16 +2,32 @@
 
 from __future__ import annotations
 
+import asyncio
 import random
 import socket
+import time
+from collections.abc import Awaitable, Callable
+from contextlib import AbstractContextManager
 
+import aio_pika
 import pytest
 from pydantic import ValidationError
+from yarl import URL
 
-from service.jobs.broker import Backoff, Broker, addresses
-from service.jobs.topology import Names
+from loadtests.harness import dead_addresses
+from service.errors import BackendUnavailable
+from service.jobs.broker import Broker
+from service.jobs.nodes import CONNECT_TIMEOUT, Backoff, addresses
+from service.jobs.topology import REQUEST_KEY, Names
 from service.settings import Settings
 from tests.jobs.conftest import BROKER_URL
+from tests.jobs.relay import relay_to
+from tests.jobs.test_api_results import _close_connection
+
+DEAD: dict[str, Callable[[], AbstractContextManager[str]]] = {
+    "refused": dead_addresses.refused,
+    "blackholed": dead_addresses.blackholed,
+}
 
 pytestmark = pytest.mark.rabbitmq
 
@@ -73,3 +89,81 @@ async def test_a_dead_address_is_passed_over_for_a_live_one(prefix: str) -> None
             assert broker.status() == "ok"
         finally:
             await broker.aclose()
+
+
+async def outage_across(broker: Broker, lose: Callable[[], Awaitable[object]]) -> tuple[float, int]:
+    """Publish every 10 ms while ``lose()`` runs: (seconds from the first refused publish to the
+    next confirmed one, publishes refused). 0 s if none was refused."""
+    loss: asyncio.Future[object] = asyncio.ensure_future(lose())
+    first_refused, refused = None, 0
+    async with asyncio.timeout(60):
+        while True:
+            try:
+                await broker.publish("requests", aio_pika.Message(b"x"), REQUEST_KEY)
+                if first_refused is not None:
+                    await loss
+                    return time.monotonic() - first_refused, refused
+                if loss.done():
+                    await loss
+                    return 0.0, 0
+            except BackendUnavailable:
+                first_refused = first_refused or time.monotonic()
+                refused += 1
+            await asyncio.sleep(0.01)
+
+
+@pytest.mark.parametrize("loss", ["network drop", "closed by the broker"])
+@pytest.mark.parametrize("dead", sorted(DEAD))
+async def test_a_lost_connection_is_back_within_2_s_past_a_dead_address(prefix: str, dead: str, loss: str) -> None:
+    """Two addresses, one dead (refused, or blackholed: its SYNs dropped); the connection to the
+    live one is lost 4 times in a row, by a network drop (a relay resets it) or closed by the broker
+    (``rabbitmqctl close_connection``), the broker staying up. Each time, publishes are confirmed
+    again within 2 s, with the live address tried once (before: 11-41 s, each attempt sent to the
+    dead address while the backoff grew to 10 s)."""
+    live = URL(BROKER_URL)
+    assert live.host is not None
+    assert live.port is not None
+    name = f"{prefix}.failover"
+    with DEAD[dead]() as dead_url:
+        async with relay_to(live.host, live.port) as (relay, port):
+            broker = Broker(f"{dead_url},{live.with_port(port)}", Names(prefix), publish_timeout=2, name=name)
+
+            async def lose() -> None:
+                if loss == "network drop":
+                    relay.cut()
+                else:
+                    await asyncio.to_thread(_close_connection, name)
+
+            try:
+                await broker.connect(timeout=20)
+                assert broker.connection is not None
+                restored = asyncio.Event()  # aio-pika's callback once every channel is back
+                broker.connection.reconnect_callbacks.add(lambda *_: restored.set())
+                outages = []
+                for _ in range(4):
+                    connections = relay.accepted
+                    restored.clear()
+                    outages.append(await outage_across(broker, lose))
+                    await asyncio.wait_for(restored.wait(), 10)  # before the next loss
+                    assert relay.accepted == connections + 1  # back at once on the live one
+            finally:
+                await broker.aclose()
+    print(f"{dead}, {loss}: back after {', '.join(f'{s:.2f} s ({n} refused)' for s, n in outages)}")
+    assert max(seconds for seconds, _ in outages) < 2.0, outages
+
+
+async def test_a_blackholed_address_is_passed_over_in_a_fraction_of_a_second(prefix: str) -> None:
+    """A TCP connect to an address that drops SYNs (a host gone from the network) is given up after
+    ``CONNECT_TIMEOUT`` (a quarter of a second), not the whole attempt's 5 s: a broker given such an
+    address and a live one is connected within a second, wherever it starts (4 tries)."""
+    assert CONNECT_TIMEOUT <= 0.25
+    with dead_addresses.blackholed() as dead:
+        for _ in range(4):
+            broker = Broker(f"{dead},{BROKER_URL}", Names(prefix))
+            started = time.monotonic()
+            try:
+                await broker.connect(timeout=20)
+                took = time.monotonic() - started
+            finally:
+                await broker.aclose()
+            assert took < 1.0, f"connected after {took:.2f} s"

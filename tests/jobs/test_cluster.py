@@ -19,6 +19,7 @@ import aio_pika
 import httpx
 import pytest
 
+from loadtests.harness import dead_addresses
 from loadtests.harness.rabbitmq_cluster import Node, RabbitCluster
 from service.jobs.broker import Broker
 from service.jobs.policies import gateway_policies, rabbitmqctl_commands
@@ -26,6 +27,7 @@ from service.jobs.topology import REQUEST_KEY, Names
 from service.settings import Settings
 from tests.conftest import png_bytes, running_gateway, solid_image
 from tests.jobs.conftest import broker_ok, class_pngs, gateway_process, wait_for_line
+from tests.jobs.test_broker_addresses import outage_across
 from tests.jobs.webhook_receiver import LOOPBACK, SECRET, receiving
 
 pytestmark = [pytest.mark.rabbitmq, pytest.mark.slow]
@@ -103,6 +105,50 @@ async def test_a_client_moves_to_a_live_node_when_its_node_is_killed(cluster: Ra
     finally:
         await broker.aclose()
         cluster.start_node(cluster.nodes[first])
+
+
+@pytest.mark.parametrize("where", ["first", "middle", "last"])
+async def test_with_a_dead_address_anywhere_a_client_is_back_within_2_s_of_a_node_kill(
+    cluster: RabbitCluster, prefix: str, where: str
+) -> None:
+    """The cluster's three addresses and a blackholed one (its SYNs dropped: a host gone from the
+    network) first, in the middle or last of the list: the node the client is connected to is
+    SIGKILLed while it publishes every 10 ms. It is connected to another node, its channels
+    restored, within 2 s of the kill, and publishes are confirmed again within 3 s (the rest is the
+    quorum queue electing a leader among the survivors: until then the new node nacks them). Before,
+    a second loop moved the address too, and one kill in three took 15-60 s
+    (``python -m loadtests.broker_failover``)."""
+    live = [node.url for node in cluster.nodes]
+    index = {"first": 0, "middle": len(live) // 2, "last": len(live)}[where]
+    loop = asyncio.get_running_loop()
+    killed_at: list[float] = []
+    restored_at: list[float] = []
+    with dead_addresses.blackholed() as dead:
+        urls = ",".join([*live[:index], dead, *live[index:]])
+        broker = Broker(urls, Names(f"{prefix}-dead-{where}"), publish_timeout=5)
+        await broker.connect(timeout=30)
+        assert broker.connection is not None
+        broker.connection.reconnect_callbacks.add(lambda *_: restored_at.append(loop.time()))
+        killed = node_of(cluster, int(broker.url.rsplit(":", 1)[1].strip("/")))
+
+        async def kill() -> None:
+            killed_at.append(loop.time())
+            await asyncio.to_thread(cluster.kill, cluster.nodes[killed])
+
+        try:
+            await broker.publish("requests", aio_pika.Message(b"before"), REQUEST_KEY)
+            publishing, refused = await outage_across(broker, kill)
+            assert node_of(cluster, int(broker.url.rsplit(":", 1)[1].strip("/"))) != killed
+        finally:
+            await broker.aclose()
+            await asyncio.to_thread(cluster.start_node, cluster.nodes[killed])
+    back = restored_at[0] - killed_at[0]
+    print(
+        f"dead address {where}: on another node {back:.2f} s after the kill, publishing again after "
+        f"{publishing:.2f} s, {refused} publishes refused"
+    )
+    assert back < 2.0
+    assert publishing < 3.0
 
 
 def leader_of(cluster: RabbitCluster, queue: str) -> int:
