@@ -167,3 +167,20 @@ async def test_a_blackholed_address_is_passed_over_in_a_fraction_of_a_second(pre
             finally:
                 await broker.aclose()
             assert took < 1.0, f"connected after {took:.2f} s"
+
+
+async def test_a_cluster_all_dead_is_not_hammered() -> None:
+    """Every address refused: attempts go round the addresses without waiting, then back off
+    between rounds (0.25-0.75 s, then twice that, ...), so 2 s see a handful of attempts, not a
+    busy loop of connects (the waits between the addresses of a round are 0)."""
+    with dead_addresses.refused() as first, dead_addresses.refused() as second:
+        broker = Broker(f"{first},{second}", Names("unused"))
+        broker.start()
+        try:
+            await asyncio.sleep(2.0)
+            assert broker.connection is not None
+            failures = broker.connection.failures
+            assert not broker.is_open
+        finally:
+            await broker.aclose()
+    assert 4 <= failures <= 8, failures
