@@ -195,7 +195,8 @@ async def test_backend_failure_is_500_and_not_ready_is_503(gateway_factory: Make
         fake.fail_next = RuntimeError("device lost")
         failed = await client.post("/classify", content=png_of_class(1), headers={"content-type": "image/png"})
         assert error_of(failed) == (500, "backend_error")
-        assert "device lost" in failed.json()["detail"]
+        # the exception's text (it may name a path, an address) is logged; the client learns its kind
+        assert failed.json()["detail"] == "the backend failed on the batch (RuntimeError)"
 
         ready = (await client.get("/readyz")).json()
         assert ready["ready"] is True
