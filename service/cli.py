@@ -19,7 +19,9 @@ from typing import TYPE_CHECKING, Any
 from pydantic import ValidationError
 
 from service.host import eventloop
-from service.settings import Settings, explain, setting_name
+from service.settings import Settings
+from service.settings.reference import explain
+from service.settings.values import setting_name
 
 if TYPE_CHECKING:
     from service.backends.engine_supervisor import EngineSupervisor
@@ -409,7 +411,7 @@ def _tune(args: argparse.Namespace) -> int:
 
 
 def _settings_reference(args: argparse.Namespace) -> int:
-    from service.settings import reference
+    from service.settings.reference import reference
 
     print(reference(), end="")
     return 0

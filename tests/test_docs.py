@@ -10,7 +10,8 @@ import shlex
 from collections.abc import Callable
 from pathlib import Path
 
-from service.settings import Settings, reference
+from service.settings import Settings
+from service.settings.reference import reference
 from tests.conftest import running_gateway
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -133,7 +133,7 @@ def test_the_webhook_receiver_refuses_a_forged_or_stale_signature() -> None:
     finally:
         sys.path.remove(str(EXAMPLES))
     from service.jobs.webhooks import signature
-    from service.settings import parse_secret
+    from service.settings.values import parse_secret
 
     key = parse_secret(SECRET)
     assert secret_bytes(SECRET) == key

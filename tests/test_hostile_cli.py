@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 
 from service.cli import build_parser
-from service.settings import MAX_KEYS_FILE_BYTES, setting_name
+from service.settings.keys import MAX_KEYS_FILE_BYTES
+from service.settings.values import setting_name
 
 RUN_FOR = 60.0
 """Seconds a command may take before it counts as hanging (a gateway serving when it should refuse)."""

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from service.errors import QuotaExceeded
 from service.http.quotas import Quotas
-from service.settings import ApiKey, Quota
+from service.settings.keys import ApiKey, Quota
 
 
 def _best(run: Callable[[], None], calls: int, repeat: int) -> float:

@@ -17,7 +17,7 @@ from service.http.quotas import Quotas
 from service.logs import REQUEST_ID
 from service.metrics import Metrics
 from service.serving.fair import Admission
-from service.settings import ApiKey
+from service.settings.keys import ApiKey
 from service.tracing import Tracing, trace_id_hex
 
 

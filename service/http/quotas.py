@@ -36,7 +36,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from service.errors import PayloadTooLarge, QuotaExceeded
-from service.settings import MAX_CONCURRENCY, ApiKey, Quota
+from service.settings.keys import MAX_CONCURRENCY, ApiKey, Quota
 
 BUCKET = struct.Struct("<dd")
 """Per key: tokens, and when they were last refilled (CLOCK_MONOTONIC, the same in every process of

@@ -18,7 +18,8 @@ from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import CollectorRegistry, start_http_server
 
-from service.settings import Settings, setting_name
+from service.settings import Settings
+from service.settings.values import setting_name
 
 logger = logging.getLogger(__name__)
 

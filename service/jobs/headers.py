@@ -38,7 +38,7 @@ from service.jobs.messages import (
     WEBHOOK_URL_MAX,
 )
 from service.serving.catalog import VERSION
-from service.settings import MODEL_NAME
+from service.settings.values import MODEL_NAME
 
 DELIVERY_COUNT_HEADER = "x-delivery-count"
 """Set by quorum queues: how many times the message was delivered before."""

@@ -40,7 +40,8 @@ from service.jobs.broker import Broker
 from service.jobs.messages import new_job_id, request_message
 from service.jobs.topology import Names, Route, declare_replicated, ingest_arguments, queue_exists
 from service.serving.catalog import VERSION, load_catalog
-from service.settings import MODEL_NAME, Settings
+from service.settings import Settings
+from service.settings.values import MODEL_NAME
 from service.tracing import Tracing, publishing
 
 logger = logging.getLogger(__name__)

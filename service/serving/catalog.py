@@ -36,7 +36,8 @@ from pydantic import ConfigDict, TypeAdapter, ValidationError
 
 from service.backends.factory import ONLY_PROFILES, runs_on
 from service.models.profiles import ModelProfile, get_profile
-from service.settings import MAX_INT, MODEL_NAME, Settings, read_regular_file, setting_name
+from service.settings import Settings
+from service.settings.values import MAX_INT, MODEL_NAME, read_regular_file, setting_name
 
 NAME = MODEL_NAME
 """A model's name: lower case, digits and ``_.-``, at most 64 characters (a URL path segment and a

@@ -6,7 +6,8 @@ import os
 from pathlib import Path
 
 from service.host.cpus import available_cpus, cgroup_quota
-from service.settings import DECODE_THREADS_PER_CPU, Settings
+from service.settings import Settings
+from service.settings.fields import DECODE_THREADS_PER_CPU
 
 
 def test_cgroup_v2_quota(tmp_path: Path) -> None:

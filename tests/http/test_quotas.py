@@ -20,7 +20,8 @@ import pytest
 from service.backends.fake import FakeBackend
 from service.errors import PayloadTooLarge, QuotaExceeded
 from service.http.quotas import Quotas
-from service.settings import MAX_CONCURRENCY, ApiKey, Quota, Settings, parse_keys
+from service.settings import Settings
+from service.settings.keys import MAX_CONCURRENCY, ApiKey, Quota, parse_keys
 from tests.conftest import png_bytes, running_gateway, solid_image
 
 PNG = png_bytes(solid_image(3, 16))
@@ -186,7 +187,7 @@ HOLDER = r"""
 import os, signal, sys
 from pathlib import Path
 from service.http.quotas import Quotas
-from service.settings import ApiKey, Quota
+from service.settings.keys import ApiKey, Quota
 
 key = ApiKey(b"serial", Quota(concurrency=1))
 quotas = Quotas([key], 1, Path(sys.argv[1]))

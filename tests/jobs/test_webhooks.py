@@ -24,7 +24,8 @@ from service.jobs.topology import Names
 from service.jobs.webhooks import WebhookSender, delivery_message, signature
 from service.jobs.worker import run_worker
 from service.metrics import Metrics
-from service.settings import Settings, parse_secret
+from service.settings import Settings
+from service.settings.values import parse_secret
 from tests.conftest import png_bytes, running_gateway, solid_image
 from tests.jobs.conftest import (
     BROKER_URL,

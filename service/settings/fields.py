@@ -1,28 +1,17 @@
-"""Gateway settings: environment variables with the ``GATEWAY_`` prefix, overridden by CLI flags."""
+"""The settings' fields, by concern: each group a model of its own, combined by ``Settings``
+(``service.settings``), which reads them from ``GATEWAY_*`` variables and checks the rules that
+span groups. A field's docstring is its documentation (docs/settings.md, ``gateway settings``)."""
 
 from __future__ import annotations
 
-import base64
-import binascii
-import hashlib
-import ipaddress
 import os
-import re
-import stat
 import tempfile
-from collections.abc import Iterable
-from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Literal
-from urllib.parse import urlsplit
 
-from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic import BaseModel, ConfigDict, Field, SecretStr
 
 from service.host.cpus import available_cpus
-from service.schemas import MAX_URL_LENGTH
-
-BROKER_ADDRESSES_AT_MOST = 16
 
 
 def _default_models_dir() -> Path:
@@ -33,154 +22,13 @@ def _default_models_dir() -> Path:
 DECODE_THREADS_PER_CPU = 2
 """Default decode threads per usable CPU (measured: ``python -m loadtests.serving_path --threads``)."""
 
-JSON_BYTES_PER_URL = MAX_URL_LENGTH + 64
-"""Room per image in the default bound of a JSON body: a URL of the longest length and the JSON
-around it."""
-MAX_INT = 2**63 - 1
-"""Largest integer a setting may hold."""
-ENV_PREFIX = "GATEWAY_"
+
+class _Fields(BaseModel):
+    model_config = ConfigDict(use_attribute_docstrings=True)
 
 
-def setting_name(field: str) -> str:
-    """A setting as its user names it, its flag and its environment variable (``--max-queue-size /
-    GATEWAY_MAX_QUEUE_SIZE``): what every settings error says, never the field's name alone."""
-    return f"--{field.replace('_', '-')} / {ENV_PREFIX}{field.upper()}"
-
-
-RENAMED = {
-    "GATEWAY_MAX_IMAGE_PIXELS": "GATEWAY_MAX_IMAGE_BYTES (decoder memory per image: an 8-bit RGB PNG takes "
-    "6 bytes per pixel, a JPEG far less)",
-    "GATEWAY_JOBS_CACHE_SIZE": "GATEWAY_JOBS_CACHE_BYTES and GATEWAY_JOBS_TTL",
-}
-"""Settings of earlier versions: still set, they would be ignored without a word."""
-
-
-def parse_delays(text: str) -> tuple[int, ...]:
-    """``"1,5,30"`` (seconds) in milliseconds, each at least 1 ms."""
-    try:
-        delays = tuple(max(1, round(float(part) * 1000)) for part in text.split(",") if part.strip())
-    except ValueError:
-        raise ValueError(f"webhook_retry_delays: {text!r} is not a comma-separated list of seconds") from None
-    if not delays:
-        raise ValueError("webhook_retry_delays: at least one delay")
-    return delays
-
-
-WEBHOOK_SECRET_PREFIX = "whsec_"
-
-
-def parse_secret(text: str) -> bytes:
-    """The key of ``whsec_<base64>`` (the prefix optional, padding too, as the spec's libraries read it)."""
-    raw = text.strip().removeprefix(WEBHOOK_SECRET_PREFIX)
-    try:
-        secret = base64.b64decode(raw + "=" * (-len(raw) % 4), validate=True)
-    except (binascii.Error, ValueError):
-        raise ValueError("webhook_secret must be base64, optionally after 'whsec_'") from None
-    if len(secret) < 24:
-        raise ValueError(f"webhook_secret holds {len(secret)} bytes; at least 24 (32 recommended)")
-    return secret
-
-
-OPTIONS = ("rate", "burst", "concurrency", "models")
-MODEL_RATE = "rate@"
-"""``rate@MODEL=R``: the key's own rate on one model, within its overall ``rate``."""
-TORCH_DEVICE = re.compile(r"cpu|cuda(:[0-9]{1,2})?")
-MODEL_NAME = re.compile(r"[a-z0-9][a-z0-9_.-]{0,63}")
-"""A model's name (as ``service.serving.catalog`` checks it)."""
-MAX_CONCURRENCY = 256
-"""The most requests a key may be allowed in progress (its slots; 0 means unlimited): refusing a
-request at the limit asks about every slot, a few microseconds each (``python -m loadtests.quota_cost``)."""
-
-
-@dataclass(frozen=True)
-class Quota:
-    rate: float = 0.0
-    """Images per second (0: unlimited)."""
-    burst: float = 0.0
-    """Images a key may send at once after being idle (0: one second's worth, and at least one
-    request's most images)."""
-    concurrency: int = 0
-    """Requests in progress at once (0: unlimited)."""
-
-    models: frozenset[str] | None = None
-    """The models the key may use (None: every one)."""
-    model_rates: tuple[tuple[str, float], ...] = ()
-    """Images per second on a model, within ``rate`` (``rate@MODEL=R``)."""
-
-    @property
-    def limited(self) -> bool:
-        return self.rate > 0 or self.concurrency > 0 or bool(self.model_rates)
-
-
-@dataclass(frozen=True)
-class ApiKey:
-    secret: bytes
-    quota: Quota = Quota()
-
-    @property
-    def id(self) -> str:
-        return hashlib.sha256(self.secret).hexdigest()[:12]
-
-
-def parse_keys(entries: Iterable[str], default: Quota) -> list[ApiKey]:
-    """``KEY [rate=R] [burst=B] [concurrency=C] [models=A|B] [rate@MODEL=R]`` entries; blank ones
-    and ``#`` comments skipped."""
-    keys = []
-    for entry in entries:
-        words = entry.split()
-        if not words or words[0].startswith("#"):
-            continue
-        secret, options = words[0], words[1:]
-        values: dict[str, object] = {}
-        rates: dict[str, float] = {}
-        for option in options:
-            name, sep, value = option.partition("=")
-            if sep and name == "models":
-                allowed = frozenset(value.split("|"))
-                if not value or not all(MODEL_NAME.fullmatch(model) for model in allowed):
-                    raise ValueError(f"API key entry option {option!r}: models=NAME|NAME..., model names")
-                values["models"] = allowed
-                continue
-            if sep and name.startswith(MODEL_RATE) and MODEL_NAME.fullmatch(name.removeprefix(MODEL_RATE)):
-                try:
-                    rate = float(value)
-                except ValueError:
-                    raise ValueError(f"API key entry option {option!r} is not a number") from None
-                if not 0 < rate < float("inf"):
-                    raise ValueError(f"API key entry option {option!r} must be a rate above 0")
-                rates[name.removeprefix(MODEL_RATE)] = rate
-                continue
-            if not sep or name not in OPTIONS:
-                raise ValueError(
-                    f"API key entry option {option!r}: expected rate=, burst=, concurrency=, models= or "
-                    f"rate@MODEL= (key {ApiKey(secret.encode()).id})"
-                )
-            try:
-                number = int(value) if name == "concurrency" else float(value)
-            except ValueError:
-                raise ValueError(f"API key entry option {option!r} is not a number") from None
-            if not 0 <= number < float("inf"):
-                raise ValueError(f"API key entry option {option!r} is negative, or not finite")
-            values[name] = number
-        values["model_rates"] = tuple(sorted(rates.items()))
-        key = ApiKey(secret.encode(), replace(default, **values))  # type: ignore[arg-type]
-        if key.quota.concurrency > MAX_CONCURRENCY:
-            raise ValueError(
-                f"API key {key.id}: concurrency {key.quota.concurrency} is over {MAX_CONCURRENCY}, the most; "
-                "0 means unlimited"
-            )
-        keys.append(key)
-    return keys
-
-
-class Settings(BaseSettings):
-    model_config = SettingsConfigDict(
-        env_prefix=ENV_PREFIX,
-        extra="forbid",
-        use_attribute_docstrings=True,
-        hide_input_in_errors=True,  # an error must not print the API keys, secrets or broker password it was given
-        allow_inf_nan=False,  # a size or a timeout of inf or nan is a mistake, refused by name, not a crash later
-    )
+class ServerFields(_Fields):
+    """The HTTP server, its logs and traces, API keys and who may read the metrics."""
 
     host: str = "127.0.0.1"
     """Address the HTTP server binds to (``0.0.0.0`` or ``::`` for every interface; an empty or blank value is
@@ -235,6 +83,10 @@ class Settings(BaseSettings):
     metrics_public: bool = False
     """Serve /metrics without an API key even when keys are configured (e.g. when only Prometheus
     can reach the port)."""
+
+
+class ServingFields(_Fields):
+    """Backends, models and Triton: what serves the images and how."""
 
     backend: Literal["embedded", "openvino", "torch", "triton", "fake"] = "embedded"
     """Where batches run: ``embedded`` (ONNX Runtime in this process, on CPU), ``openvino`` (the
@@ -359,6 +211,10 @@ class Settings(BaseSettings):
     """Pass tensors through system shared memory instead of the socket; only when the gateway and
     Triton share a host (and, in containers, an IPC namespace)."""
 
+
+class OfflineFields(_Fields):
+    """The broker, images by URL, idempotent submits, webhooks and queue workers."""
+
     broker_url: str | None = None
     """RabbitMQ URL (e.g. ``amqp://user:pass@rabbitmq:5672/``) for offline mode; without it,
     ``mode=offline`` requests get 503 and ``gateway worker`` / ``gateway ingest`` refuse to start.
@@ -445,6 +301,10 @@ class Settings(BaseSettings):
     than its ``--max-age`` (a liveness probe that a stuck loop cannot answer). Empty: no file, and
     ``gateway alive`` fails saying so."""
 
+
+class LimitsFields(_Fields):
+    """Batching, and the bounds on requests, bodies, connections and decoding."""
+
     max_batch_size: int = Field(16, ge=1, le=1024)
     """Most images the batcher puts in one backend call."""
     max_delay: float = Field(0.005, ge=0.0, le=10.0)
@@ -510,227 +370,3 @@ class Settings(BaseSettings):
     also waits for the GIL and for its turn on a core, so one per CPU leaves cores idle (see
     docs/performance/serving_path.md). Their memory is bounded by ``max_decode_bytes``, not by their
     number."""
-
-    def load_api_keys(self) -> list[ApiKey]:
-        """Every configured key with its quota (empty: no authentication)."""
-        entries = []
-        if self.api_keys is not None:
-            entries += self.api_keys.get_secret_value().split(",")
-        if self.api_keys_file is not None:
-            entries += read_keys_file(self.api_keys_file).splitlines()
-        return parse_keys(entries, Quota(self.key_rate, self.key_burst, self.key_concurrency))
-
-    @property
-    def max_buffered_body_bytes_effective(self) -> int:
-        return self.max_buffered_body_bytes or self.max_concurrent_requests * self.max_body_bytes
-
-    @property
-    def max_json_body_bytes_effective(self) -> int:
-        return self.max_json_body_bytes or self.max_images_per_request * JSON_BYTES_PER_URL
-
-    @property
-    def max_decode_bytes_effective(self) -> int:
-        return self.max_decode_bytes or 2 * self.max_image_bytes
-
-    @property
-    def webhook_key(self) -> bytes | None:
-        """The bytes of ``webhook_secret``."""
-        if self.webhook_secret is None:
-            return None
-        return parse_secret(self.webhook_secret.get_secret_value())
-
-    @property
-    def webhook_retry_delays_ms(self) -> tuple[int, ...]:
-        """``webhook_retry_delays`` in milliseconds, each at least 1 ms."""
-        return parse_delays(self.webhook_retry_delays)
-
-    @property
-    def prefetch(self) -> int:
-        return self.worker_prefetch or min(self.max_batch_size * self.max_inflight_batches * 2, self.max_queue_size)
-
-    @property
-    def embedded_threads_per_batch(self) -> int:
-        if self.embedded_threads:
-            return self.embedded_threads
-        return max(1, available_cpus() // self.max_inflight_batches)
-
-    @field_validator("*", mode="after")
-    @classmethod
-    def _fits_in_64_bits(cls, value: object) -> object:
-        """Every number is handed to C somewhere (sockets, timers, arrays): one over a signed 64-bit
-        integer is refused here by name, not met later as an OverflowError."""
-        if isinstance(value, int) and not isinstance(value, bool) and abs(value) > MAX_INT:
-            raise ValueError(f"{value} is too large (at most 2**63 - 1)")
-        return value
-
-    @field_validator("host", mode="after")
-    @classmethod
-    def _a_host(cls, value: str) -> str:
-        """An empty host binds every interface (asyncio reads '' as all of them): a template's unset
-        variable must not publish the gateway; say 0.0.0.0 or :: to mean it."""
-        if not value.strip() or value != value.strip():
-            raise ValueError(f"{value!r} is not an address or a host name (0.0.0.0 or :: for every interface)")
-        return value
-
-    @field_validator("torch_device", mode="after")
-    @classmethod
-    def _a_device(cls, value: str) -> str:
-        """A device PyTorch would refuse only once the model loads is refused here."""
-        if not TORCH_DEVICE.fullmatch(value):
-            raise ValueError(f"{value!r} is not cpu, cuda or cuda:N")
-        return value
-
-    @field_validator("broker_url", mode="after")
-    @classmethod
-    def _broker_addresses(cls, value: str | None) -> str | None:
-        """Each comma-separated part an amqp:// or amqps:// URL with a host; empty means unset. A bad
-        part is named by its position, never echoed (it may hold a password)."""
-        if value is None or not value.strip():
-            return None
-        parts = [part.strip() for part in value.split(",")]
-        if len(parts) > BROKER_ADDRESSES_AT_MOST:
-            raise ValueError(f"{len(parts)} broker addresses; at most {BROKER_ADDRESSES_AT_MOST}")
-        for position, part in enumerate(parts, 1):
-            where = f"broker address {position} of {len(parts)}"
-            if not part:
-                raise ValueError(f"{where} is empty (a stray comma?)")
-            try:
-                url = urlsplit(part)
-                url.port  # noqa: B018 (parsing the port is the check)
-            except ValueError:
-                raise ValueError(f"{where} is not a URL") from None
-            if url.scheme not in ("amqp", "amqps"):
-                raise ValueError(f"{where} is not an amqp:// or amqps:// URL")
-            if not url.hostname or any(c.isspace() or ord(c) < 32 for c in part):
-                raise ValueError(f"{where} has no host, or a space or control character in it")
-        return ",".join(parts)
-
-    @field_validator("webhook_secret", "models_file", "admin_key", "worker_heartbeat_file", mode="before")
-    @classmethod
-    def _unset_when_empty(cls, value: object) -> object:
-        """``GATEWAY_WEBHOOK_SECRET=`` (compose's default for an unset variable) means no webhooks;
-        ``GATEWAY_MODELS_FILE=`` means no models file; ``GATEWAY_WORKER_HEARTBEAT_FILE=`` no
-        heartbeat file (as a path, empty was the current directory)."""
-        return None if isinstance(value, str) and not value.strip() else value
-
-    @model_validator(mode="after")
-    def _check(self) -> Settings:
-        """Cross-field rules; each error names the settings by their flags and variables."""
-        stale = [f"{old} is replaced by {new}" for old, new in RENAMED.items() if old in os.environ]
-        if stale:
-            raise ValueError("; ".join(stale))
-
-        for name in ("url_allowlist", "webhook_allowlist"):
-            for network in filter(None, (part.strip() for part in getattr(self, name).split(","))):
-                try:
-                    ipaddress.ip_network(network, strict=False)
-                except ValueError as exc:
-                    raise ValueError(f"{setting_name(name)}: {exc}") from None
-        if self.api_keys is not None or self.api_keys_file is not None:
-            self.load_api_keys()  # an unreadable file or a bad entry fails at start, by name
-        if self.webhook_secret is not None:
-            try:  # a bad secret fails at start, not at first use
-                parse_secret(self.webhook_secret.get_secret_value())
-            except ValueError as exc:
-                raise ValueError(f"{setting_name('webhook_secret')}: {exc}") from None
-        try:
-            parse_delays(self.webhook_retry_delays)
-        except ValueError as exc:
-            raise ValueError(f"{setting_name('webhook_retry_delays')}: {exc}") from None
-        self._at_least("max_buffered_body_bytes", "max_body_bytes", "or 0: a whole body must fit")
-        self._at_least("max_decode_bytes", "max_image_bytes", "or 0: one image must fit")
-        self._at_least("max_queue_size", "worker_prefetch", "a worker's batcher must hold every message it takes")
-        self._at_least("max_queue_size", "max_images_per_request", "the largest request must fit in the queue")
-        if self.decoder != "opencv" and not self.torch_device.startswith("cuda"):
-            raise ValueError(
-                f"{setting_name('decoder')} {self.decoder} decodes on a GPU, and {setting_name('torch_device')} "
-                "is cpu: give a cuda device, or the opencv decoder"
-            )
-        return self
-
-    def _at_least(self, field: str, floor: str, why: str) -> None:
-        """``field`` is at least ``floor``, where both are set (0 leaves a bound unset)."""
-        value, least = getattr(self, field), getattr(self, floor)
-        if value and least and value < least:
-            raise ValueError(f"{setting_name(field)} ({value}) must be at least {setting_name(floor)} ({least}): {why}")
-
-
-def explain(error: ValidationError) -> str:
-    """A refusal of ``Settings`` as its user reads it: a line per problem, each naming the flag and
-    the environment variable, without pydantic's field names, error codes or documentation links."""
-    lines = []
-    for problem in error.errors(include_url=False, include_input=False):
-        message = problem["msg"].removeprefix("Value error, ")
-        where = problem["loc"][0] if problem["loc"] else None
-        if isinstance(where, str) and where in Settings.model_fields:
-            message = f"{setting_name(where)}: {message}"
-        elif where is not None:
-            message = f"{where}: {message}"
-        lines.append(message)
-    return "\n".join(lines)
-
-
-SHOWN_DEFAULTS = {
-    "models_dir": "`$XDG_CACHE_HOME/inference-gateway/models`",
-    "worker_heartbeat_file": "`$TMPDIR/gateway-worker.heartbeat`",
-    "preprocess_workers": "two per usable CPU",
-    "triton_model": "the `GATEWAY_MODEL` name",
-}
-"""Defaults the reference shows in words: those computed where the gateway runs."""
-
-
-def reference() -> str:
-    """The settings reference (docs/settings.md's table), made from the fields' docstrings:
-    ``gateway settings`` prints it, and a test checks the page against it."""
-    rows = ["| variable | default | what it changes |", "|---|---|---|"]
-    for name, field in Settings.model_fields.items():
-        if name in SHOWN_DEFAULTS:
-            default = SHOWN_DEFAULTS[name]
-        elif field.default is None:
-            default = "unset"
-        else:
-            value = field.default.get_secret_value() if isinstance(field.default, SecretStr) else field.default
-            value = str(value).lower() if isinstance(value, bool) else value
-            default = f"`{value}`" if str(value) != "" else "empty"
-        text = " ".join((field.description or "").split()).replace("``", "`").replace("|", "\\|")
-        rows.append(f"| `GATEWAY_{name.upper()}` | {default} | {text} |")
-    return "\n".join(rows) + "\n"
-
-
-MAX_KEYS_FILE_BYTES = 64 * 1024 * 1024
-"""The largest ``api_keys_file`` read (about 800,000 keys with quotas)."""
-
-
-def read_keys_file(path: Path) -> str:
-    """The text of ``api_keys_file``: a regular file (not a FIFO, a device or a directory, which
-    would block the start or fill the memory) of at most MAX_KEYS_FILE_BYTES of UTF-8."""
-    return read_regular_file(path, MAX_KEYS_FILE_BYTES, setting_name("api_keys_file"))
-
-
-def read_regular_file(path: Path, limit: int, what: str) -> str:
-    """The UTF-8 text of a regular file of at most ``limit`` bytes, named ``what`` in the errors:
-    a FIFO, a device or a directory is refused without blocking (a FIFO's open does not wait)."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-    except OSError as exc:
-        raise ValueError(f"{what}: {exc.strerror}: {path}") from None
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise ValueError(f"{what}: {path} is not a regular file")
-        data = _read_at_most(fd, limit + 1)
-    finally:
-        os.close(fd)
-    if len(data) > limit:
-        raise ValueError(f"{what}: {path} is over {limit} bytes")
-    try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise ValueError(f"{what}: {path} is not UTF-8 (byte {exc.start})") from None
-
-
-def _read_at_most(fd: int, limit: int) -> bytes:
-    chunks = []
-    while limit > 0 and (chunk := os.read(fd, min(limit, 1 << 20))):
-        chunks.append(chunk)
-        limit -= len(chunk)
-    return b"".join(chunks)

@@ -1,0 +1,82 @@
+"""What settings' values are and how they are named: a setting's flag and variable, the parsers
+of values given as text, bounded reads of the files settings name. Imports nothing of the gateway's."""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import os
+import re
+import stat
+from pathlib import Path
+
+MAX_INT = 2**63 - 1
+"""Largest integer a setting may hold."""
+ENV_PREFIX = "GATEWAY_"
+
+
+def setting_name(field: str) -> str:
+    """A setting as its user names it, its flag and its environment variable (``--max-queue-size /
+    GATEWAY_MAX_QUEUE_SIZE``): what every settings error says, never the field's name alone."""
+    return f"--{field.replace('_', '-')} / {ENV_PREFIX}{field.upper()}"
+
+
+def parse_delays(text: str) -> tuple[int, ...]:
+    """``"1,5,30"`` (seconds) in milliseconds, each at least 1 ms."""
+    try:
+        delays = tuple(max(1, round(float(part) * 1000)) for part in text.split(",") if part.strip())
+    except ValueError:
+        raise ValueError(f"webhook_retry_delays: {text!r} is not a comma-separated list of seconds") from None
+    if not delays:
+        raise ValueError("webhook_retry_delays: at least one delay")
+    return delays
+
+
+WEBHOOK_SECRET_PREFIX = "whsec_"
+
+
+def parse_secret(text: str) -> bytes:
+    """The key of ``whsec_<base64>`` (the prefix optional, padding too, as the spec's libraries read it)."""
+    raw = text.strip().removeprefix(WEBHOOK_SECRET_PREFIX)
+    try:
+        secret = base64.b64decode(raw + "=" * (-len(raw) % 4), validate=True)
+    except (binascii.Error, ValueError):
+        raise ValueError("webhook_secret must be base64, optionally after 'whsec_'") from None
+    if len(secret) < 24:
+        raise ValueError(f"webhook_secret holds {len(secret)} bytes; at least 24 (32 recommended)")
+    return secret
+
+
+TORCH_DEVICE = re.compile(r"cpu|cuda(:[0-9]{1,2})?")
+"""A torch device the gateway takes."""
+MODEL_NAME = re.compile(r"[a-z0-9][a-z0-9_.-]{0,63}")
+"""A model's name (as ``service.serving.catalog`` checks it)."""
+
+
+def read_regular_file(path: Path, limit: int, what: str) -> str:
+    """The UTF-8 text of a regular file of at most ``limit`` bytes, named ``what`` in the errors:
+    a FIFO, a device or a directory is refused without blocking (a FIFO's open does not wait)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as exc:
+        raise ValueError(f"{what}: {exc.strerror}: {path}") from None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise ValueError(f"{what}: {path} is not a regular file")
+        data = _read_at_most(fd, limit + 1)
+    finally:
+        os.close(fd)
+    if len(data) > limit:
+        raise ValueError(f"{what}: {path} is over {limit} bytes")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{what}: {path} is not UTF-8 (byte {exc.start})") from None
+
+
+def _read_at_most(fd: int, limit: int) -> bytes:
+    chunks = []
+    while limit > 0 and (chunk := os.read(fd, min(limit, 1 << 20))):
+        chunks.append(chunk)
+        limit -= len(chunk)
+    return b"".join(chunks)
