@@ -29,7 +29,7 @@ def test_every_setting_is_a_documented_flag() -> None:
 
 
 def test_flags_override_environment(monkeypatch: pytest.MonkeyPatch) -> None:
-    from service.cli import _settings
+    from service.cli.common import load_settings as _settings
 
     monkeypatch.setenv("GATEWAY_MAX_BATCH_SIZE", "8")
     monkeypatch.setenv("GATEWAY_MAX_DELAY", "0.02")
@@ -40,7 +40,7 @@ def test_flags_override_environment(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_invalid_settings_are_refused_with_a_message(monkeypatch: pytest.MonkeyPatch) -> None:
-    from service.cli import _settings
+    from service.cli.common import load_settings as _settings
 
     with pytest.raises(SystemExit, match="--model / GATEWAY_MODEL: unknown profile 'vgg16'"):
         _settings(build_parser().parse_args(["serve", "--model", "vgg16"]))
@@ -101,7 +101,7 @@ def test_gateway_command_serves_a_cat_and_stops_on_sigterm(tmp_path: Path, model
 def test_several_workers_clear_only_stale_metric_files(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """`serve --workers N` with PROMETHEUS_MULTIPROC_DIR set removes the previous run's metric files
     there and nothing else (it used to delete the whole folder, whatever it named)."""
-    from service.cli import _prepare_multiprocess
+    from service.cli.serve import prepare_multiprocess as _prepare_multiprocess
 
     folder = tmp_path / "shared"
     folder.mkdir()

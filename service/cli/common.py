@@ -1,0 +1,64 @@
+"""What every command shares: its settings as flags, the settings read and checked before anything
+starts, logging."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+from pydantic import ValidationError
+
+from service.settings import Settings
+from service.settings.reference import explain
+from service.settings.values import setting_name
+
+STARTUP_FAILURE = 3
+"""Exit status of a server whose start-up failed (uvicorn's)."""
+
+
+def add_setting_flags(parser: argparse.ArgumentParser, skip: frozenset[str] = frozenset()) -> None:
+    for name, field in Settings.model_fields.items():
+        if name in skip:  # the command gives the flag a meaning of its own
+            continue
+        flag, variable = setting_name(name).split(" / ")
+        parser.add_argument(
+            flag,
+            dest=name,
+            default=None,
+            metavar=name.upper(),
+            # argparse formats help with %: a description saying "99 % of" must not read as a format
+            help=f"{field.description or ''} (env {variable})".replace("%", "%%"),
+        )
+
+
+def load_settings(args: argparse.Namespace) -> Settings:
+    """The settings of the environment and the flags, each checked, and the models they serve with
+    them (profiles, backends, the models file): any problem ends the command here, before anything
+    starts, with a message naming the flags and variables."""
+    overrides = {name: getattr(args, name) for name in Settings.model_fields if getattr(args, name, None) is not None}
+    try:
+        settings = Settings(**overrides)
+    except ValidationError as exc:
+        sys.exit(f"gateway: invalid settings:\n{explain(exc)}")
+    from service.models.profiles import PROFILES
+
+    if settings.model not in PROFILES:  # settings know no model table: a leaf
+        known = ", ".join(PROFILES)
+        sys.exit(
+            f"gateway: invalid settings:\n{setting_name('model')}: unknown profile {settings.model!r}; known: {known}"
+        )
+    from service.serving.catalog import CatalogError, load_catalog
+
+    try:
+        load_catalog(settings)  # a bad models file fails here, by model, version and key
+    except CatalogError as exc:
+        sys.exit(f"gateway: invalid settings:\n{exc}")
+    return settings
+
+
+def logging_config(settings: Settings) -> dict[str, Any]:
+    """Configure the gateway's logging from its settings; uvicorn's ``log_config``."""
+    from service.logs import configure_logging
+
+    return configure_logging(settings.log_level, settings.log_format, settings.log_repeat_interval)
