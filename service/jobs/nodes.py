@@ -40,6 +40,10 @@ CONNECT_TIMEOUT = 0.25
 fails (a slow link still gets through), up to ``HANDSHAKE_TIMEOUT``."""
 HANDSHAKE_TIMEOUT = 5.0
 """Seconds for a whole attempt: TCP connect, then the AMQP handshake."""
+DOUBLINGS = 32
+"""Doublings counted at most, by the backoff and the connect timeout: far past their caps, and
+``2**n`` within a float (past 1,023 failed rounds, about 3 hours of outage, it overflowed: every
+attempt then raised before connecting, retried at once, for ever)."""
 
 
 def addresses(url: str) -> list[str]:
@@ -68,7 +72,7 @@ class Backoff:
     attempt: int = 0
 
     def next(self) -> float:
-        base = min(self.cap, self.first * 2**self.attempt)
+        base = min(self.cap, self.first * 2 ** min(self.attempt, DOUBLINGS))
         self.attempt += 1
         return float(base * random.uniform(0.5, 1.5))
 
@@ -119,7 +123,8 @@ class NodesConnection(RobustConnection):
 
     @property
     def connect_timeout(self) -> float:
-        return float(min(HANDSHAKE_TIMEOUT, CONNECT_TIMEOUT * 2 ** (self.failures // len(self.nodes))))
+        rounds = min(self.failures // len(self.nodes), DOUBLINGS)
+        return float(min(HANDSHAKE_TIMEOUT, CONNECT_TIMEOUT * 2**rounds))
 
     def __str__(self) -> str:
         """The address in use or last tried (aio-pika's own log lines name it), without password."""

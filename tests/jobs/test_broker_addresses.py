@@ -17,7 +17,7 @@ from yarl import URL
 from loadtests.harness import dead_addresses
 from service.errors import BackendUnavailable
 from service.jobs.broker import Broker
-from service.jobs.nodes import CONNECT_TIMEOUT, Backoff, addresses
+from service.jobs.nodes import CONNECT_TIMEOUT, HANDSHAKE_TIMEOUT, Backoff, NodesConnection, addresses
 from service.jobs.topology import REQUEST_KEY, Names
 from service.settings import Settings
 from tests.jobs.conftest import BROKER_URL
@@ -184,3 +184,25 @@ async def test_a_cluster_all_dead_is_not_hammered() -> None:
         finally:
             await broker.aclose()
     assert 4 <= failures <= 8, failures
+
+
+async def test_a_long_outage_does_not_stop_the_reconnects() -> None:
+    """The counters as about 3 hours of failed rounds leave them (1,100 rounds over two addresses,
+    one refused): the next round still backs off at most the backoff's cap and gives each TCP
+    connect at most ``HANDSHAKE_TIMEOUT``, so the address that answers again is connected within
+    seconds. Before, the doubling overflowed a float past 1,023 rounds: every attempt raised
+    OverflowError before its connect, and aio-pika retried it at once, for ever (a busy loop that
+    never reconnected, the broker up)."""
+    with dead_addresses.refused() as dead:
+        connection = NodesConnection([dead, BROKER_URL])
+        connection.failures = 2 * 1100 + 1  # the dead address is the last attempt of its round
+        connection.backoff = Backoff(cap=0.5, attempt=1100)  # a short cap: the test waits for it
+        try:
+            async with asyncio.timeout(10):
+                await connection.connect(timeout=HANDSHAKE_TIMEOUT)
+            assert connection.connected.is_set()
+            assert connection.address == BROKER_URL
+            assert connection.failures == 0
+        finally:
+            await connection.close()
+    assert Backoff(attempt=10**6).next() < 1.5 * Backoff().cap
