@@ -8,6 +8,7 @@ import base64
 import json
 import logging
 import struct
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -305,6 +306,28 @@ def test_millions_of_json_strings_are_refused_without_taking_each_out() -> None:
     head = b'{"inputs": [{"data": [' + b'"",' * TINY_ELEMENTS + b'""]}]}'
     with pytest.raises(BadRequest, match="JSON values"):
         parse_request(head, None, 64, 1000)
+
+
+def test_a_string_left_open_full_of_escaped_quotes_is_counted_in_linear_time() -> None:
+    """Over the bound by separators, then a string never closed, made of 40 KB of escaped quotes:
+    the count refuses it in milliseconds (the string pattern was tried again from every quote inside
+    it, in quadratic time: this took 9 s holding the GIL, and a real gateway's /healthz waited as
+    long; 16 MiB would have held it for days)."""
+    head = b"," * 400 + b'"' + b'\\"' * 20_000
+    started = time.perf_counter()
+    with pytest.raises(BadRequest, match="JSON values"):
+        parse_request(head, None, 64, 1000)
+    assert time.perf_counter() - started < 1.0
+
+
+def test_escaped_quotes_and_backslashes_in_strings_are_counted_as_strings() -> None:
+    """Escaped quotes and backslashes end no string: a request whose id is full of them and of
+    separators is counted without its strings and served."""
+    tricky = '\\",[{\\' * 5_000
+    header = {**_image_input(1, data=[base64.b64encode(PNG).decode()]), "id": tricky}
+    asked = parse_request(json.dumps(header).encode(), None, 64, 1000)
+    assert [image.data for image in asked.images] == [PNG]
+    assert asked.id == tricky
 
 
 @pytest.mark.parametrize("where", ["header", "data"])
