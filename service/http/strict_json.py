@@ -1,8 +1,9 @@
 """Strict JSON for request bodies: one reading that no other parser of the same bytes disagrees
 with, and parse work bounded before the parse begins.
 
-* Duplicate keys, NaN and Infinity are refused (400), and so is JSON nested deeper than the
-  interpreter's recursion limit (a ``RecursionError``, which is not a ``ValueError``).
+* Duplicate keys, NaN and Infinity and strings holding a lone UTF-16 surrogate are refused (400),
+  and so is JSON nested deeper than the interpreter's recursion limit (a ``RecursionError``, which
+  is not a ``ValueError``).
 * ``values_at_most`` tells, at C speed and without building a Python object, whether a document
   holds at most a number of JSON values, so a body of millions of tiny elements is refused before
   the parse would build millions of objects.
@@ -23,6 +24,10 @@ the end of the document: with the quote required, each failed match was tried ag
 quote inside it, in time quadratic in the document's length (with the escapes in the pattern, 80 KB
 of ``\\"`` after the separators held the event loop 34 s)."""
 
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
+"""A ``\\u`` escape of a UTF-16 surrogate: the only way a parsed string can hold one (a raw one is
+not UTF-8, refused by ``utf8``). Searched for first, so only a document that has one is checked."""
+
 
 def utf8(data: bytes, what: str) -> str:
     """``data`` as UTF-8 text, or 400 naming the first byte that is not (JSON on the wire is UTF-8;
@@ -38,11 +43,24 @@ def loads(text: str, what: str, *, unique_keys: bool = True) -> Any:
     refused too, at a Python call per object: bound the objects first)."""
     hooks: dict[str, Any] = {"object_pairs_hook": _unique_keys} if unique_keys else {}
     try:
-        return json.loads(text, parse_constant=_no_constant, **hooks)
+        value = json.loads(text, parse_constant=_no_constant, **hooks)
+        if _SURROGATE_ESCAPE.search(text):
+            _check_unicode(value)
     except RecursionError:
         raise BadRequest(f"{what}: nested too deeply") from None
-    except ValueError as exc:  # JSONDecodeError, and the hooks' refusals
+    except ValueError as exc:  # JSONDecodeError, the hooks' refusals, a lone surrogate
         raise BadRequest(f"{what}: {exc}") from None
+    return value
+
+
+def _check_unicode(value: Any) -> None:
+    """Refuse a string holding a lone surrogate (``"\\ud800"``): it is not Unicode text, other parsers
+    replace it or refuse it, and echoed in an answer (a request's id) it cannot be encoded (a 500)."""
+    try:
+        json.dumps(value, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError as exc:
+        lone = ascii(exc.object[exc.start : exc.end]).strip("'")
+        raise ValueError(f"a string holds a lone UTF-16 surrogate ({lone}), which is not Unicode text") from None
 
 
 def values_at_most(data: bytes, most: int) -> bool:

@@ -238,6 +238,8 @@ async def test_hostile_inference_requests_get_the_protocols_error(
         ),
         (b'{"inputs": [], "inputs": []}', {}, "duplicate key"),
         (b'{"inputs": NaN}', {}, "NaN is not JSON"),
+        # echoed in the answer, it could not be encoded: a 500, after the image was computed
+        (STRAY[:-1] + b', "id": "\\ud800"}', {}, "lone UTF-16 surrogate (\\ud800)"),
     ],
     ids=[
         "broken-json",
@@ -254,6 +256,7 @@ async def test_hostile_inference_requests_get_the_protocols_error(
         "deep-data",
         "duplicate-key",
         "nan",
+        "lone-surrogate-id",
     ],
 )
 async def test_a_broken_envelope_gets_400(
@@ -328,6 +331,14 @@ def test_escaped_quotes_and_backslashes_in_strings_are_counted_as_strings() -> N
     asked = parse_request(json.dumps(header).encode(), None, 64, 1000)
     assert [image.data for image in asked.images] == [PNG]
     assert asked.id == tricky
+
+
+def test_an_escaped_surrogate_pair_is_text() -> None:
+    """A ``\\u`` surrogate pair (what ``json.dumps`` writes for an emoji) is one character, taken;
+    only a lone surrogate is refused."""
+    header = json.dumps({**_image_input(1, data=[base64.b64encode(PNG).decode()]), "id": "cat \U0001f431"})
+    assert "\\ud83d\\udc31" in header
+    assert parse_request(header.encode(), None, 64, 1000).id == "cat \U0001f431"
 
 
 @pytest.mark.parametrize("where", ["header", "data"])
