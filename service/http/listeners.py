@@ -30,6 +30,8 @@ def listen(host: str, port: int, backlog: int = BACKLOG) -> list[socket.socket]:
         found = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     except socket.gaierror as exc:
         raise ListenError(f"cannot listen on {host}:{port}: {exc.strerror}") from None
+    except UnicodeError:  # the name cannot be put in IDNA form (a label empty or over 63 characters)
+        raise ListenError(f"cannot listen on {host}:{port}: not a valid host name") from None
     found = list(dict.fromkeys(found))
     both = {socket.AF_INET, socket.AF_INET6} <= {family for family, *_ in found}
     sockets: list[socket.socket] = []
