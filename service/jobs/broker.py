@@ -164,7 +164,7 @@ class Broker:
 
     async def publish(
         self,
-        target: Literal["requests", "results", "dead", "queue"],
+        target: Literal["requests", "results", "dead", "notices", "queue"],
         message: AbstractMessage,
         routing_key: str,
     ) -> None:
@@ -177,6 +177,7 @@ class Broker:
             "requests": self.topology.requests_exchange.name,
             "results": self.topology.results_exchange.name,
             "dead": self.topology.dead_exchange.name,
+            "notices": self.topology.notices_exchange.name,
             "queue": "",
         }[target]
         channel = None

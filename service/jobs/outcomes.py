@@ -132,17 +132,18 @@ class Outcomes:
 
     async def notify(self, message: AbstractIncomingMessage, waiting: str) -> None:
         """Tell the API replicas why the job is still waiting (``GET /jobs/{id}``'s ``waiting``):
-        best effort, once, never held up long (the job's outcome does not depend on it). Nothing
-        takes a notice of a job whose results go elsewhere (an ingest run's)."""
-        topology = self.broker.topology
-        if topology is None or not message.message_id:
+        best effort, once, within the publish timeout (the job's outcome does not depend on it).
+        Only for a job whose results go to the API: nothing takes the notice of another (an
+        ingest run's). Published like any outcome, on the publisher channel, never the consumers'
+        channel: a publish the broker fails with a channel error (the exchange gone) closed that
+        channel, and every job the worker held went back to its queue."""
+        if not message.message_id or (message.reply_to or DEFAULT_REPLY_TO) != DEFAULT_REPLY_TO:
             return
         notice = notice_message(JobNotice(job_id=message.message_id, waiting=waiting))
         try:
-            async with asyncio.timeout(self.broker.publish_timeout):
-                await topology.notices_exchange.publish(notice, message.reply_to or DEFAULT_REPLY_TO)
-        except Exception as exc:  # a notice lost costs nothing but the explanation
-            logger.info("worker: job %s: notice not published (%s)", message.message_id, exc)
+            await self.broker.publish("notices", notice, DEFAULT_REPLY_TO)
+        except BackendUnavailable as exc:  # a notice lost costs nothing but the explanation
+            logger.info("worker: job %s: notice not published (%s)", message.message_id, exc.detail)
 
     async def republish(
         self, message: AbstractIncomingMessage, job: JobHeaders, route: Route, *, retries: int, requeues: int
