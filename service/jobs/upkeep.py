@@ -5,7 +5,9 @@ and touch its heartbeat file."""
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import logging
+import os
 import time
 from collections.abc import Iterator
 from contextlib import suppress
@@ -17,6 +19,7 @@ from aio_pika.abc import AbstractChannel
 from service.jobs.broker import Broker
 from service.jobs.topology import Names, migrate_legacy
 from service.metrics import Metrics
+from service.settings.values import setting_name
 
 logger = logging.getLogger(__name__)
 
@@ -144,11 +147,44 @@ async def migrate_legacy_queue(broker: Broker, stop: asyncio.Event, interval: fl
 
 
 async def heartbeat(path: Path, interval: float) -> None:
-    """Touch ``path`` from the event loop: its age is how long the loop has been stuck."""
+    """Touch ``path`` from the event loop: its age is how long the loop has been stuck.
+
+    One worker's loop at a time: the worker that holds the file's lock (``flock``, which the kernel
+    releases when that process ends, however it ends). Another worker given the same file (two on a
+    host with the same settings, or a new one started while the old one drains) touches nothing
+    until that lock is free, then takes the file over, so its age is always one worker's. Before,
+    both touched it: either one's heartbeat hid the other's stuck loop from ``gateway alive``."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    while True:
-        path.touch()  # noqa: ASYNC240 - on the loop on purpose: the loop itself is what proves alive
-        await asyncio.sleep(interval)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o666)
+    held = waited = False
+    try:
+        while True:
+            if not held:
+                held = _lock(fd)
+                if held and waited:
+                    logger.warning("worker: the other worker has stopped; the heartbeat file is this one's now")
+                elif not held and not waited:
+                    waited = True
+                    logger.warning(
+                        "worker: another worker on this host touches the heartbeat file %s; this one will "
+                        "once that one has stopped (for gateway alive to check each worker, give each its own %s)",
+                        path,
+                        setting_name("worker_heartbeat_file"),
+                    )
+            if held:
+                os.utime(fd)  # on the loop on purpose: the loop itself is what proves alive
+            await asyncio.sleep(interval)
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def _lock(fd: int) -> bool:
+    """Take the heartbeat file's lock if no other worker holds it."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    return True
 
 
 def heartbeat_age(path: Path) -> float:

@@ -4,7 +4,12 @@ the queues that fill while nobody reads them is sampled."""
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
+import subprocess
+import sys
 from collections.abc import Callable
+from pathlib import Path
 
 import aio_pika
 import pytest
@@ -14,7 +19,7 @@ from service.jobs.topology import Names
 from service.jobs.worker import run_worker
 from service.metrics import Metrics
 from service.settings import Settings
-from tests.jobs.conftest import BROKER_URL, job, publish
+from tests.jobs.conftest import BROKER_URL, gateway_process, job, publish, wait_for_line
 
 pytestmark = pytest.mark.rabbitmq
 
@@ -59,3 +64,59 @@ async def test_the_results_queue_and_ingest_runs_queues_are_sampled(gateway_fact
         finally:
             stop.set()
             await worker
+
+
+def _alive(heartbeat: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "service", "alive", "--file", str(heartbeat), "--max-age", "2"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+async def test_two_workers_given_one_heartbeat_file_never_vouch_for_each_other(
+    prefix: str, models_dir: Path, tmp_path: Path
+) -> None:
+    """Two real ``gateway worker`` processes on one host with the same settings, so the same
+    heartbeat file (docs/routing.md starts two so): the first one's heartbeat is the file's. Stopped
+    (SIGSTOP: its loop runs no more), ``gateway alive`` on the file fails, though the second one
+    runs on; killed, the second one takes the file over and ``gateway alive`` passes again (a new
+    worker started while the old one drains takes over the same way). Before, both touched the
+    file, so either one's heartbeat hid the other's stuck loop: the stopped worker passed."""
+    heartbeat = tmp_path / "gateway-worker.heartbeat"
+    env = {
+        **os.environ,
+        "GATEWAY_BROKER_URL": BROKER_URL,
+        "GATEWAY_QUEUE_PREFIX": prefix,
+        "GATEWAY_MODELS_DIR": str(models_dir),
+        "GATEWAY_BACKEND": "fake",
+        "GATEWAY_WORKER_METRICS_PORT": "0",
+        "GATEWAY_WORKER_HEARTBEAT_FILE": str(heartbeat),
+    }
+    workers: list[subprocess.Popen[bytes]] = []
+    try:
+        for i in range(2):
+            log = tmp_path / f"worker-{i}.log"
+            workers.append(gateway_process(["worker"], env, log))
+            await asyncio.to_thread(wait_for_line, log, "worker ready")
+        first, second = workers
+        assert (await asyncio.to_thread(_alive, heartbeat)).returncode == 0
+        first.send_signal(signal.SIGSTOP)
+        await asyncio.sleep(3.5)
+        stuck = await asyncio.to_thread(_alive, heartbeat)
+        assert stuck.returncode == 1, "the second worker's heartbeat passed for the stopped one's"
+        assert "not alive" in stuck.stderr
+        first.kill()
+        first.wait(timeout=30)
+        async with asyncio.timeout(20):
+            while (await asyncio.to_thread(_alive, heartbeat)).returncode != 0:  # noqa: ASYNC110
+                await asyncio.sleep(0.2)
+        assert second.poll() is None
+    finally:
+        for proc in workers:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGCONT)
+                proc.send_signal(signal.SIGTERM)
+        for proc in workers:
+            proc.wait(timeout=60)
