@@ -117,10 +117,17 @@ async def model_ready(request: Request, name: str, version: str | None = None) -
 
 
 @router.post("/v2/models/{name}/infer")
-@router.post("/v2/models/{name}/versions/{version}/infer")
-async def infer(request: Request, name: str, version: str | None = None) -> Response:
+async def infer(request: Request, name: str) -> Response:
     """Documents the route (its template names it in metrics); ``ClassifyFastPath`` serves it with
-    ``handle_infer``, as it serves ``/classify``."""
+    ``handle_infer``, as it serves ``/classify``. A route of its own, not ``infer_version``'s with
+    a default: FastAPI would take ``version`` as a query parameter here, which the fast path (the
+    version from the path only) would accept and ignore, answering from another version."""
+    return await infer_version(request, name, None)
+
+
+@router.post("/v2/models/{name}/versions/{version}/infer")
+async def infer_version(request: Request, name: str, version: str | None) -> Response:
+    """The same, for a version named in the path."""
     try:
         return await handle_infer(request, name, version)
     except GatewayError as exc:

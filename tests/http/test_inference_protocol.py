@@ -384,6 +384,15 @@ async def test_unknown_models_queries_and_limits(gateway_factory: MakeSettings) 
         )
         assert query.status_code == 422
         assert "top_k" in query.json()["error"]
+        # the version is named in the path only: as a query it was taken as known, then ignored by
+        # the fast path, and version 1 answered a request for version 2
+        version = await gateway.post(
+            "/v2/models/efficientnet-lite0/infer?version=2",
+            content=json.dumps(_image_input(1, data=[base64.b64encode(PNG).decode()])),
+            headers=keyed,
+        )
+        assert version.status_code == 422, version.text
+        assert version.json() == {"error": "unknown query parameter(s) ['version']; this route takes: none"}
         big = await gateway.post(
             "/v2/models/efficientnet-lite0/infer", content=b"{" + b" " * 5000 + b"}", headers=keyed
         )
