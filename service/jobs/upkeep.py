@@ -179,11 +179,14 @@ async def heartbeat(path: Path, interval: float) -> None:
 
 
 def _lock(fd: int) -> bool:
-    """Take the heartbeat file's lock if no other worker holds it."""
+    """Take the heartbeat file's lock if no other worker holds it (on a file system without locks,
+    the file is touched unlocked, as it was before locks)."""
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         return False
+    except OSError as exc:
+        logger.warning("worker: the heartbeat file cannot be locked (%s); touched without its lock", exc)
     return True
 
 
