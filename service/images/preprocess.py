@@ -40,6 +40,12 @@ DECODER_MAX_SIDE = {"jpeg": 65_500, "png": 1_000_000, "webp": 16_383}
 """The longest side OpenCV's decoders take, by format (libjpeg's ``JPEG_MAX_DIMENSION``, libpng's
 default user limit, WebP's own): a header over it is refused by name, before decoding, where
 decoding it failed as "truncated or corrupt" (and offline, only in the worker)."""
+OPENCV_MAX_SIDE = 1 << 20
+"""The longest side OpenCV's ``imdecode`` takes in any format (``CV_IO_MAX_IMAGE_WIDTH`` and
+``_HEIGHT``): past it, it fails an assertion, which a BMP or TIFF header reached (a 500)."""
+OPENCV_MAX_PIXELS = 1 << 30
+"""The most pixels ``imdecode`` decodes to (``CV_IO_MAX_IMAGE_PIXELS``; a JPEG's at its reduced
+scale): a PNG of 40,000 x 40,000 reached it where ``max_image_bytes`` was raised to admit it."""
 
 
 @dataclass(frozen=True)
@@ -212,8 +218,8 @@ def check_limits(info: ImageInfo, config: PreprocessConfig) -> int:
     """Refuse an image the header says is empty or over the budget; return the bytes decoding takes."""
     if info.width == 0 or info.height == 0:
         raise BadImage(f"{info.format.upper()} header says the image is {info.width}x{info.height}")
-    side = DECODER_MAX_SIDE.get(info.format)
-    if side is not None and max(info.width, info.height) > side:
+    side = min(DECODER_MAX_SIDE.get(info.format, OPENCV_MAX_SIDE), OPENCV_MAX_SIDE)
+    if max(info.width, info.height) > side:
         raise BadImage(
             f"{info.format.upper()} image is {info.width}x{info.height}: its decoder takes at most {side} pixels a side"
         )
@@ -223,6 +229,12 @@ def check_limits(info: ImageInfo, config: PreprocessConfig) -> int:
             f"image is {info.width}x{info.height} ({info.format.upper()}, {info.channels} channel(s) of "
             f"{info.bits} bits{', ' + str(info.scans) + ' scans' if info.scans > 1 else ''}): decoding it "
             f"takes {needed / 1e6:.0f} MB; the limit is {config.max_image_bytes / 1e6:.0f} MB per image"
+        )
+    factor = reduction_for(info, config.needed_short_side)
+    if -(-info.width // factor) * -(-info.height // factor) > OPENCV_MAX_PIXELS:
+        raise BadImage(
+            f"{info.format.upper()} image is {info.width}x{info.height}: its decoder takes at most "
+            f"{OPENCV_MAX_PIXELS} pixels"
         )
     return needed
 

@@ -4,15 +4,18 @@ in ``tests.images.edge_images``; ``tests/jobs/test_edge_geometry.py`` sends them
 
 from __future__ import annotations
 
+import base64
+import json
 from collections.abc import Callable
 
 import httpx
 import pytest
 
 from service.backends.fake import FakeBackend
+from service.images.preprocess import OPENCV_MAX_SIDE
 from service.settings import Settings
 from tests.conftest import running_gateway
-from tests.images.edge_images import FORMATS, edge_image, geometries, refused
+from tests.images.edge_images import FORMATS, edge_image, geometries, header_sized, refused
 
 MakeSettings = Callable[..., Settings]
 IMAGES = [
@@ -56,4 +59,23 @@ async def test_edge_geometries_through_classify_on_every_backend(gateway_factory
             else:
                 assert answer.status_code == 200, (name, answer.text)
                 assert len(answer.json()["results"][0]["labels"]) == 5, name
+        assert (await client.get("/healthz")).status_code == 200
+
+
+@pytest.mark.parametrize("fmt", ["bmp", "tiff"])
+async def test_a_side_past_opencvs_through_classify_and_v2_is_a_clear_400(
+    gateway_factory: MakeSettings, fmt: str
+) -> None:
+    """A BMP or TIFF whose header says 2^20 + 1 x 1 (small in memory: past OpenCV's side for any
+    format): 400 ``bad_image`` naming the side on ``/classify`` and the Open Inference Protocol's
+    infer route (OpenCV's assertion was a 500 and a traceback), and the gateway serves on."""
+    data = header_sized(fmt, OPENCV_MAX_SIDE + 1, 1)
+    async with running_gateway(gateway_factory(backend="fake"), FakeBackend()) as client:
+        is_clear_400(await classify(client, fmt, data), fmt)
+        header = {
+            "inputs": [{"name": "IMAGE", "datatype": "BYTES", "shape": [1], "data": [base64.b64encode(data).decode()]}]
+        }
+        answer = await client.post("/v2/models/efficientnet-lite0/infer", content=json.dumps(header))
+        assert answer.status_code == 400, answer.text
+        assert f"at most {OPENCV_MAX_SIDE} pixels a side" in answer.json()["error"]
         assert (await client.get("/healthz")).status_code == 200

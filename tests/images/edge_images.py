@@ -68,3 +68,24 @@ def _webp_sized(data: bytes, width: int, height: int) -> bytes:
     """``data`` (an extended WebP: its EXIF makes it one) with its canvas saying ``width`` x ``height``."""
     assert data[12:16] == b"VP8X"
     return data[:24] + (width - 1).to_bytes(3, "little") + (height - 1).to_bytes(3, "little") + data[30:]
+
+
+def header_sized(fmt: str, width: int, height: int) -> bytes:
+    """A small BMP, TIFF, PNG or JPEG whose header says ``width`` x ``height``, as a hostile client
+    would write it (for sides and pixel counts past what OpenCV's ``imdecode`` takes in any format)."""
+    if fmt == "jpeg":
+        return _jpeg_sized(edge_image("jpeg", 16, 16), width, height)
+    buffer = io.BytesIO()
+    Image.fromarray(np.zeros((1, 1, 3), np.uint8)).save(buffer, fmt.upper())
+    data = bytearray(buffer.getvalue())
+    if fmt == "bmp":
+        struct.pack_into("<ii", data, 18, width, height)
+    elif fmt == "png":
+        struct.pack_into(">II", data, 16, width, height)  # the IHDR's CRC is not checked by the probe
+    else:
+        (ifd,) = struct.unpack_from("<I", data, 4)
+        for entry in range(ifd + 2, ifd + 2 + 12 * struct.unpack_from("<H", data, ifd)[0], 12):
+            tag = struct.unpack_from("<H", data, entry)[0]
+            if tag in (256, 257):  # ImageWidth, ImageLength, as LONGs
+                struct.pack_into("<HHII", data, entry, tag, 4, 1, width if tag == 256 else height)
+    return bytes(data)

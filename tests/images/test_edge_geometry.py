@@ -17,8 +17,15 @@ from PIL import Image, ImageOps
 from service.classifier import ImageInput, validate
 from service.errors import BadImage
 from service.images.imageinfo import probe
-from service.images.preprocess import DECODER_MAX_SIDE, PreprocessConfig, prepare
-from tests.images.edge_images import FORMATS, MODES, edge_image, geometries, refused
+from service.images.preprocess import (
+    DECODER_MAX_SIDE,
+    OPENCV_MAX_PIXELS,
+    OPENCV_MAX_SIDE,
+    PreprocessConfig,
+    check_limits,
+    prepare,
+)
+from tests.images.edge_images import FORMATS, MODES, edge_image, geometries, header_sized, refused
 
 CONFIG = PreprocessConfig()
 CASES = [
@@ -50,6 +57,38 @@ def test_edge_geometries_give_an_input_or_a_clear_400(fmt: str, mode: str, width
         assert out.shape == (224, 224, 3)
         assert out.dtype == np.uint8
         _validate(data)
+
+
+@pytest.mark.parametrize("fmt", ["bmp", "tiff"])
+@pytest.mark.parametrize(
+    ("width", "height"), [(OPENCV_MAX_SIDE + 1, 1), (1, OPENCV_MAX_SIDE + 1)], ids=["wide", "tall"]
+)
+def test_a_side_past_opencvs_is_a_clear_400_in_every_format(fmt: str, width: int, height: int) -> None:
+    """A BMP or TIFF whose header says a side of 2^20 + 1 pixels (OpenCV's limit for any format;
+    the image is small enough for the memory budget): ``prepare`` and validation refuse it with a
+    400 naming the side, from the header (``imdecode`` failed an assertion: a 500)."""
+    data = header_sized(fmt, width, height)
+    assert (probe(data).width, probe(data).height) == (width, height)
+    with pytest.raises(BadImage, match=f"at most {OPENCV_MAX_SIDE} pixels a side"):
+        prepare(data, CONFIG)
+    with pytest.raises(BadImage, match=f"at most {OPENCV_MAX_SIDE} pixels a side"):
+        _validate(data)
+
+
+def test_a_top_down_bmp_past_opencvs_side_is_a_clear_400() -> None:
+    """A top-down BMP (negative height) of 1 x 2^20 + 1: refused by its side like any other."""
+    with pytest.raises(BadImage, match=f"at most {OPENCV_MAX_SIDE} pixels a side"):
+        prepare(header_sized("bmp", 1, -(OPENCV_MAX_SIDE + 1)), CONFIG)
+
+
+def test_pixels_past_opencvs_are_a_clear_400_where_the_memory_budget_admits_them() -> None:
+    """A PNG of 40,000 x 40,000, where ``max_image_bytes`` is raised to admit its memory: over
+    OpenCV's 2^30 pixels, refused by name (``imdecode`` failed an assertion: a 500); a JPEG as large
+    is decoded at 1/8 scale, under it, and passes the check."""
+    roomy = PreprocessConfig(max_image_bytes=10**11)
+    with pytest.raises(BadImage, match=f"at most {OPENCV_MAX_PIXELS} pixels"):
+        prepare(header_sized("png", 40_000, 40_000), roomy)
+    assert check_limits(probe(header_sized("jpeg", 40_000, 40_000)), roomy) > 0
 
 
 def _validate(data: bytes) -> None:
