@@ -68,9 +68,18 @@ class ImageInfo:
         return self.width * self.height
 
 
+_TIFF_INTEGERS = {1: "B", 3: "H", 4: "I", 6: "b", 8: "h", 9: "i", 16: "Q", 17: "q"}
+"""The struct format of each integer type of a TIFF entry (BYTE, SHORT, LONG, their signed forms,
+LONG8 and SLONG8): libtiff reads a tag given in any of them, so the probe does too."""
+
+
 def _tiff_tags(data: bytes, wanted: set[int]) -> dict[int, int]:
     """Integer values of the wanted tags in the first IFD of a TIFF structure (also EXIF's); for a
-    tag with several values (BitsPerSample), the first."""
+    tag with several values (BitsPerSample), the first. Read as libtiff reads them, so that the
+    header the limits are checked on is the one decoded: a tag given twice counts once, its first
+    entry (libtiff ignores the later ones; taking the last, a TIFF whose first ImageWidth and
+    ImageLength said 20,000 and a later pair 1 passed as 1x1 and decoded to 400 MB); a value
+    libtiff would refuse (negative) is left out."""
     if len(data) < 8 or data[:2] not in (b"II", b"MM"):
         return {}
     endian = "<" if data[:2] == b"II" else ">"
@@ -79,21 +88,25 @@ def _tiff_tags(data: bytes, wanted: set[int]) -> dict[int, int]:
         return {}
     (count,) = struct.unpack_from(endian + "H", data, ifd)
     found: dict[int, int] = {}
+    seen: set[int] = set()
     for i in range(min(count, 512)):
         entry = ifd + 2 + 12 * i
         if entry + 12 > len(data):
             break
         tag, typ, n = struct.unpack_from(endian + "HHI", data, entry)
-        if tag not in wanted:
+        if tag not in wanted or tag in seen:
             continue
-        if typ == 3:  # SHORT: inline when up to two fit, else at an offset
-            offset = entry + 8 if n <= 2 else struct.unpack_from(endian + "I", data, entry + 8)[0]
-            if offset + 2 <= len(data):
-                (found[tag],) = struct.unpack_from(endian + "H", data, offset)
-        elif typ == 4:  # LONG
-            offset = entry + 8 if n <= 1 else struct.unpack_from(endian + "I", data, entry + 8)[0]
-            if offset + 4 <= len(data):
-                (found[tag],) = struct.unpack_from(endian + "I", data, offset)
+        seen.add(tag)
+        kind = _TIFF_INTEGERS.get(typ)
+        if kind is None or n == 0:
+            continue
+        size = struct.calcsize(kind)
+        # inline when all its values fit the entry's 4 bytes, else at an offset
+        offset = entry + 8 if n * size <= 4 else struct.unpack_from(endian + "I", data, entry + 8)[0]
+        if offset + size <= len(data):
+            (value,) = struct.unpack_from(endian + kind, data, offset)
+            if value >= 0:
+                found[tag] = value
     return found
 
 
