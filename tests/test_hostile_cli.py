@@ -113,6 +113,31 @@ def test_a_bad_flag_value_is_refused_by_name(command: list[str]) -> None:
     assert "Traceback" not in done.stderr
 
 
+BAD_COMMAND_NUMBERS = [
+    (["ingest", "x", "--out", "o.jsonl", "--connect-timeout", "nan"], "--connect-timeout"),
+    (["ingest", "x", "--out", "o.jsonl", "--connect-timeout", "-1"], "--connect-timeout"),
+    (["ingest", "x", "--out", "o.jsonl", "--max-outstanding", "0"], "--max-outstanding"),
+    (["ingest", "x", "--out", "o.jsonl", "--max-outstanding", "70000"], "--max-outstanding"),
+    (["ingest", "x", "--out", "o.jsonl", "--resend-after", "nan"], "--resend-after"),
+    (["alive", "--max-age", "nan"], "--max-age"),
+    (["alive", "--max-age", "inf"], "--max-age"),
+]
+
+
+@pytest.mark.parametrize(("args", "flag"), BAD_COMMAND_NUMBERS, ids=[" ".join(a[-2:]) for a, _ in BAD_COMMAND_NUMBERS])
+def test_a_commands_own_number_out_of_range_is_refused_by_name(args: list[str], flag: str, tmp_path: Path) -> None:
+    """A command's own numeric flag that is nan, inf or out of its range ends the command at once
+    with exit status 2 naming the flag (``--connect-timeout nan`` was a traceback, ``--max-outstanding
+    0`` a run that hung publishing nothing, ``--resend-after nan`` one that never resent, ``alive
+    --max-age nan`` a probe that passed a heartbeat hours old)."""
+    done = subprocess.run(
+        [sys.executable, "-m", "service", *args], capture_output=True, text=True, timeout=RUN_FOR, cwd=tmp_path
+    )
+    assert done.returncode == 2, done.stderr
+    assert f"argument {flag}:" in done.stderr
+    assert "Traceback" not in done.stderr
+
+
 def _keys_file(kind: str, tmp_path: Path) -> Path:
     if kind == "fifo":
         os.mkfifo(tmp_path / "keys")

@@ -14,7 +14,7 @@ from pathlib import Path
 from service.cli import models as models_commands
 from service.cli import offline as offline_commands
 from service.cli import serve as serve_commands
-from service.cli.common import add_setting_flags, load_settings
+from service.cli.common import add_setting_flags, load_settings, number
 
 
 def _tune(args: argparse.Namespace) -> int:
@@ -69,7 +69,12 @@ def build_parser() -> argparse.ArgumentParser:
     alive = commands.add_parser("alive", help="worker liveness probe: exit 1 when its event loop is stuck")
     add_setting_flags(alive)
     alive.add_argument("--file", type=Path, default=None, help="heartbeat file (default: the worker's setting)")
-    alive.add_argument("--max-age", type=float, default=30.0, help="seconds without a heartbeat that mean stuck")
+    alive.add_argument(
+        "--max-age",
+        type=number(0.001, 86400.0),
+        default=30.0,
+        help="seconds without a heartbeat that mean stuck (up to a day)",
+    )
     alive.set_defaults(func=offline_commands.alive)
     reference = commands.add_parser("settings", help="print the settings reference (docs/settings.md's table)")
     reference.set_defaults(func=_settings_reference)
@@ -78,12 +83,17 @@ def build_parser() -> argparse.ArgumentParser:
     ingest.add_argument("paths", nargs="+", type=Path, help="image files or folders (searched recursively)")
     ingest.add_argument("--out", type=Path, required=True, help="results file (JSON lines); re-runs resume it")
     ingest.add_argument("--top-k", type=int, default=5, choices=range(1, 21), metavar="1-20")
-    ingest.add_argument("--max-outstanding", type=int, default=256, help="publishes awaiting a broker confirm")
+    ingest.add_argument(
+        "--max-outstanding",
+        type=number(1, 65535, integer=True),
+        default=256,
+        help="publishes awaiting a broker confirm (1-65535)",
+    )
     ingest.add_argument(
         "--resend-after",
-        type=float,
+        type=number(0.001, 7 * 86400.0),
         default=120.0,
-        help="seconds without any new result before unfinished images are published again",
+        help="seconds without any new result before unfinished images are published again (up to a week)",
     )
     ingest.add_argument(
         "--model",
@@ -94,7 +104,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ingest.add_argument(
         "--connect-timeout",
-        type=float,
+        type=number(0.0, 7 * 86400.0),
         default=30.0,
         metavar="SECONDS",
         help="how long to wait for the first connection to the broker before giving up with exit status 69 "

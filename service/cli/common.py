@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
 from typing import Any
 
 from pydantic import ValidationError
@@ -30,6 +31,24 @@ def add_setting_flags(parser: argparse.ArgumentParser, skip: frozenset[str] = fr
             # argparse formats help with %: a description saying "99 % of" must not read as a format
             help=f"{field.description or ''} (env {variable})".replace("%", "%%"),
         )
+
+
+def number(low: float, high: float, *, integer: bool = False) -> Callable[[str], float]:
+    """An argparse ``type`` for a flag's number: finite, within ``[low, high]`` (whole with
+    ``integer``); anything else is argparse's usage error naming the flag and the range (``nan``
+    and ``inf`` passed ``float`` and then disabled the check or the loop they set)."""
+    kind = "a whole number" if integer else "a number"
+
+    def parse(text: str) -> float:
+        try:
+            value = int(text) if integer else float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {kind}") from None
+        if not low <= value <= high:  # also false for nan
+            raise argparse.ArgumentTypeError(f"{text!r} is not {kind} from {low:g} to {high:g}")
+        return value
+
+    return parse
 
 
 def load_settings(args: argparse.Namespace) -> Settings:

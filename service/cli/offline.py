@@ -26,8 +26,6 @@ def worker(args: argparse.Namespace) -> int:
 def ingest(args: argparse.Namespace) -> int:
     from service.jobs.ingest import run_ingest
 
-    if args.connect_timeout < 0:
-        sys.exit("gateway ingest: --connect-timeout must be 0 (wait for ever) or more seconds")
     settings = load_settings(args)
     logging_config(settings)
     return eventloop.run(
