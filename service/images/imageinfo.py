@@ -41,6 +41,9 @@ MAX_FILL = 64
 """Consecutive 0xFF fill bytes allowed before a JPEG marker."""
 MAX_SCANS = 100
 """JPEG scans allowed (progressive files have about 10; libjpeg-turbo's tools advise 100)."""
+MIN_PNG_CHUNK = 256
+"""A PNG may have one chunk per this many bytes on average (besides ``MAX_SEGMENTS``): the walk
+that checks their lengths costs a few milliseconds on a 16 MiB file of the smallest chunks."""
 
 
 @dataclass(frozen=True)
@@ -230,9 +233,33 @@ def _png_orientation(data: bytes) -> int:
     return 1
 
 
+def _png_chunks_fit(data: bytes) -> None:
+    """Refuse a PNG one of whose chunks says more bytes than the file has left. OpenCV's reader
+    allocates (and zeroes) a chunk's declared length before reading it: a 75-byte PNG whose IDAT
+    said 1 GB took 1 GB and 0.8 s to refuse as truncated, and a few saying 4 GB each, in one
+    request, ended the gateway. At most ``MAX_SEGMENTS`` chunks, and one per ``MIN_PNG_CHUNK``
+    bytes, are walked; a PNG of more is refused (real ones have one per 8-64 KiB of image data)."""
+    pos, end = 8, len(data)
+    most = MAX_SEGMENTS + end // MIN_PNG_CHUNK
+    header = struct.Struct(">I4s").unpack_from
+    for _ in range(most):
+        if pos + 8 > end:
+            return
+        length, kind = header(data, pos)
+        if length > end - pos - 8:
+            raise BadImage(
+                f"truncated PNG: its {kind.decode('latin-1')!r} chunk says {length} bytes, {end - pos - 8} are left"
+            )
+        if kind == b"IEND":
+            return
+        pos += 12 + length
+    raise BadImage(f"corrupt PNG: more than {most} chunks ({MIN_PNG_CHUNK} bytes each on average)")
+
+
 def _png(data: bytes) -> ImageInfo:
     if data[12:16] != b"IHDR" or len(data) < 26:
         raise BadImage("corrupt PNG: no IHDR chunk")
+    _png_chunks_fit(data)
     w, h, depth, colour = struct.unpack_from(">IIBB", data, 16)
     if colour not in _PNG_COLOUR or depth not in (1, 2, 4, 8, 16):
         raise BadImage(f"corrupt PNG: colour type {colour} with bit depth {depth}")
