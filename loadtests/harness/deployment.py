@@ -17,7 +17,6 @@ import psutil
 from loadtests.harness.http_load import start_gateway, stop_process
 from loadtests.harness.network import LinkedNamespace, Shaping
 from loadtests.harness.resources import pin_process, pinned
-from service.jobs.topology import Names
 from service.models.profiles import get_profile
 from service.models.store import ensure_model
 from service.settings import Settings
@@ -148,9 +147,12 @@ def worker(
         yield proc, Settings.model_validate({"broker_url": BROKER, "queue_prefix": prefix})
     finally:
         stop_process(proc)
-        names = Names(prefix)  # every queue the worker declared: quorum queues left behind cost the broker CPU
-        for queue in (names.work, names.legacy_requests, names.results, names.dead, names.webhooks):
-            subprocess.run(["rabbitmqctl", "delete_queue", queue], capture_output=True)
+        # every queue of the run's prefix (the worker's, its model's, the results and ingest ones):
+        # quorum queues left behind cost the broker CPU
+        listed = subprocess.run(["rabbitmqctl", "list_queues", "-q", "name"], capture_output=True, text=True)
+        for queue in listed.stdout.split():
+            if queue.startswith(f"{prefix}."):
+                subprocess.run(["rabbitmqctl", "delete_queue", queue], capture_output=True)
 
 
 def broker_pid() -> int | None:

@@ -105,7 +105,9 @@ class Broker:
             self.channel = None
             raise
         self.connected.set()
-        logger.info("broker: connected to %s", redact(self.url))
+        # the address itself (a host of the network inside) only at debug: info lines reach shared logs
+        logger.info("broker: connected to address %d of %d", self.addresses.index(self.url) + 1, len(self.addresses))
+        logger.debug("broker: connected to %s", redact(self.url))
 
     async def _connect_forever(self) -> None:
         """Connect (the connection itself tries every address in turn until one answers), then set

@@ -224,10 +224,11 @@ def finish(ingest: subprocess.Popen[bytes], log: Path) -> str:
 
 
 def connected_node(cluster: RabbitCluster, log: Path) -> int:
-    """The node a process connected to first, from its log (``broker: connected to ...:PORT/``)."""
-    wait_for_line(log, "broker: connected to")
-    line = next(line for line in log.read_text().splitlines() if "broker: connected to" in line)
-    return node_of(cluster, int(line.rsplit(":", 1)[1].strip("/ ")))
+    """The node a process given ``cluster.urls`` connected to first, from its log (``broker:
+    connected to address N of 3``: the info line names no host)."""
+    wait_for_line(log, "broker: connected to address")
+    line = next(line for line in log.read_text().splitlines() if "broker: connected to address" in line)
+    return int(line.split("broker: connected to address ", 1)[1].split()[0]) - 1
 
 
 def assert_each_done_once(out: Path, classes: dict[Path, int]) -> None:
