@@ -308,6 +308,11 @@ class TimeoutProtocol(HttpToolsProtocol):
         self._waiting = None
         self._counting = self._in_body = False
         super().on_message_complete()
+        if not self.pipeline and self.cycle is not None and not self.cycle.response_complete:
+            # uvicorn's pause over its 64 KiB high-water mark ends in the app's next receive(), none
+            # once the body is complete: a photo's client that left went unseen (computed, counted
+            # 200). A request pipelined behind this one pauses reading again (one queued at most).
+            self.flow.resume_reading()
 
     def pause_writing(self) -> None:
         super().pause_writing()
