@@ -90,15 +90,14 @@ def _split(body: bytes, header_length: str | None, max_images: int) -> tuple[dic
         if not _DIGITS.fullmatch(value) or len(value) > len(str(len(body))) or int(value) > len(body):
             raise BadRequest(f"{HEADER_LENGTH} must be a number of bytes within the body ({len(body)})")
         length = int(value)
-    head = bytes(memoryview(body)[:length])
     most = values_limit(max_images)
-    if not strict_json.values_at_most(head, most):
+    if not strict_json.values_at_most(body, most, length):  # counted in place: no copy of a hostile body
         raise BadRequest(
             f"the inference request's header holds over {most} JSON values; a request of up to {max_images} "
             "images (GATEWAY_MAX_IMAGES_PER_REQUEST) needs fewer"
         )
     what = "the inference request's header is not JSON"
-    header = strict_json.loads(strict_json.utf8(head, what), what)
+    header = strict_json.loads(strict_json.utf8(body[:length], what), what)
     if not isinstance(header, dict):
         raise BadRequest("the inference request must be a JSON object")
     return header, memoryview(body)[length:]

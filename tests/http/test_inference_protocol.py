@@ -294,13 +294,17 @@ def test_millions_of_json_elements_are_refused_before_the_parse(
     assert parsed == []
 
 
-def test_a_valid_request_is_not_refused_for_commas_inside_its_strings() -> None:
+@pytest.mark.parametrize(
+    "id_", [",[{" * 10_000, ',\\"[' * 10_000 + "\\", '"], [' * 5_000], ids=["plain", "escapes", "quotes"]
+)
+def test_a_valid_request_is_not_refused_for_commas_inside_its_strings(id_: str) -> None:
     """The separator count is an upper bound that counts inside strings too; a request whose id is
-    full of commas and brackets is counted again without its strings and served."""
-    header = {**_image_input(1, data=[base64.b64encode(PNG).decode()]), "id": ",[{" * 10_000}
+    full of commas and brackets, escaped quotes and backslashes among them, is counted again without
+    its strings and served."""
+    header = {**_image_input(1, data=[base64.b64encode(PNG).decode()]), "id": id_}
     asked = parse_request(json.dumps(header).encode(), None, 64, 1000)
     assert [image.data for image in asked.images] == [PNG]
-    assert asked.id == ",[{" * 10_000
+    assert asked.id == id_
 
 
 def test_millions_of_json_strings_are_refused_without_taking_each_out() -> None:
