@@ -87,6 +87,15 @@ BAD_VALUES = [
     ("GATEWAY_LOG_FORMAT", "xml", "log_format"),
     ("GATEWAY_URL_ALLOWLIST", "300.1.1.1/40", "url_allowlist"),
     ("GATEWAY_WEBHOOK_RETRY_DELAYS", "soon", "webhook_retry_delays"),
+    # keys set that hold none served every route without authentication, without a word
+    ("GATEWAY_API_KEYS", ",", "api_keys"),
+    ("GATEWAY_API_KEYS", " , # none", "api_keys"),
+    # a port past 65535 reached another port (gRPC takes it modulo 65536); a broken address passed
+    # for an unreachable Triton
+    ("GATEWAY_TRITON_URL", "localhost:99999", "triton_url"),
+    ("GATEWAY_TRITON_URL", "http://[::1", "triton_url"),
+    ("GATEWAY_TRITON_URL", "triton", "triton_url"),
+    ("GATEWAY_TRITON_URL", "http://triton:8001", "triton_url"),
 ]
 
 
@@ -110,6 +119,17 @@ def test_a_bad_flag_value_is_refused_by_name(command: list[str]) -> None:
     assert done.returncode != 0
     assert "--max-body-bytes / GATEWAY_MAX_BODY_BYTES: " in done.stderr
     assert "--header-timeout / GATEWAY_HEADER_TIMEOUT: " in done.stderr
+    assert "Traceback" not in done.stderr
+
+
+def test_an_api_keys_file_that_holds_no_key_is_refused(tmp_path: Path) -> None:
+    """A keys file of comments and blank lines (a template's placeholder) is refused at start: it
+    served every route without authentication, without a word."""
+    keys = tmp_path / "keys"
+    keys.write_text("# one key per line\n\n")
+    done = _gateway("serve", "--backend", "fake", env={"GATEWAY_API_KEYS_FILE": str(keys)})
+    assert done.returncode != 0
+    assert f"{setting_name('api_keys_file')} hold no API key" in done.stderr
     assert "Traceback" not in done.stderr
 
 

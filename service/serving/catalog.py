@@ -364,7 +364,7 @@ def _settings(settings: Settings, profile: ModelProfile, own: dict[str, Any], wh
         try:
             checked[key] = _adapter(key).validate_python(value) if value is not None else None
         except ValidationError as exc:
-            problem = "; ".join(error["msg"] for error in exc.errors())
+            problem = "; ".join(error["msg"].removeprefix("Value error, ") for error in exc.errors())
             raise CatalogError(f"{where}: {key}: {problem}") from None
         number = checked[key]
         if isinstance(number, int) and not isinstance(number, bool) and abs(number) > MAX_INT:

@@ -146,12 +146,21 @@ class Settings(LimitsFields, OfflineFields, ServingFields, ServerFields, BaseSet
                 raise ValueError(f"{where} has no host, or a space or control character in it")
         return ",".join(parts)
 
-    @field_validator("webhook_secret", "models_file", "admin_key", "worker_heartbeat_file", mode="before")
+    @field_validator(
+        "webhook_secret",
+        "models_file",
+        "admin_key",
+        "worker_heartbeat_file",
+        "api_keys",
+        "api_keys_file",
+        mode="before",
+    )
     @classmethod
     def _unset_when_empty(cls, value: object) -> object:
         """``GATEWAY_WEBHOOK_SECRET=`` (compose's default for an unset variable) means no webhooks;
         ``GATEWAY_MODELS_FILE=`` means no models file; ``GATEWAY_WORKER_HEARTBEAT_FILE=`` no
-        heartbeat file (as a path, empty was the current directory)."""
+        heartbeat file (as a path, empty was the current directory); ``GATEWAY_API_KEYS=`` and
+        ``GATEWAY_API_KEYS_FILE=`` no keys."""
         return None if isinstance(value, str) and not value.strip() else value
 
     @model_validator(mode="after")
@@ -167,8 +176,15 @@ class Settings(LimitsFields, OfflineFields, ServingFields, ServerFields, BaseSet
                     ipaddress.ip_network(network, strict=False)
                 except ValueError as exc:
                     raise ValueError(f"{setting_name(name)}: {exc}") from None
-        if self.api_keys is not None or self.api_keys_file is not None:
-            self.load_api_keys()  # an unreadable file or a bad entry fails at start, by name
+        if (self.api_keys is not None or self.api_keys_file is not None) and not self.load_api_keys():
+            # an unreadable file or a bad entry fails at start, by name (in load_api_keys); keys set
+            # that hold none would serve every route without authentication, without a word
+            given = [setting_name(name) for name in ("api_keys", "api_keys_file") if getattr(self, name) is not None]
+            raise ValueError(
+                f"{' and '.join(given)} hold no API key (only separators, blank lines or comments): the gateway "
+                "would serve every route without authentication; give at least one key, or unset them to "
+                "serve without keys"
+            )
         if self.webhook_secret is not None:
             try:  # a bad secret fails at start, not at first use
                 parse_secret(self.webhook_secret.get_secret_value())

@@ -7,11 +7,12 @@ from __future__ import annotations
 import os
 import tempfile
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, SecretStr
 
 from service.host.cpus import available_cpus
+from service.settings.values import host_port
 
 
 def _default_models_dir() -> Path:
@@ -198,7 +199,7 @@ class ServingFields(_Fields):
     """Threads per batch of the in-process backends, ``embedded`` and ``openvino`` (0: the cores shared out
     among the in-flight batches, so that batches running together do not oversubscribe the CPU)."""
 
-    triton_url: str = "127.0.0.1:8001"
+    triton_url: Annotated[str, AfterValidator(host_port)] = "127.0.0.1:8001"
     """Triton's address, host:port: its gRPC port (8001) or, with ``triton_protocol=http``, its
     HTTP port (8000)."""
     triton_protocol: Literal["grpc", "http"] = "grpc"

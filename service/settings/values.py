@@ -9,6 +9,7 @@ import os
 import re
 import stat
 from pathlib import Path
+from urllib.parse import urlsplit
 
 MAX_INT = 2**63 - 1
 """Largest integer a setting may hold."""
@@ -80,3 +81,27 @@ def _read_at_most(fd: int, limit: int) -> bytes:
         chunks.append(chunk)
         limit -= len(chunk)
     return b"".join(chunks)
+
+
+def host_port(value: str) -> str:
+    """``host:port``: a host name, an IPv4 address or a bracketed IPv6 one, and a port from 1 to
+    65535, nothing else (no scheme, path or space). A port over 65535 was taken modulo 65536 by the
+    gRPC client (99999 reached 34463), and a broken address passed for an unreachable server."""
+    problem = f"{value!r} is not host:port (a host and a port from 1 to 65535, no scheme or path)"
+    try:
+        parts = urlsplit("//" + value)
+        port = parts.port
+    except ValueError:
+        raise ValueError(problem) from None
+    if (
+        not parts.hostname
+        or port is None
+        or port < 1
+        or parts.path
+        or parts.query
+        or parts.fragment
+        or "@" in parts.netloc
+        or any(c.isspace() or ord(c) < 32 for c in value)
+    ):
+        raise ValueError(problem)
+    return value

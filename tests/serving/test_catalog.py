@@ -86,6 +86,10 @@ def test_without_a_file_the_models_setting_or_the_model_serves() -> None:
         (f"{SHOP}max_queue_size = 1\n", "max_queue_size must be at least max_images_per_request"),
         ("[models.shop]\nrequest_timeout = 1\n", "unknown key(s) ['request_timeout']"),
         ("[models.shop]\nshare = 0\n", "share must be at least 0.001"),
+        (
+            "[models.shop]\nprofile = 'trivial'\nbackend = 'triton'\ntriton_url = 'localhost:99999'\n",
+            "triton_url: 'localhost:99999' is not host:port",
+        ),
         ("[models.shop]\nshare = -1\n", "share must be a number from 0"),
         ("[models.shop]\nshare = true\n", "share must be a number"),
         ("[models.shop]\nshare = nan\n", "share must be a number"),
