@@ -12,13 +12,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import struct
-import tempfile
-from pathlib import Path
 
-from loadtests.chunked_body import Run, measure
-from loadtests.harness.deployment import gateway
+from loadtests.harness import hostile_body
 
 ELEMENTS = 4_000_000
 PATH = b"/v2/models/trivial/infer"
@@ -42,33 +38,13 @@ def envelope(kind: str, elements: int) -> bytes:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--repeat", type=int, default=3)
+    hostile_body.add_arguments(parser)
     parser.add_argument("--kind", choices=["binary", "json"], default="binary")
     parser.add_argument("--elements", type=int, default=ELEMENTS)
-    parser.add_argument("--connections", type=int, default=1, help="clients sending such a body at once")
-    parser.add_argument("--baseline", type=Path, help="another checkout (e.g. a git worktree of main) to measure too")
-    parser.add_argument("--models-dir", type=Path, default=Path(tempfile.gettempdir()) / "gateway-bench-models")
     args = parser.parse_args(argv)
     request = envelope(args.kind, args.elements)
-    servers: dict[str, Path | None] = {"this checkout": None}
-    if args.baseline is not None:
-        servers[f"baseline ({args.baseline.name})"] = args.baseline.resolve()
-    runs = {name: Run() for name in servers}
-    for _ in range(args.repeat):
-        for name, cwd in servers.items():
-            with gateway(["--model", "trivial", "--backend", "fake"], args.models_dir, cwd) as (pid, url):
-                measure(pid, url, request, runs[name], args.connections)
-    print(
-        f"\n{args.kind}: {args.connections} client(s) each sending {args.elements:,} elements under shape [1] "
-        f"({len(request):,} bytes), medians of {args.repeat} fresh gateways\n"
-    )
-    print("| gateway | answer | answered in s | longest /healthz meanwhile, ms | peak RSS growth, MiB |")
-    print("|---|---|---:|---:|---:|")
-    for name, run in runs.items():
-        print(
-            f"| {name} | {run.status[0]} | {statistics.median(run.seconds):.2f} | "
-            f"{statistics.median(run.stall_ms):.0f} | {statistics.median(run.peak_mib):.0f} |"
-        )
+    title = f"{args.kind}: {args.elements:,} elements under shape [1] ({len(request):,} bytes)"
+    hostile_body.compare(request, args, title)
 
 
 if __name__ == "__main__":
