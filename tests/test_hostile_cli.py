@@ -218,6 +218,8 @@ BAD_COMBINATIONS = [
     (["--url-allowlist", "10.0.0.0/40"], ["--url-allowlist / GATEWAY_URL_ALLOWLIST: "]),
     (["--models-file", "{missing}"], ["--models-file / GATEWAY_MODELS_FILE: No such file or directory"]),
     (["--models-file", "{folder}"], ["--models-file / GATEWAY_MODELS_FILE: ", "is not a regular file"]),
+    # on a host without that CUDA device: it started, logged a traceback and was never ready
+    (["--backend", "torch", "--model", "resnet50", "--torch-device", "cuda:63"], ["GATEWAY_TORCH_DEVICE cuda:63: "]),
 ]
 
 

@@ -131,6 +131,19 @@ def runs_on(settings: Settings) -> str:
     return settings.backend
 
 
+def host_problem(settings: Settings) -> str | None:
+    """Why this host cannot run a version's backend as its settings say (checked before anything
+    starts, so a server never comes up unable to serve), or None: the torch backend on a CUDA device
+    PyTorch does not see, or without PyTorch installed."""
+    if runs_on(settings) != "torch" or not settings.torch_device.startswith("cuda"):
+        return None  # (PyTorch is imported only to ask about a GPU: on the CPU the load says enough)
+    try:
+        from service.backends.torch_backend import cuda_problem
+    except ImportError:
+        return "the torch backend needs PyTorch, which is not installed here (pip install '.[torch]')"
+    return cuda_problem(settings.torch_device)
+
+
 async def build_backend(settings: Settings, profile: ModelProfile) -> Backend:
     """The configured backend for ``profile``, not started; a worker of a shared engine gets the
     engine's client instead of its own model."""

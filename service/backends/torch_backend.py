@@ -112,8 +112,8 @@ class TorchBackend(InProcessBackend):
         return array
 
     def _load(self) -> None:
-        if self._device.type == "cuda" and not torch.cuda.is_available():
-            raise RuntimeError("no CUDA device is visible (GATEWAY_TORCH_DEVICE=cpu runs on the CPU)")
+        if (problem := cuda_problem(str(self._device))) is not None:
+            raise RuntimeError(f"{problem} (GATEWAY_TORCH_DEVICE=cpu runs on the CPU)")
         model, self.random_weights = torch_resnet.load(self._weights)
         torch_resnet.fold_batchnorms(model)
         self._model = model.to(device=self._device, dtype=self._dtype, memory_format=torch.channels_last)  # type: ignore[call-overload]
@@ -279,3 +279,16 @@ class TorchBackend(InProcessBackend):
         self._compiled = None
         if self._device.type == "cuda":
             torch.cuda.empty_cache()
+
+
+def cuda_problem(device: str) -> str | None:
+    """Why PyTorch here cannot run on ``device`` (``cuda``, ``cuda:N``), or None (also for ``cpu``)."""
+    where = torch.device(device)
+    if where.type != "cuda":
+        return None
+    if not torch.cuda.is_available():
+        return "no CUDA device is visible to PyTorch here"
+    count = torch.cuda.device_count()
+    if where.index is not None and where.index >= count:
+        return f"PyTorch sees {count} CUDA device(s) here, so no {device}"
+    return None

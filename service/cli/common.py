@@ -51,10 +51,11 @@ def number(low: float, high: float, *, integer: bool = False) -> Callable[[str],
     return parse
 
 
-def load_settings(args: argparse.Namespace) -> Settings:
+def load_settings(args: argparse.Namespace, *, serves: bool = False) -> Settings:
     """The settings of the environment and the flags, each checked, and the models they serve with
-    them (profiles, backends, the models file): any problem ends the command here, before anything
-    starts, with a message naming the flags and variables."""
+    them (profiles, backends, the models file; with ``serves``, whether this host can run each):
+    any problem ends the command here, before anything starts, with a message naming the flags and
+    variables."""
     overrides = {name: getattr(args, name) for name in Settings.model_fields if getattr(args, name, None) is not None}
     try:
         settings = Settings(**overrides)
@@ -70,9 +71,20 @@ def load_settings(args: argparse.Namespace) -> Settings:
     from service.serving.catalog import CatalogError, load_catalog
 
     try:
-        load_catalog(settings)  # a bad models file fails here, by model, version and key
+        catalog = load_catalog(settings)  # a bad models file fails here, by model, version and key
     except CatalogError as exc:
         sys.exit(f"gateway: invalid settings:\n{exc}")
+    if serves:  # a command that runs the models: can this host run each as set?
+        from service.backends.factory import host_problem
+
+        for model in catalog.models:
+            for version in model.versions:
+                if (problem := host_problem(version.settings)) is not None:
+                    where = f"model {model.name!r} version {version.version!r}: " if len(catalog.models) > 1 else ""
+                    sys.exit(
+                        f"gateway: invalid settings:\n{where}{setting_name('torch_device')} "
+                        f"{version.settings.torch_device}: {problem}; use cpu, or a device this host has"
+                    )
     return settings
 
 

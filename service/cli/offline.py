@@ -14,7 +14,7 @@ def worker(args: argparse.Namespace) -> int:
     from service.jobs.worker import run_worker
     from service.serving.catalog import CatalogError
 
-    settings = load_settings(args)
+    settings = load_settings(args, serves=True)
     logging_config(settings)
     try:
         eventloop.run(run_worker(settings))

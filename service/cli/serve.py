@@ -83,7 +83,7 @@ def engine(args: argparse.Namespace) -> int:
 
     from service.backends.engine_server import run_engine
 
-    logging_config(load_settings(args))
+    logging_config(load_settings(args, serves=True))
 
     def ready() -> None:  # tell the supervisor (gateway serve) that the engine listens
         if args.ready_fd is not None:
@@ -117,7 +117,7 @@ def serve(args: argparse.Namespace) -> int:
     from service.http.listeners import ListenError, addresses, listen
     from service.http.protocol import http_protocol
 
-    settings = load_settings(args)
+    settings = load_settings(args, serves=True)
     common: dict[str, Any] = {
         "log_level": settings.log_level,
         "log_config": logging_config(settings),
