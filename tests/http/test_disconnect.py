@@ -27,6 +27,14 @@ def counter(text: str, name: str) -> float:
     return float(match.group(1)) if match else 0.0
 
 
+async def metrics_when(client: httpx.AsyncClient, holds: Callable[[str], bool]) -> str:
+    """The gateway's metrics once ``holds`` is true of them (10 s at most)."""
+    async with asyncio.timeout(10):
+        while not holds(metrics := (await client.get("/metrics")).text):  # noqa: ASYNC110 (polling the metrics is the point)
+            await asyncio.sleep(0.02)
+    return metrics
+
+
 async def test_a_client_that_leaves_mid_wait_takes_its_image_out_of_the_queue(
     gateway_factory: MakeSettings, tmp_path: Path
 ) -> None:
@@ -54,9 +62,7 @@ async def test_a_client_that_leaves_mid_wait_takes_its_image_out_of_the_queue(
         )  # fmt: skip
         out, _ = await curl.communicate()
         assert curl.returncode == 28, out  # curl's "operation timed out": it left without an answer
-        async with asyncio.timeout(10):
-            while counter((await client.get("/metrics")).text, "gateway_client_disconnects_total") < 1:  # noqa: ASYNC110
-                await asyncio.sleep(0.02)
+        await metrics_when(client, lambda text: counter(text, "gateway_client_disconnects_total") >= 1)
         assert gateway.models.default.versions["1"].classifier.batcher.queue_depth == 1  # B still waits; C has left
         assert backend.batches == [1]  # A's batch is still held
         backend.gate.set()
@@ -122,9 +128,7 @@ async def test_an_inference_protocol_client_that_leaves_mid_wait_is_dropped_and_
         )  # fmt: skip
         out, _ = await curl.communicate()
         assert curl.returncode == 28, out  # curl's "operation timed out": it left without an answer
-        async with asyncio.timeout(10):
-            while counter((await client.get("/metrics")).text, "gateway_client_disconnects_total") < 1:  # noqa: ASYNC110
-                await asyncio.sleep(0.02)
+        await metrics_when(client, lambda text: counter(text, "gateway_client_disconnects_total") >= 1)
         batcher = client.app.state.gateway.models.default.versions["1"].classifier.batcher
         assert batcher.queue_depth == 0  # the v2 request's image has left the queue
         backend.gate.set()
@@ -157,9 +161,7 @@ async def test_a_client_that_leaves_mid_body_is_counted_499_not_500(
         writer.close()
         await writer.wait_closed()
         route = path if path == "/classify" else "/v2/models/{name}/infer"
-        async with asyncio.timeout(10):
-            while f'route="{route}",status="499"' not in (metrics := (await client.get("/metrics")).text):  # noqa: ASYNC110
-                await asyncio.sleep(0.02)
+        metrics = await metrics_when(client, lambda text: f'route="{route}",status="499"' in text)
         served = await client.post(
             V2_INFER,
             content=body,
@@ -187,9 +189,7 @@ async def test_an_inference_protocol_body_too_slow_is_counted_408(
         async with asyncio.timeout(5):
             answer = await reader.read()
         writer.close()
-        async with asyncio.timeout(10):
-            while f'{V2_ROUTE},status="408"' not in (metrics := (await client.get("/metrics")).text):  # noqa: ASYNC110
-                await asyncio.sleep(0.02)
+        metrics = await metrics_when(client, lambda text: f'{V2_ROUTE},status="408"' in text)
     assert answer.startswith(b"HTTP/1.1 408")
     assert f'{V2_ROUTE},status="500"' not in metrics
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
@@ -233,9 +233,7 @@ async def test_a_client_that_leaves_after_a_photos_body_is_seen(gateway_factory:
                 await asyncio.sleep(0.01)
         writer.close()
         await writer.wait_closed()
-        async with asyncio.timeout(5):
-            while counter((await client.get("/metrics")).text, "gateway_client_disconnects_total") < 1:  # noqa: ASYNC110
-                await asyncio.sleep(0.02)
+        await metrics_when(client, lambda text: counter(text, "gateway_client_disconnects_total") >= 1)
         assert batcher.queue_depth == 0  # its image has left the queue
         backend.gate.set()
         assert (await held).status_code == 200
