@@ -45,11 +45,9 @@ def start_engine(path: Path) -> subprocess.Popen[bytes]:
 async def measure(path: Path, batch: int, seconds: float, slots: int, timeout: float | None, images: str) -> float:
     """Microseconds per image."""
     profile = get_profile("trivial")
-    client = EngineClient(
-        str(path), Geometry(profile.image_size, len(profile.labels)), max_batch_size=batch, slots=slots
-    )
+    client = EngineClient(str(path), Geometry(profile.height, profile.outputs), max_batch_size=batch, slots=slots)
     await client.start()
-    shape = (profile.image_size, profile.image_size, 3)
+    shape = (*profile.input_size, 3)
     batches = []
     for _ in range(slots):  # one batch per caller, as each of a worker's batches has its own images
         arrays = []

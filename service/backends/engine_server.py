@@ -235,7 +235,7 @@ async def run_engine(socket_path: str, stop: asyncio.Event, on_ready: Callable[[
         policy=settings.batch_policy,
     )
     detail = f"engine shared by the workers: {getattr(backend, 'detail', None) or backend.name}"
-    engine = EngineServer(batcher, Geometry(profile.image_size, len(profile.labels)), detail)
+    engine = EngineServer(batcher, Geometry(profile.height, profile.outputs), detail)
     batcher.start()
     serving = asyncio.create_task(engine.serve(engine.listen(socket_path)), name="engine-accept")
     logger.info("engine: %s, serving", detail)

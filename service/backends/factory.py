@@ -31,7 +31,7 @@ known only from the version's readiness check."""
 async def _fake(settings: Settings, profile: ModelProfile) -> Backend:
     from service.backends.fake import FakeBackend
 
-    return FakeBackend(classes=len(profile.labels), delay=settings.fake_delay)
+    return FakeBackend(classes=profile.outputs, delay=settings.fake_delay)
 
 
 async def _triton(settings: Settings, profile: ModelProfile) -> Backend:
@@ -42,8 +42,8 @@ async def _triton(settings: Settings, profile: ModelProfile) -> Backend:
         model=settings.triton_model or profile.name,
         version=settings.triton_model_version,
         protocol=settings.triton_protocol,
-        image_size=profile.image_size,
-        classes=len(profile.labels),
+        input_size=profile.input_size,
+        classes=profile.outputs,
         max_batch_size=settings.max_batch_size,
         shared_memory=settings.triton_shared_memory,
         shared_memory_regions=settings.max_inflight_batches,
@@ -57,7 +57,7 @@ async def _engine(settings: Settings, profile: ModelProfile) -> Backend:
     assert settings.engine_socket is not None
     return EngineClient(
         settings.engine_socket,
-        Geometry(profile.image_size, len(profile.labels)),
+        Geometry(profile.height, profile.outputs),
         max_batch_size=settings.max_batch_size,
         slots=settings.max_inflight_batches,
         pool_images=settings.max_queue_size + settings.max_inflight_batches * settings.max_batch_size,
@@ -77,7 +77,7 @@ async def _torch(settings: Settings, profile: ModelProfile) -> Backend:
         cuda_graphs=settings.torch_cuda_graphs,
         sync=settings.torch_sync,
         compile=settings.torch_compile,
-        image_size=profile.image_size,
+        image_size=profile.height,
         max_batch_size=settings.max_batch_size,
         max_concurrency=settings.max_inflight_batches,
     )

@@ -45,7 +45,7 @@ class TritonBackend:
         model: str,
         version: str = "",
         protocol: Literal["grpc", "http"] = "grpc",
-        image_size: int = 224,
+        input_size: tuple[int, int] = (224, 224),
         classes: int = 1000,
         max_batch_size: int = 16,
         shared_memory: bool = False,
@@ -55,7 +55,7 @@ class TritonBackend:
         self.model = model
         self.version = version
         self.protocol = protocol
-        self.image_size = image_size
+        self.input_size = input_size
         self.classes = classes
         self.max_batch_size = max_batch_size
         self._use_shm = shared_memory
@@ -75,9 +75,9 @@ class TritonBackend:
         self._mod = mod
         self._client = mod.InferenceServerClient(self.url)
         if self._use_shm:
-            side = self.image_size
+            height, width = self.input_size
             self._shm = SharedMemoryPool(
-                self._shm_regions, self.max_batch_size * side * side * 3, self.max_batch_size * self.classes * 4
+                self._shm_regions, self.max_batch_size * height * width * 3, self.max_batch_size * self.classes * 4
             )
         logger.info(
             "triton backend: model %s over %s%s",
@@ -182,10 +182,10 @@ class TritonBackend:
             meta = await self._client.get_model_metadata(self.model, self.version, as_json=True)
         else:
             meta = await self._client.get_model_metadata(self.model, self.version)
-        side = self.image_size
+        height, width = self.input_size
         inputs = {i["name"]: (i["datatype"], [int(d) for d in i["shape"]]) for i in meta.get("inputs", [])}
         outputs = {o["name"]: (o["datatype"], [int(d) for d in o["shape"]]) for o in meta.get("outputs", [])}
-        want_in = ("UINT8", [-1, side, side, 3])
+        want_in = ("UINT8", [-1, height, width, 3])
         want_out = ("FP32", [-1, self.classes])
         if inputs.get(INPUT_NAME) != want_in or outputs.get(OUTPUT_NAME) != want_out:
             problem = (

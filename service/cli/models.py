@@ -84,7 +84,8 @@ def list_models(args: argparse.Namespace) -> int:
         state = (recorded_sha256(path) or "not built")[:12]
         weights = weights_for(settings, profile.name)
         source = weights.name if weights else "RANDOM weights" if profile.random_without_weights else "packaged weights"
-        print(f"{profile.name:20} v{profile.version}  {profile.image_size}px  {state:12}  {source:20}  {path}")
+        size = f"{profile.height}x{profile.width}px"
+        print(f"{profile.name:20} v{profile.version}  {size:9}  {state:12}  {source:20}  {path}")
     return 0
 
 

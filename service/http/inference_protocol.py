@@ -96,7 +96,7 @@ async def model_metadata(request: Request, name: str, version: str | None = None
             "inputs": [{"name": INPUT, "datatype": "BYTES", "shape": [-1]}],
             "outputs": [{"name": OUTPUT, "datatype": "FP32", "shape": [-1, len(first.spec.profile.labels)]}],
             "parameters": {
-                "image_size": first.spec.profile.image_size,
+                "image_size": first.spec.profile.height,
                 "max_images_per_request": gateway_of(request).settings.max_images_per_request,
             },
         }

@@ -111,7 +111,7 @@ async def model_metadata(request: Request, name: str) -> ModelMetadata:
         versions.append(
             VersionMetadata(
                 **state.model_dump(),
-                image_size=profile.image_size,
+                image_size=profile.height,
                 crop_fraction=profile.crop_fraction,
                 precision=_precision(settings),
                 random_weights=served.random_weights,

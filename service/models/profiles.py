@@ -6,34 +6,78 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 import numpy as np
 
 if TYPE_CHECKING:  # building needs the `models` extra (onnx); serving a built model does not
     import onnx
 
+    from service.models.declaration import ModelSource
+
+Resize = Literal["crop", "stretch", "letterbox"]
+"""How a photo becomes the model's ``height x width``: ``crop`` scales it to cover
+``input_size / crop_fraction`` and keeps the centre; ``stretch`` scales each side to fit, ignoring the
+aspect ratio; ``letterbox`` scales it to fit inside and pads the rest with grey (114)."""
+OutputKind = Literal["softmax", "logits", "sigmoid", "embedding"]
+"""What a model's output row is: ``softmax`` probabilities (ranked labels), ``logits`` (softmax
+applied by the gateway, in the graph), ``sigmoid`` (independent labels, sigmoid applied in the graph;
+every label at or above ``threshold``), ``embedding`` (a vector, served by ``/embed``)."""
+CLASSIFYING: frozenset[OutputKind] = frozenset({"softmax", "logits", "sigmoid"})
+"""The kinds whose output is one score per label."""
+
 
 @dataclass(frozen=True)
 class ModelProfile:
-    """A servable model: its name, version, input geometry and how to build its ONNX graph."""
+    """A servable model: its name, version, input geometry, what its output means and how to build
+    the ONNX graph that takes the gateway's wire format (uint8 RGB NHWC) and gives ``float32 [N, width]``.
+
+    The built-in profiles (``PROFILES``) and the models users declare in a models file
+    (``service.models.declaration``) are both of this form."""
 
     name: str
     version: str
-    image_size: int
-    """Side of the square uint8 RGB input, in pixels."""
+    input_size: tuple[int, int]
+    """Height and width of the uint8 RGB input, in pixels."""
     crop_fraction: float
-    """Share of the shorter side kept by the centre crop (0.875: resize to 256, crop 224)."""
+    """With ``resize = "crop"``: share of the shorter side kept (0.875: resize to 256, crop 224)."""
     builder_revision: int
     """Bumped when the graph builder changes, so cached ONNX files are rebuilt."""
     build: Callable[[Path | None], onnx.ModelProto]
     """Builds the graph, from a weights file when one is given."""
     random_without_weights: bool = False
     """Without a weights file its weights are random (its answers meaningless), not packaged ones."""
+    resize: Resize = "crop"
+    output: OutputKind = "softmax"
+    threshold: float = 0.5
+    """``sigmoid``: the score at or above which a label is in the answer."""
+    label_names: tuple[str, ...] | None = None
+    """Its labels, in output order (None: the 1,000 ImageNet labels)."""
+    dimensions: int | None = None
+    """Numbers per output row (None: one per label)."""
+    source: ModelSource | None = None
+    """A user's model file and what its input takes (None: a built-in profile)."""
 
     @property
     def labels(self) -> tuple[str, ...]:
-        return imagenet_labels()
+        return self.label_names if self.label_names is not None else imagenet_labels()
+
+    @property
+    def outputs(self) -> int:
+        """Numbers per output row: the labels' count, or an embedding's length."""
+        return self.dimensions if self.dimensions is not None else len(self.labels)
+
+    @property
+    def height(self) -> int:
+        return self.input_size[0]
+
+    @property
+    def width(self) -> int:
+        return self.input_size[1]
+
+    @property
+    def classifies(self) -> bool:
+        return self.output in CLASSIFYING
 
 
 @cache
@@ -73,9 +117,9 @@ def _build_trivial(weights: Path | None) -> onnx.ModelProto:
 PROFILES: dict[str, ModelProfile] = {
     p.name: p
     for p in (
-        ModelProfile("efficientnet-lite0", "1", 224, 0.875, 1, _build_efficientnet_lite0),
-        ModelProfile("resnet50", "1", 224, 0.875, 1, _build_resnet50, random_without_weights=True),
-        ModelProfile("trivial", "1", 224, 0.875, 2, _build_trivial, random_without_weights=True),
+        ModelProfile("efficientnet-lite0", "1", (224, 224), 0.875, 1, _build_efficientnet_lite0),
+        ModelProfile("resnet50", "1", (224, 224), 0.875, 1, _build_resnet50, random_without_weights=True),
+        ModelProfile("trivial", "1", (224, 224), 0.875, 2, _build_trivial, random_without_weights=True),
     )
 }
 

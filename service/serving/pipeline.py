@@ -165,7 +165,7 @@ async def _start_version(
     if isinstance(chosen, EngineClient):
         chosen.on_sent = partial(_count_sent, metrics)
     if settings.breaker_threshold:
-        probe = np.zeros((1, profile.image_size, profile.image_size, 3), np.uint8)
+        probe = np.zeros((1, *profile.input_size, 3), np.uint8)
         chosen = CircuitBreaker(
             chosen, threshold=settings.breaker_threshold, cooldown=settings.breaker_cooldown, probe=probe
         )

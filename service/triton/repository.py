@@ -71,7 +71,7 @@ class TritonOptions:
 
 
 def render_config(name: str, profile: ModelProfile, options: TritonOptions) -> str:
-    side = profile.image_size
+    height, width = profile.input_size
     classes = len(profile.labels)
     header = {
         "tensorrt": 'platform: "tensorrt_plan"\ndefault_model_filename: "model.plan"',
@@ -108,7 +108,7 @@ input [
     name: "{INPUT_NAME}"
     data_type: TYPE_UINT8
     format: FORMAT_NHWC
-    dims: [ {side}, {side}, 3 ]
+    dims: [ {height}, {width}, 3 ]
   }}
 ]
 output [
@@ -138,7 +138,7 @@ def _tensorrt_accelerator(name: str, profile: ModelProfile, options: TritonOptio
     and ``max_batch_size`` at load cover every batch served later."""
     if not (options.variant == "onnxruntime" and options.instance_kind == "KIND_GPU" and options.tensorrt_accelerator):
         return ""
-    side = profile.image_size
+    height, width = profile.input_size
     trt = {
         "precision_mode": "FP16",
         "max_workspace_size_bytes": str(options.trt_workspace_bytes),
@@ -151,7 +151,7 @@ def _tensorrt_accelerator(name: str, profile: ModelProfile, options: TritonOptio
   {{
     name: "batch {batch}"
     batch_size: {batch}
-    inputs {{ key: "{INPUT_NAME}" value: {{ data_type: TYPE_UINT8 dims: [ {side}, {side}, 3 ] zero_data: true }} }}
+    inputs {{ key: "{INPUT_NAME}" value: {{ data_type: TYPE_UINT8 dims: [ {height}, {width}, 3 ] zero_data: true }} }}
   }},"""
         for batch in sorted({1, options.max_batch_size})
     ).rstrip(",")
@@ -168,14 +168,14 @@ model_warmup [{warmups}
 
 
 def render_build_script(profile: ModelProfile, options: TritonOptions) -> str:
-    side = profile.image_size
+    height, width = profile.input_size
     opt = max((n for n in options.preferred_batch_sizes if n <= options.max_batch_size), default=1)
     return f"""#!/usr/bin/env sh
 # Build {profile.version}/model.plan from model.onnx with TensorRT, on the GPU that will serve it
 # (a plan is specific to the GPU model and the TensorRT version). Run it inside NVIDIA's
 # tritonserver or tensorrt container of the same release as the Triton that serves the plan:
 #   docker run --rm --gpus all -v "$PWD":/m -w /m nvcr.io/nvidia/tensorrt:<release>-py3 sh build_plan.sh
-# Input: UINT8 NHWC {side}x{side}x3, dynamic batch 1..{options.max_batch_size}, optimised for {opt}; FP16 kernels.
+# Input: UINT8 NHWC {height}x{width}x3, dynamic batch 1..{options.max_batch_size}, optimised for {opt}; FP16 kernels.
 set -eu
 cd "$(dirname "$0")"
 mkdir -p {profile.version}
@@ -183,9 +183,9 @@ trtexec \\
   --onnx=model.onnx \\
   --saveEngine={profile.version}/model.plan \\
   --fp16 \\
-  --minShapes={INPUT_NAME}:1x{side}x{side}x3 \\
-  --optShapes={INPUT_NAME}:{opt}x{side}x{side}x3 \\
-  --maxShapes={INPUT_NAME}:{options.max_batch_size}x{side}x{side}x3 \\
+  --minShapes={INPUT_NAME}:1x{height}x{width}x3 \\
+  --optShapes={INPUT_NAME}:{opt}x{height}x{width}x3 \\
+  --maxShapes={INPUT_NAME}:{options.max_batch_size}x{height}x{width}x3 \\
   --memPoolSize=workspace:4096 \\
   --skipInference
 echo "wrote $(pwd)/{profile.version}/model.plan"

@@ -18,7 +18,7 @@ from service.models.profiles import get_profile
 
 MODEL = "trivial"
 PROFILE = get_profile(MODEL)
-GEOMETRY = Geometry(PROFILE.image_size, len(PROFILE.labels))
+GEOMETRY = Geometry(PROFILE.height, PROFILE.outputs)
 
 
 def images(*classes: int) -> list[np.ndarray]:
