@@ -131,6 +131,29 @@ def runs_on(settings: Settings) -> str:
     return settings.backend
 
 
+DECLARED_FORMATS: dict[str, frozenset[str]] = {
+    "embedded": frozenset({"onnx"}),
+    "openvino": frozenset({"onnx", "openvino"}),
+    "triton": frozenset({"onnx"}),
+    "fake": frozenset({"onnx", "openvino", "torch"}),
+}
+"""The declared model files each backend runs (the ``triton`` backend: the file as
+``gateway models triton-repo`` writes it into Triton's repository)."""
+
+
+def declared_problem(runs: str, profile: ModelProfile) -> str | None:
+    """Why a backend (``runs_on``'s name) cannot run a declared model's file, or None."""
+    assert profile.source is not None
+    formats = DECLARED_FORMATS.get(runs, frozenset())
+    if profile.source.format in formats:
+        return None
+    if not formats:
+        only = ", ".join(sorted(ONLY_PROFILES.get(runs, {"resnet50"})))
+        return f"runs the built-in {only} only; serve a declared model on embedded, openvino or triton"
+    kinds = {"onnx": ".onnx", "openvino": "OpenVINO IR (.xml)", "torch": "torch (.pt2)"}
+    return f"does not run {kinds[profile.source.format]} files; it runs {', '.join(kinds[f] for f in sorted(formats))}"
+
+
 def host_problem(settings: Settings) -> str | None:
     """Why this host cannot run a version's backend as its settings say (checked before anything
     starts, so a server never comes up unable to serve), or None: the torch backend on a CUDA device

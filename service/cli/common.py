@@ -63,7 +63,7 @@ def load_settings(args: argparse.Namespace, *, serves: bool = False) -> Settings
         sys.exit(f"gateway: invalid settings:\n{explain(exc)}")
     from service.models.profiles import PROFILES
 
-    if settings.model not in PROFILES:  # settings know no model table: a leaf
+    if settings.model not in PROFILES and settings.model_path is None:  # settings know no model table: a leaf
         known = ", ".join(PROFILES)
         sys.exit(
             f"gateway: invalid settings:\n{setting_name('model')}: unknown profile {settings.model!r}; known: {known}"

@@ -136,11 +136,6 @@ class Declaration:
         return DeclarationError(f"{self.where}: {key}: {problem}")
 
 
-def declares(entry: Mapping[str, Any]) -> bool:
-    """Whether a model's or a version's table declares a model of its own (any declared key)."""
-    return any(key in entry for key in DECLARED_KEYS)
-
-
 def parse_declaration(entry: Mapping[str, Any], where: str, *, base: Path, root: Path | None) -> Declaration:
     """The declared keys of ``entry`` (the model's table merged with the version's), checked.
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
@@ -43,8 +43,9 @@ class ModelProfile:
     """With ``resize = "crop"``: share of the shorter side kept (0.875: resize to 256, crop 224)."""
     builder_revision: int
     """Bumped when the graph builder changes, so cached ONNX files are rebuilt."""
-    build: Callable[[Path | None], onnx.ModelProto]
-    """Builds the graph, from a weights file when one is given."""
+    build: Callable[[Path | None], onnx.ModelProto] = field(compare=False)
+    """Builds the graph, from a weights file when one is given (not compared: what it builds from is
+    the rest of the profile, and its file's fingerprint)."""
     random_without_weights: bool = False
     """Without a weights file its weights are random (its answers meaningless), not packaged ones."""
     resize: Resize = "crop"

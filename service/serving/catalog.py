@@ -34,7 +34,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import ConfigDict, TypeAdapter, ValidationError
 
-from service.backends.factory import ONLY_PROFILES, runs_on
+from service.backends.factory import ONLY_PROFILES, declared_problem, runs_on
+from service.models.declaration import DECLARED_KEYS, DeclarationError, parse_declaration
 from service.models.profiles import ModelProfile, get_profile
 from service.settings import Settings
 from service.settings.values import MAX_INT, MODEL_NAME, read_regular_file, setting_name
@@ -74,8 +75,10 @@ PER_MODEL_SETTINGS = (
 )
 """Settings a model or a version may set for itself; the rest (decode pool, byte budget, admission,
 timeouts) belong to the whole gateway."""
-MODEL_KEYS = {"profile", "share", "sticky", "versions", "memory", *PER_MODEL_SETTINGS}
-VERSION_KEYS = {"profile", "traffic", "memory", *PER_MODEL_SETTINGS}
+MODEL_KEYS = {"profile", "share", "sticky", "versions", "memory", *PER_MODEL_SETTINGS, *DECLARED_KEYS}
+VERSION_KEYS = {"profile", "traffic", "memory", *PER_MODEL_SETTINGS, *DECLARED_KEYS}
+DECLARED_VERSION = "1"
+"""A declared model's version where the file gives none."""
 
 
 @dataclass(frozen=True)
@@ -126,6 +129,8 @@ class Catalog:
     """What it was parsed from (the models file's tables), to add discovered models to."""
     discovered: dict[str, Any] = field(default_factory=dict, compare=False)
     """The ``[models.NAME]`` tables made for the models found in Triton's index."""
+    base: Path = field(default_factory=Path.cwd, compare=False)
+    """The folder a declared model's relative paths start from: the models file's."""
 
     def model(self, name: str) -> ModelSpec | None:
         return next((m for m in self.models if m.name == name), None)
@@ -134,7 +139,9 @@ class Catalog:
         """This catalog with some of its models alone (what a queue worker serves), without the
         models Triton's index would add; its default stays, if among them."""
         return Catalog(
-            tuple(m for m in self.models if m.name in names), self.default if self.default in names else names[0]
+            tuple(m for m in self.models if m.name in names),
+            self.default if self.default in names else names[0],
+            base=self.base,
         )
 
 
@@ -150,7 +157,12 @@ def load_catalog(settings: Settings) -> Catalog:
     the gateway-wide ``model_weights``, ``triton_model`` and ``triton_model_version`` name one
     model's files, not every model's."""
     if settings.models_file is not None:
-        return parse_catalog(read_models_file(settings.models_file), settings, str(settings.models_file))
+        table = read_models_file(settings.models_file)
+        return parse_catalog(table, settings, str(settings.models_file), base=settings.models_file.parent)
+    if settings.model_path is not None:
+        name = settings.model if "model" in settings.model_fields_set else _name_of(settings.model_path)
+        table = {"models": {name: settings.declared()}}
+        return parse_catalog(table, settings, setting_name("model_path"), inherit=True)
     if not settings.models.strip():
         table = {"models": {settings.model: {"profile": settings.model}}}
         return parse_catalog(table, settings, setting_name("model"), inherit=True)
@@ -158,6 +170,12 @@ def load_catalog(settings: Settings) -> Catalog:
     if len(set(names)) != len(names):
         raise CatalogError(f"{setting_name('models')}: {settings.models!r} names a model twice")
     return parse_catalog({"models": {name: {"profile": name} for name in names}}, settings, setting_name("models"))
+
+
+def _name_of(path: Path) -> str:
+    """A served name from a model file's name (``Cars_v2.onnx``: ``cars_v2``)."""
+    name = re.sub(r"[^a-z0-9_.-]+", "-", path.stem.lower()).strip("-._")[:64]
+    return name if NAME.fullmatch(name) else "model"
 
 
 def read_models_file(path: Path) -> dict[str, Any]:
@@ -172,8 +190,12 @@ def read_models_file(path: Path) -> dict[str, Any]:
         raise CatalogError(f"{setting_name('models_file')}: {path} is not valid TOML: {problem}") from None
 
 
-def parse_catalog(table: dict[str, Any], settings: Settings, where: str, *, inherit: bool = False) -> Catalog:
-    """``inherit``: the gateway's one model, on the gateway's settings as they are (see ``load_catalog``)."""
+def parse_catalog(
+    table: dict[str, Any], settings: Settings, where: str, *, inherit: bool = False, base: Path | None = None
+) -> Catalog:
+    """``inherit``: the gateway's one model, on the gateway's settings as they are (see ``load_catalog``).
+    ``base``: where a declared model's relative paths start (default: the working directory)."""
+    base = base if base is not None else Path.cwd()
     unknown = set(table) - {"default", "models", "triton"}
     if unknown:
         raise CatalogError(
@@ -185,7 +207,7 @@ def parse_catalog(table: dict[str, Any], settings: Settings, where: str, *, inhe
         raise CatalogError(f"{where}: no [models.NAME] table")
     if len(models_table) > MAX_MODELS:
         raise CatalogError(f"{where}: {len(models_table)} models; at most {MAX_MODELS}")
-    models = tuple(_model(name, entry, settings, where, inherit) for name, entry in models_table.items())
+    models = tuple(_model(name, entry, settings, where, inherit, base) for name, entry in models_table.items())
     versions = [version for model in models for version in model.versions]
     if len(versions) > 1 and any(
         v.settings.backend == "torch" and v.settings.torch_engine == "shared" for v in versions
@@ -197,7 +219,7 @@ def parse_catalog(table: dict[str, Any], settings: Settings, where: str, *, inhe
     default = table.get("default", models[0].name)
     if not isinstance(default, str) or default not in models_table:
         raise CatalogError(f"{where}: default {default!r} is not one of the models ({', '.join(models_table)})")
-    return Catalog(models, default, discovery, table)
+    return Catalog(models, default, discovery, table, base=base)
 
 
 def _discovery(entry: Any, settings: Settings, where: str) -> Discovery | None:
@@ -217,55 +239,7 @@ def _discovery(entry: Any, settings: Settings, where: str) -> Discovery | None:
     return Discovery(url, protocol, profile.name, share)
 
 
-def with_discovered(
-    catalog: Catalog, found: list[tuple[str, str, str]], settings: Settings
-) -> tuple[Catalog, list[str]]:
-    """``catalog`` with the models of Triton's index ``found`` ((name, version, state); version ""
-    when Triton lists a model without one) that the file does not serve already (by name, or as a
-    file model's ``triton_model``): each served on Triton under its name, every version it has
-    (the highest 8), the traffic on the highest READY one (else the highest). Also the names not
-    served: not a valid model name, or beyond the 32 models."""
-    assert catalog.discovery is not None
-    discovery = catalog.discovery
-    named = set(catalog.table.get("models", {}))
-    served_there = {
-        v.settings.triton_model for m in catalog.models for v in m.versions if v.settings.backend == "triton"
-    }
-    versions: dict[str, dict[str, str]] = {}
-    skipped = []
-    for name, version, state in found:
-        if not NAME.fullmatch(name):
-            skipped.append(name)
-        elif name not in named and name not in served_there:
-            known = versions.setdefault(name, {})
-            if VERSION.fullmatch(version):
-                known[version] = state
-    room = MAX_MODELS - len(named)
-    skipped += sorted(versions)[room:]
-    made: dict[str, Any] = {}
-    for name, states in sorted(versions.items())[:room]:
-        entry: dict[str, Any] = {
-            "profile": discovery.profile,
-            "backend": "triton",
-            "triton_url": discovery.url,
-            "triton_protocol": discovery.protocol,
-            "triton_shared_memory": False,
-            "share": discovery.share,
-        }
-        if states:
-            chosen = sorted(states, key=int)[-MAX_VERSIONS:]
-            ready = [v for v in chosen if states[v] == "READY"]
-            taking = (ready or chosen)[-1]
-            entry["versions"] = {v: {"traffic": 1 if v == taking else 0} for v in chosen}
-        made[name] = entry
-    if not made:
-        return catalog, skipped
-    table = {**catalog.table, "models": {**catalog.table.get("models", {}), **made}}
-    fresh = parse_catalog(table, settings, f"Triton at {discovery.url}")
-    return Catalog(fresh.models, fresh.default, fresh.discovery, catalog.table, made), skipped
-
-
-def _model(name: str, entry: Any, settings: Settings, where: str, inherit: bool) -> ModelSpec:
+def _model(name: str, entry: Any, settings: Settings, where: str, inherit: bool, base: Path) -> ModelSpec:
     here = where if inherit else f"{where}: model {name!r}"  # the one model of GATEWAY_MODEL: the setting says it
     if not NAME.fullmatch(name):
         raise CatalogError(f"{here}: a name is 1-64 of a-z 0-9 _ . - (starting with a letter or digit)")
@@ -277,11 +251,12 @@ def _model(name: str, entry: Any, settings: Settings, where: str, inherit: bool)
     if not isinstance(sticky, bool):
         raise CatalogError(f"{here}: sticky must be true or false")
     common = {key: entry[key] for key in PER_MODEL_SETTINGS if key in entry}
+    declared = {key: entry[key] for key in DECLARED_KEYS if key in entry}
     profile_name = entry.get("profile", name)
     versions_table = entry.get("versions")
     explicit = versions_table is not None
     if versions_table is None:
-        versions_table = {get_profile_named(profile_name, here).version: {}}
+        versions_table = {DECLARED_VERSION if declared else get_profile_named(profile_name, here).version: {}}
     if not isinstance(versions_table, dict) or not versions_table:
         raise CatalogError(f"{here}: versions must be a table of [models.{name}.versions.N] tables")
     if len(versions_table) > MAX_VERSIONS:
@@ -295,14 +270,25 @@ def _model(name: str, entry: Any, settings: Settings, where: str, inherit: bool)
             raise CatalogError(f"{there}: expected a table")
         _known(version_entry, VERSION_KEYS, there)
         own = {key: version_entry[key] for key in PER_MODEL_SETTINGS if key in version_entry}
-        profile = get_profile_named(version_entry.get("profile", profile_name), there)
+        keys = declared | {key: version_entry[key] for key in DECLARED_KEYS if key in version_entry}
+        if keys and ("profile" in entry or "profile" in version_entry):
+            raise CatalogError(
+                f"{there}: profile: a model is a built-in profile or a declared one ({', '.join(sorted(keys))}), "
+                "not both"
+            )
         traffic = _number(version_entry.get("traffic", 1), f"{there}: traffic", least=0.0)
         defaults: dict[str, Any] = (
             {}
             if inherit
             else {"model_weights": None, "triton_model": name, "triton_model_version": version if explicit else ""}
         )
-        merged = _settings(settings, profile, defaults | common | own, there)
+        if keys:
+            merged = _settings(settings, name, defaults | common | own, there)
+            profile = _declared(keys, name, version, merged, there, base)
+        else:
+            profile = get_profile_named(version_entry.get("profile", profile_name), there)
+            merged = _settings(settings, profile.name, defaults | common | own, there)
+        _check_backend(merged, profile, "backend" in own or "backend" in common, there)
         memory = version_entry.get("memory", entry.get("memory"))
         if memory is not None and (type(memory) is not int or not 0 < memory <= MAX_INT):
             raise CatalogError(f"{there}: memory must be a whole number of bytes above 0")
@@ -311,6 +297,21 @@ def _model(name: str, entry: Any, settings: Settings, where: str, inherit: bool)
     if not any(v.traffic > 0 for v in versions):
         raise CatalogError(f"{here}: every version has traffic 0; at least one must take requests")
     return ModelSpec(name, tuple(sorted(versions, key=lambda v: int(v.version))), share, sticky)
+
+
+def _declared(
+    keys: dict[str, Any], name: str, version: str, settings: Settings, where: str, base: Path
+) -> ModelProfile:
+    """A declared model's profile: its keys checked, then its file read and checked against them."""
+    from service.models.reading import complete  # reads ONNX files: imported where a model is declared
+
+    if "path" not in keys:
+        raise CatalogError(f'{where}: path: a declared model needs its file (path = "model.onnx")')
+    try:
+        declaration = parse_declaration(keys, where, base=base, root=settings.models_root)
+        return complete(declaration, name=name, version=version, max_batch_size=settings.max_batch_size)
+    except DeclarationError as exc:
+        raise CatalogError(str(exc)) from None
 
 
 def _check_budget(settings: Settings, memory: int | None, where: str) -> None:
@@ -356,10 +357,10 @@ def _number(value: Any, where: str, *, least: float) -> float:
     return float(value)
 
 
-def _settings(settings: Settings, profile: ModelProfile, own: dict[str, Any], where: str) -> Settings:
+def _settings(settings: Settings, model: str, own: dict[str, Any], where: str) -> Settings:
     """The gateway's settings with a version's own, each checked as the setting itself is (its
     type, bounds, no inf or nan, within 64 bits) and the cross-checks that concern it."""
-    checked: dict[str, Any] = {"model": profile.name}
+    checked: dict[str, Any] = {"model": model}
     for key, value in own.items():
         try:
             checked[key] = _adapter(key).validate_python(value) if value is not None else None
@@ -370,19 +371,27 @@ def _settings(settings: Settings, profile: ModelProfile, own: dict[str, Any], wh
         if isinstance(number, int) and not isinstance(number, bool) and abs(number) > MAX_INT:
             raise CatalogError(f"{where}: {key}: {number} is too large (at most 2**63 - 1)")
     merged = settings.model_copy(update=checked)
-    only = ONLY_PROFILES.get(runs_on(merged))
-    if only is not None and profile.name not in only:
-        which = f"{where}: backend:" if "backend" in own else f"{where}:"  # the file's, or the gateway's setting
-        named = "" if "backend" in own else f" ({setting_name('backend')})"
-        raise CatalogError(
-            f"{which} {profile.name} cannot run on the {merged.backend} backend{named}, which serves "
-            f"{', '.join(sorted(only))} only"
-        )
     if merged.max_queue_size < merged.max_images_per_request:
         raise CatalogError(f"{where}: max_queue_size must be at least max_images_per_request")
     if merged.worker_prefetch > merged.max_queue_size:
         raise CatalogError(f"{where}: max_queue_size must be at least worker_prefetch (a worker's batcher holds them)")
     return merged
+
+
+def _check_backend(settings: Settings, profile: ModelProfile, own: bool, where: str) -> None:
+    """Whether the version's backend can run its model (``own``: the file names the backend)."""
+    which = f"{where}: backend:" if own else f"{where}:"  # the file's, or the gateway's setting
+    named = "" if own else f" ({setting_name('backend')})"
+    if profile.source is not None:
+        if (problem := declared_problem(runs_on(settings), profile)) is not None:
+            raise CatalogError(f"{which} the {settings.backend} backend{named} {problem}")
+        return
+    only = ONLY_PROFILES.get(runs_on(settings))
+    if only is not None and profile.name not in only:
+        raise CatalogError(
+            f"{which} {profile.name} cannot run on the {settings.backend} backend{named}, which serves "
+            f"{', '.join(sorted(only))} only"
+        )
 
 
 _ADAPTERS: dict[str, TypeAdapter[Any]] = {}

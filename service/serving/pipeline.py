@@ -32,7 +32,8 @@ from service.images.budget import Budget, BudgetShare, ByteBudget
 from service.images.preprocess import prepare
 from service.metrics import Metrics
 from service.models.checkpoints import real_weights_hint
-from service.serving.catalog import Catalog, load_catalog, with_discovered
+from service.serving.catalog import Catalog, load_catalog
+from service.serving.discovery import with_discovered
 from service.serving.fair import Admission, FairPool, Lane
 from service.serving.loading import Loader
 from service.serving.served import Running, ServedModel, ServedModels, ServedVersion

@@ -23,9 +23,10 @@ logger = logging.getLogger(__name__)
 POLL_SECONDS = 2.0
 
 
-def _served(catalog: Catalog) -> dict[str, list[tuple[str, ModelProfile, Settings]]]:
-    """What a catalog starts: per model, its versions' profiles and settings (not their weights)."""
-    return {m.name: [(v.version, v.profile, v.settings) for v in m.versions] for m in catalog.models}
+def _served(catalog: Catalog) -> dict[str, list[tuple[str, ModelProfile, Settings, int | None]]]:
+    """What a catalog starts: per model, its versions' profiles, settings and memory in the budget
+    (what the loader counts: not their weights)."""
+    return {m.name: [(v.version, v.profile, v.settings, v.memory) for v in m.versions] for m in catalog.models}
 
 
 def reload_traffic(catalog: Catalog, table: dict[str, Any], settings: Settings, where: str) -> Catalog:
@@ -35,13 +36,13 @@ def reload_traffic(catalog: Catalog, table: dict[str, Any], settings: Settings, 
     if catalog.discovered:  # the models found in Triton's index at start stay (the file's own win)
         own = _object(table.get("models"))
         table = {**table, "models": {**own, **{k: v for k, v in catalog.discovered.items() if k not in own}}}
-    fresh = parse_catalog(table, settings, where)
+    fresh = parse_catalog(table, settings, where, base=catalog.base)
     if _served(fresh) != _served(catalog) or fresh.default != catalog.default:
         raise CatalogError(
             f"{where}: only traffic, share and sticky change without a restart; models, versions and their "
             "settings are as at start"
         )
-    return Catalog(fresh.models, fresh.default, fresh.discovery, fresh.table, catalog.discovered)
+    return Catalog(fresh.models, fresh.default, fresh.discovery, fresh.table, catalog.discovered, catalog.base)
 
 
 def _object(value: Any) -> dict[str, Any]:

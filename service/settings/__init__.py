@@ -15,6 +15,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from service.host.cpus import available_cpus
 from service.schemas import MAX_URL_LENGTH
+from service.settings.declared import DeclaredModelFields
 from service.settings.fields import LimitsFields, OfflineFields, ServerFields, ServingFields
 from service.settings.keys import ApiKey, Quota, parse_keys, read_keys_file
 from service.settings.values import (
@@ -40,7 +41,7 @@ RENAMED = {
 """Settings of earlier versions: still set, they would be ignored without a word."""
 
 
-class Settings(LimitsFields, OfflineFields, ServingFields, ServerFields, BaseSettings):
+class Settings(LimitsFields, OfflineFields, DeclaredModelFields, ServingFields, ServerFields, BaseSettings):
     """Every setting of a gateway process. The groups are listed last-first: pydantic takes the
     fields of the last base first, so the settings keep their documented order."""
 

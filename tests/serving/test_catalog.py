@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from service.serving.catalog import CatalogError, load_catalog, read_models_file, with_discovered
+from service.serving.catalog import CatalogError, load_catalog, read_models_file
+from service.serving.discovery import with_discovered
 from service.serving.reload import reload_traffic
 from service.settings import Settings
 
@@ -147,6 +148,17 @@ def test_a_reload_changes_weights_only(tmp_path: Path) -> None:
     table["models"]["shop"]["max_batch_size"] = 32
     del table["models"]["moderation"]
     with pytest.raises(CatalogError, match="only traffic"):
+        reload_traffic(catalog, table, settings, "reload")
+
+
+def test_a_reload_that_changes_a_versions_memory_is_refused_not_reported_applied(tmp_path: Path) -> None:
+    """The loader counts the memory it started with: a reload that changed it was reported applied
+    while the loader kept the old value (issue 45)."""
+    settings = Settings(models_file=_file(tmp_path, TWO))
+    catalog = load_catalog(settings)
+    table = read_models_file(settings.models_file)  # type: ignore[arg-type]
+    table["models"]["shop"]["versions"]["2"]["memory"] = 64 << 20
+    with pytest.raises(CatalogError, match="only traffic, share and sticky change without a restart"):
         reload_traffic(catalog, table, settings, "reload")
 
 
