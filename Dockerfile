@@ -1,7 +1,8 @@
 # syntax=docker/dockerfile:1
 # Two images from one file:
-#   runtime (the default target): serves the models baked into it; no compilers, no pip, no model
-#     tooling (ONNX, NNCF), no PyTorch. Non-root, read-only root friendly, SIGTERM drains.
+#   runtime (the default target): serves the models baked into it and users' own model files (a
+#     mounted folder, declared in a models file); no compilers, no pip, no model tooling (NNCF), no
+#     PyTorch. Non-root, read-only root friendly, SIGTERM drains.
 #   tools (--target tools): the gateway with everything that builds models, for one-shot jobs such as
 #     writing Triton's model repository (`gateway models triton-repo`) or quantizing to INT8.
 # BASE is any Debian bookworm image with Python 3.11+ as `python` (the official slim image by
