@@ -150,6 +150,12 @@ class Settings(LimitsFields, OfflineFields, DeclaredModelFields, ServingFields, 
     @field_validator(
         "webhook_secret",
         "models_file",
+        "model_path",
+        "labels",
+        "models_root",
+        "input_size",
+        "mean",
+        "std",
         "admin_key",
         "worker_heartbeat_file",
         "api_keys",
@@ -159,9 +165,9 @@ class Settings(LimitsFields, OfflineFields, DeclaredModelFields, ServingFields, 
     @classmethod
     def _unset_when_empty(cls, value: object) -> object:
         """``GATEWAY_WEBHOOK_SECRET=`` (compose's default for an unset variable) means no webhooks;
-        ``GATEWAY_MODELS_FILE=`` means no models file; ``GATEWAY_WORKER_HEARTBEAT_FILE=`` no
-        heartbeat file (as a path, empty was the current directory); ``GATEWAY_API_KEYS=`` and
-        ``GATEWAY_API_KEYS_FILE=`` no keys."""
+        ``GATEWAY_MODELS_FILE=`` means no models file (``GATEWAY_MODEL_PATH=`` and the declaring
+        settings, none); ``GATEWAY_WORKER_HEARTBEAT_FILE=`` no heartbeat file (as a path, empty was
+        the current directory); ``GATEWAY_API_KEYS=`` and ``GATEWAY_API_KEYS_FILE=`` no keys."""
         return None if isinstance(value, str) and not value.strip() else value
 
     @model_validator(mode="after")
@@ -199,6 +205,12 @@ class Settings(LimitsFields, OfflineFields, DeclaredModelFields, ServingFields, 
         self._at_least("max_decode_bytes", "max_image_bytes", "or 0: one image must fit")
         self._at_least("max_queue_size", "worker_prefetch", "a worker's batcher must hold every message it takes")
         self._at_least("max_queue_size", "max_images_per_request", "the largest request must fit in the queue")
+        if self.model_path is not None and (self.models_file is not None or self.models.strip()):
+            other = "models_file" if self.models_file is not None else "models"
+            raise ValueError(
+                f"{setting_name('model_path')} serves one model of your own and {setting_name(other)} names the "
+                "models served: give one (a models file declares a model of your own with path = ...)"
+            )
         if self.decoder != "opencv" and not self.torch_device.startswith("cuda"):
             raise ValueError(
                 f"{setting_name('decoder')} {self.decoder} decodes on a GPU, and {setting_name('torch_device')} "

@@ -8,7 +8,25 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, model_validator
+
+from service.settings.values import setting_name
+
+DECLARING = (
+    "labels",
+    "input_size",
+    "resize",
+    "crop_fraction",
+    "color",
+    "layout",
+    "input_dtype",
+    "scale",
+    "mean",
+    "std",
+    "output",
+    "threshold",
+)
+"""The settings that declare the ``model_path`` model (a models file's keys of the same names)."""
 
 
 class DeclaredModelFields(BaseModel):
@@ -46,6 +64,17 @@ class DeclaredModelFields(BaseModel):
     models_root: Path | None = None
     """Where declared models' files and labels must be (symlinks followed); a path outside is refused
     at start. Unset: any file the gateway can read."""
+
+    @model_validator(mode="after")
+    def _only_with_a_model_path(self) -> DeclaredModelFields:
+        """A declaring setting without ``model_path`` would be ignored without a word."""
+        stray = [key for key in DECLARING if getattr(self, key) is not None]
+        if stray and self.model_path is None:
+            raise ValueError(
+                f"{setting_name(stray[0])} declares the model of {setting_name('model_path')}, which is not set "
+                "(in a models file, give it as the model's key)"
+            )
+        return self
 
     def declared(self) -> dict[str, object]:
         """The model table these settings declare (empty without ``model_path``): a models file's keys."""
