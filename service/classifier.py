@@ -1,13 +1,19 @@
-"""The classification service: bytes in, labels out, through the thread pool, batcher and backend.
+"""The classification service: bytes in, labels or a vector out, through the thread pool, batcher
+and backend.
 
-Shared by the HTTP API and (later) the offline queue worker.
+What comes out depends on the model's output kind (``ModelProfile.output``): ``softmax`` and
+``logits`` models answer their best labels, ranked (the backend gives probabilities for both: a
+``logits`` model's graph ends in a softmax); ``sigmoid`` models every label at or above the
+threshold, best first, at most ``top_k``; ``embedding`` models a vector (``embed``), and a
+classification asked of one (or an embedding of a classifier) is refused with a 400 naming the
+route that serves it. Shared by the HTTP API and the offline queue worker.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass
 from functools import partial
@@ -58,6 +64,38 @@ def _naming_the_image(exc: BaseException, index: int, images: list[ImageInput]) 
     return exc
 
 
+class NotAClassifier(GatewayError):
+    """Labels asked of a model whose output is an embedding: its ``/embed`` route serves it."""
+
+    status_code = 400
+    error = "not_a_classifier"
+
+
+class NotAnEmbeddingModel(GatewayError):
+    """An embedding asked of a model whose output is labels: its ``/classify`` route serves it."""
+
+    status_code = 400
+    error = "not_an_embedding_model"
+
+
+def require_labels(profile: ModelProfile, model: str, version: str) -> None:
+    """Refuse (400) a classification of a model that gives embeddings, naming the route that serves it."""
+    if not profile.classifies:
+        raise NotAClassifier(
+            f"model {model!r} version {version} gives embeddings ({profile.outputs} numbers per image), not "
+            f"labels: POST /v1/models/{model}/embed"
+        )
+
+
+def require_embedding(profile: ModelProfile, model: str, version: str) -> None:
+    """Refuse (400) an embedding of a model that gives labels, naming the route that serves it."""
+    if profile.output != "embedding":
+        raise NotAnEmbeddingModel(
+            f"model {model!r} version {version} gives labels ({profile.output}), not embeddings: "
+            f"POST /v1/models/{model}/classify"
+        )
+
+
 @dataclass(frozen=True)
 class Classification:
     filename: str | None
@@ -86,6 +124,18 @@ class Scored:
 def rank_batch(scores: np.ndarray) -> list[Scored]:
     """The batcher's ``rank``: every row's best classes at once (``rank_rows``), and the row."""
     return [Scored(ranked, scores[i]) for i, ranked in enumerate(rank_rows(scores, RANKED))]
+
+
+def rows_of(scores: np.ndarray) -> list[np.ndarray]:
+    """The batcher's ``rank`` for an embedding model: every row as it is (a view of the batch's
+    scores; the backends return arrays of their own), nothing ranked."""
+    return list(scores)
+
+
+def rank_for(profile: ModelProfile) -> Callable[[np.ndarray], Sequence[Scored | np.ndarray]]:
+    """What the batcher makes of a batch's scores for this model, once per batch: ranked classes
+    for a classifier, the rows alone for an embedding model."""
+    return rank_batch if profile.classifies else rows_of
 
 
 def _best(row: Scored | np.ndarray, k: int) -> list[tuple[int, float]]:
@@ -131,6 +181,9 @@ class Classifier:
         self.model_info = ModelInfo(
             name=name or profile.name, version=version or profile.version, random_weights=random_weights
         )
+        self._threshold = float(np.float32(profile.threshold)) if profile.output == "sigmoid" else None
+        """``sigmoid``: the threshold at the scores' own precision (float32), so a score equal to
+        the threshold as written is at it, not below."""
 
     def _prepare_timed(self, data: bytes, deadline: float | None, parent: SpanContext | None = None) -> np.ndarray:
         """Decode one image (in a pool thread), timed; under ``parent`` (a sampled request's span)
@@ -213,13 +266,30 @@ class Classifier:
         backend as ``classify``."""
         return [_scores(row) for row in await self._rows(images, deadline)]
 
-    async def classify(self, images: list[ImageInput], *, k: int, deadline: float | None) -> list[Classification]:
+    async def classify(
+        self, images: list[ImageInput], *, k: int, deadline: float | None, thresholded: bool = True
+    ) -> list[Classification]:
+        """Each image's ``k`` best labels, best first (``sigmoid``: of those, the ones at or above
+        the threshold, unless not ``thresholded``). 400 for a model that gives embeddings, before
+        anything is decoded."""
+        info = self.model_info
+        require_labels(self.profile, info.name, info.version)
         rows = await self._rows(images, deadline)
         started = time.perf_counter()
         labels = self.profile.labels
-        out = [
-            Classification(image.filename, [(i, labels[i], score) for i, score in _best(row, k)])
-            for image, row in zip(images, rows, strict=True)
-        ]
+        threshold = self._threshold if thresholded else None
+        out = []
+        for image, row in zip(images, rows, strict=True):
+            best = _best(row, k)
+            if threshold is not None:  # best first: the labels at or above the threshold lead
+                best = [(i, score) for i, score in best if score >= threshold]
+            out.append(Classification(image.filename, [(i, labels[i], score) for i, score in best]))
         self.metrics.postprocess_duration.observe(time.perf_counter() - started)
         return out
+
+    async def embed(self, images: list[ImageInput], *, deadline: float | None) -> list[np.ndarray]:
+        """Each image's vector (float32, ``profile.outputs`` long), through the same decode, batcher
+        and backend as ``classify``. 400 for a model that gives labels, before anything is decoded."""
+        info = self.model_info
+        require_embedding(self.profile, info.name, info.version)
+        return [_scores(row) for row in await self._rows(images, deadline)]

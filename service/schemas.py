@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from enum import StrEnum
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -29,14 +30,18 @@ class UrlImages(BaseModel):
 
 
 class Label(BaseModel):
-    index: int = Field(description="ImageNet-1k class index, 0-999.")
+    index: int = Field(description="Class index, in the model's label order (ImageNet-1k: 0-999).")
     label: str = Field(description="Human-readable class name.")
-    score: float = Field(description="Softmax probability, 0-1.")
+    score: float = Field(
+        description="Probability, 0-1: over all the classes (softmax, logits), or the label's own (sigmoid)."
+    )
 
 
 class ImageResult(BaseModel):
     filename: str | None = Field(description="The multipart part's filename, when it had one, or the image's URL.")
-    labels: list[Label] = Field(description="The top_k classes, best first.")
+    labels: list[Label] = Field(
+        description="The top_k classes, best first (a sigmoid model: those at or above its threshold, at most top_k)."
+    )
 
 
 class ModelInfo(BaseModel):
@@ -52,6 +57,19 @@ class ModelInfo(BaseModel):
 class ClassifyResponse(BaseModel):
     model: ModelInfo
     results: list[ImageResult] = Field(description="One entry per image, in the order sent.")
+
+
+class ImageEmbedding(BaseModel):
+    filename: str | None = Field(description="The multipart part's filename, when it had one, or the image's URL.")
+    vector: list[float] = Field(description="The model's output for the image (float32 values).")
+    dimensions: int = Field(description="Numbers in the vector.")
+
+
+class EmbedResponse(BaseModel):
+    """The answer of POST /v1/models/{name}/embed (JSON)."""
+
+    model: ModelInfo
+    embeddings: list[ImageEmbedding] = Field(description="One entry per image, in the order sent.")
 
 
 class ErrorBody(BaseModel):
@@ -89,6 +107,9 @@ class JobStatus(BaseModel):
         "(e.g. \"no worker serves model 'x': requeued for one that does ...\"); null otherwise.",
     )
     labels: list[Label] = Field(default_factory=list)
+    embedding: list[float] | None = Field(
+        default=None, description="When done, by a model that gives embeddings: the image's vector (else null)."
+    )
     error: ErrorBody | None = None
     model: ModelInfo | None = None
     timings: dict[str, float] = Field(default_factory=dict)
@@ -120,7 +141,9 @@ class VersionState(StrEnum):
 
 class ModelVersionState(BaseModel):
     version: str
-    profile: str = Field(description="The graph it runs: efficientnet-lite0, resnet50 or trivial.")
+    profile: str = Field(
+        description="The graph it runs: efficientnet-lite0, resnet50, trivial, or the model's own for a declared model."
+    )
     backend: str
     traffic: float = Field(description="Share of the model's unversioned requests this version takes (0-1).")
     ready: bool = Field(description="It takes requests: ready, or loading or unloaded (a request waits for the load).")
@@ -151,12 +174,26 @@ class ModelsList(BaseModel):
 
 
 class VersionMetadata(ModelVersionState):
-    image_size: int = Field(description="Side of the square RGB input the images are resized and cropped to.")
+    image_size: int = Field(
+        description="Deprecated: input_size's height (the side of the input when it was always square).",
+        deprecated=True,
+    )
+    input_size: list[int] = Field(description="Height and width of the RGB input the images are made into.")
+    resize: Literal["crop", "stretch", "letterbox"] = Field(
+        description="How a photo becomes the input: crop (scale to cover, keep the centre), stretch (each side "
+        "to fit) or letterbox (fit inside, pad with grey)."
+    )
     crop_fraction: float = Field(description="Share of the shorter side kept by the centre crop.")
+    output: Literal["softmax", "logits", "sigmoid", "embedding"] = Field(
+        description="What the model gives: ranked labels (softmax, logits), every label at or above the "
+        "threshold (sigmoid), or a vector (embedding, served by POST /v1/models/{name}/embed)."
+    )
+    threshold: float | None = Field(description="sigmoid: the score at or above which a label is answered; else null.")
+    dimensions: int = Field(description="Numbers per image in the model's output: its labels, or its vector's length.")
     precision: str
     random_weights: bool
     batching: Batching
-    labels: list[str] = Field(description="Class names, by class index.")
+    labels: list[str] | None = Field(description="Class names, by class index (null for an embedding model).")
 
 
 class ModelMetadata(BaseModel):

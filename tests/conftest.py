@@ -23,6 +23,7 @@ from service.http.app import create_app
 from service.http.protocol import http_protocol
 from service.models.profiles import get_profile
 from service.models.store import ensure_model
+from service.serving.catalog import Catalog
 from service.settings import Settings
 from service.tune.runner import free_port
 from tests.triton_server import triton, triton_install, triton_repository  # noqa: F401 (fixtures)
@@ -128,14 +129,17 @@ class GatewayClient(httpx.AsyncClient):
 
 
 @asynccontextmanager
-async def running_gateway(settings: Settings, backend: Backend | None = None) -> AsyncIterator[GatewayClient]:
-    """A real uvicorn server on a free loopback port, in this event loop; yields a client for it.
+async def running_gateway(
+    settings: Settings, backend: Backend | None = None, catalog: Catalog | None = None
+) -> AsyncIterator[GatewayClient]:
+    """A real uvicorn server on a free loopback port, in this event loop; yields a client for it
+    (``catalog``: its models, by default the settings').
 
     The socket is bound before the server starts, so requests wait in its backlog until the
     lifespan has finished: no polling for readiness."""
     sock = _bound_socket()
     port = sock.getsockname()[1]
-    app = create_app(settings, backend=backend)
+    app = create_app(settings, backend=backend, catalog=catalog)
     protocol = http_protocol(settings.header_timeout, settings.body_timeout, settings.max_body_bytes)
     config = uvicorn.Config(
         app, log_level="warning", lifespan="on", http=protocol, limit_concurrency=settings.max_connections

@@ -1,250 +1,102 @@
-"""HTTP routes: thin, they parse the request and hand the work to the Classifier."""
+"""HTTP routes: thin, they parse the request and hand the work to the Classifier.
+
+The image routes (``/classify`` here, a named model's ``classify`` and ``embed`` in
+``service.http.model_routes``) share one path, ``handle_images``: what they take
+(``service.http.image_request``, ``service.http.json_body``), admission, quotas, the deadline and
+``mode=offline`` (``service.http.offline_submit``); they differ in what they ask of the model
+(``WANTS``): ranked labels, or its vectors.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import re
-from dataclasses import dataclass, field
-from typing import Any
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 
 import numpy as np
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
-from starlette.datastructures import UploadFile
-from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from service.classifier import Classification, ImageInput, validate
-from service.errors import (
-    BackendUnavailable,
-    BadImage,
-    BadRequest,
-    Forbidden,
-    InvalidParameters,
-    NotFound,
-    QuotaExceeded,
-    UnsupportedMediaType,
-)
-from service.http.answers import Answers
-from service.http.fetch import Fetcher
+from service.classifier import Classification, ImageInput, require_embedding, require_labels
+from service.errors import BackendUnavailable, NotFound, UnsupportedMediaType
+from service.http.answers import BINARY, embedding_rows, wants_binary
+from service.http.gateway import CANCEL_ON_DISCONNECT as CANCEL_ON_DISCONNECT  # the fast path's import
+from service.http.gateway import CHECKED_QUERY, choose, gateway_of, spend_quota
+from service.http.gateway import Gateway as Gateway  # the composition root's import
+from service.http.image_request import MODE_DOC, TOP_K_DOC, media_type, query, read_images
 from service.http.json_body import read_urls
 from service.http.middleware import API_KEY, AUTHENTICATED
+from service.http.offline_submit import ACCEPTED_DOC, HEADERS_DOC, refuse_webhook_online, submit
 from service.http.openapi import CLASSIFY_BODY, ERRORS
-from service.http.quotas import Quotas
-from service.images.files import MEDIA_TYPES
-from service.jobs.client import JobsClient, JobTarget, OfflineImage
 from service.jobs.owners import JOB_ID_CHARS
 from service.jobs.store import PendingJob
-from service.metrics import Metrics
 from service.models.checkpoints import real_weights_hint
-from service.schemas import (
-    AcceptedJob,
-    ClassifyResponse,
-    ErrorBody,
-    JobsAccepted,
-    JobStatus,
-    Readiness,
-)
-from service.serving.served import ServedModels, ServedVersion
-from service.settings import Settings
-from service.ssrf import check_destination, parse_allowlist
-
-
-async def reject_unknown_query(request: Request) -> None:
-    """A misspelt parameter (``topk=3``) is an error, not silently the default."""
-    route = request.scope.get("route")
-    dependant = getattr(route, "dependant", None)
-    if dependant is None:
-        return
-    known = {param.alias for param in dependant.query_params}
-    unknown = sorted(set(request.query_params) - known)
-    if unknown:
-        expected = ", ".join(sorted(known)) or "none"
-        raise InvalidParameters(f"unknown query parameter(s) {unknown}; this route takes: {expected}")
-
+from service.models.profiles import ModelProfile
+from service.schemas import ClassifyResponse, ErrorBody, JobStatus, Readiness
+from service.serving.served import ServedVersion
 
 logger = logging.getLogger(__name__)
 
-
-@dataclass
-class Gateway:
-    """Everything a request handler needs, built once per app."""
-
-    settings: Settings
-    models: ServedModels
-    metrics: Metrics
-    answers: dict[int, Answers]
-    """Renders each model version's online answers, by ``id`` of its ``ServedVersion``."""
-    jobs: JobsClient | None = None
-    quotas: Quotas | None = None
-    fetcher: Fetcher | None = None
-    """Fetches images given by URL (None: URL inputs are off)."""
-    key_models: dict[str, frozenset[str]] = field(default_factory=dict)
-    """The models each API key may use, for the keys that are limited to some (``models=``)."""
-    closing: bool = False
-
-
-def gateway_of(request: Request) -> Gateway:
-    """The app's state, built once by its composition root (``service.http.app``)."""
-    gateway = request.app.state.gateway
-    assert isinstance(gateway, Gateway)
-    return gateway
-
-
 router = APIRouter()
-CHECKED_QUERY = [Depends(reject_unknown_query)]
-"""Routes with FastAPI-parsed parameters check for unknown ones this way; /classify parses its two
-itself, on the hot path (see ``_classify_params``)."""
-
-CLASSIFY_PARAMS = ("top_k", "mode")
-CANCEL_ON_DISCONNECT = "gateway.cancel_on_disconnect"
-"""Scope key: True when the request's work may be cancelled if its client leaves (online: nobody
-would read the answer); an offline submit always finishes, so its jobs are queued whole."""
-IDEMPOTENCY_KEY = "Idempotency-Key"
-IDEMPOTENT_REPLAYED = "Idempotent-Replayed"
-WEBHOOK_URL = "Webhook-URL"
-MAX_WEBHOOK_URL = 2048
-_IDEMPOTENCY_KEY = re.compile(r"[\x21-\x7e]{1,255}")
-_INTEGER = re.compile(r"[+-]?[0-9]+")
-QUERY_DOC: list[dict[str, Any]] = [
+QUERY_DOC = [TOP_K_DOC, MODE_DOC, *HEADERS_DOC]
+"""What ``classify`` routes take besides their body (OpenAPI ``parameters``)."""
+EMBED_QUERY_DOC = [
+    MODE_DOC,
     {
-        "name": "top_k",
-        "in": "query",
-        "required": False,
-        "description": "How many classes to return per image.",
-        "schema": {"type": "integer", "minimum": 1, "maximum": 20, "default": 5, "title": "Top K"},
-    },
-    {
-        "name": "mode",
-        "in": "query",
-        "required": False,
-        "description": "online: answer now; offline: queue and answer 202.",
-        "schema": {"type": "string", "enum": ["online", "offline"], "default": "online", "title": "Mode"},
-    },
-    {
-        "name": "Idempotency-Key",
+        "name": "Accept",
         "in": "header",
         "required": False,
-        "description": "mode=offline: a retry with the same key and the same body gets the same job ids "
-        "(202, with `Idempotent-Replayed: true` when nothing new was queued) and queues nothing new, also on "
-        "another replica at the same moment; the same key with another body is 409. Remembered for "
-        "GATEWAY_IDEMPOTENCY_TTL seconds, per API key. Ignored online (an online answer is computed again).",
-        "schema": {"type": "string", "minLength": 1, "maxLength": 255},
+        "description": f"`{BINARY}`: the vectors as little-endian float32 rows, one per image in the order "
+        "sent, with their shape in `X-Embedding-Shape: N,D` and the model in `X-Model-Name` and "
+        "`X-Model-Version` (a 1,280-number vector: 5 KB, against 15.5 KB of JSON). Anything else: JSON.",
+        "schema": {"type": "string"},
     },
-    {
-        "name": WEBHOOK_URL,
-        "in": "header",
-        "required": False,
-        "description": "mode=offline only: when each job finishes (done or failed), its result is POSTed to this "
-        'URL as JSON, `{"type": "job.done"|"job.failed", "timestamp": ..., "data": <the job\'s result>}`, signed '
-        "the Standard Webhooks way (`webhook-id`: the job id, `webhook-timestamp`, `webhook-signature`: "
-        "`v1,` + base64 HMAC-SHA256 of `id.timestamp.body` under GATEWAY_WEBHOOK_SECRET). A 2xx answer "
-        "accepts it; anything else is retried with growing delays (GATEWAY_WEBHOOK_RETRY_DELAYS) for up to "
-        "GATEWAY_WEBHOOK_MAX_AGE seconds. At least once: a receiver that remembers `webhook-id` sees each "
-        "job once. https only unless GATEWAY_WEBHOOK_ALLOW_HTTP; the host must resolve to public addresses "
-        "unless GATEWAY_WEBHOOK_ALLOWLIST holds them (403 `url_not_allowed`). 400 when webhooks are off "
-        "(no GATEWAY_WEBHOOK_SECRET), online, or the host cannot be resolved.",
-        "schema": {"type": "string", "format": "uri", "maxLength": MAX_WEBHOOK_URL},
-    },
+    *HEADERS_DOC,
 ]
+"""What ``embed`` routes take besides their body."""
+
+Answer = Callable[[Request, Gateway, ServedVersion, list[ImageInput], int, float], Awaitable[Response]]
+"""An online answer: the request, its gateway, the version, the images, ``top_k`` and the deadline."""
 
 
-def _classify_params(request: Request) -> tuple[int, str]:
-    """``top_k`` (1-20, default 5) and ``mode`` (online|offline), with the same 422s FastAPI gives."""
-    if not request.scope["query_string"]:  # the common case: no parsing at all
-        return 5, "online"
-    query = request.query_params
-    if not query:
-        return 5, "online"
-    unknown = sorted(set(query) - set(CLASSIFY_PARAMS))
-    if unknown:
-        raise InvalidParameters(f"unknown query parameter(s) {unknown}; this route takes: mode, top_k")
-    problems = []
-    top_k, mode = 5, query.get("mode", "online")
-    if "top_k" in query:
-        raw = query["top_k"].strip()
-        if not _INTEGER.fullmatch(raw):  # not int(): it takes "1_0" and non-ASCII digits
-            problems.append("top_k: Input should be a valid integer, unable to parse string as an integer")
-        else:
-            top_k = int(raw)
-            if not 1 <= top_k <= 20:
-                problems.append(
-                    f"top_k: Input should be {'greater' if top_k < 1 else 'less'} than or equal to "
-                    f"{1 if top_k < 1 else 20}"
-                )
-    if mode not in ("online", "offline"):
-        problems.append("mode: Input should be 'online' or 'offline'")
-    if problems:
-        raise InvalidParameters("; ".join(problems))
-    return top_k, mode
+@dataclass(frozen=True)
+class Wants:
+    """What an image route asks of a model: its query parameters, the output kinds that can give
+    it (a refusal naming the route that serves the others), and how it answers online."""
+
+    params: tuple[str, ...]
+    require: Callable[[ModelProfile, str, str], None]
+    answer: Answer
 
 
-MAX_FILENAME_BYTES = 255
-"""Longest filename accepted in a multipart part (it is echoed in answers, job states and logs)."""
+async def _labels(
+    request: Request, gateway: Gateway, served: ServedVersion, images: list[ImageInput], top_k: int, deadline: float
+) -> Response:
+    results = await served.classifier.classify(images, k=top_k, deadline=deadline)
+    served.metrics.images_online.inc(len(results))
+    return Response(gateway.answers[id(served)].render(results), media_type="application/json")
 
 
-def _media_type(content_type: str | None) -> str:
-    return (content_type or "").split(";", 1)[0].strip().lower()
+async def _vectors(
+    request: Request, gateway: Gateway, served: ServedVersion, images: list[ImageInput], top_k: int, deadline: float
+) -> Response:
+    vectors = await served.classifier.embed(images, deadline=deadline)
+    served.metrics.images_online.inc(len(vectors))
+    answers = gateway.answers[id(served)]
+    if wants_binary(request.headers.get("accept")):
+        return Response(embedding_rows(vectors), media_type=BINARY, headers=answers.embedding_headers(vectors))
+    return Response(answers.render_embeddings(images, vectors), media_type="application/json")
 
 
-def _check_image_type(media: str, where: str) -> None:
-    if media and not (media.startswith("image/") or media == "application/octet-stream"):
-        raise UnsupportedMediaType(f"{where} has content type {media!r}; send an image")
-
-
-async def _read_images(request: Request, max_images: int) -> list[ImageInput]:
-    media = _media_type(request.headers.get("content-type"))
-    if media == "multipart/form-data":
-        try:
-            form = await request.form(max_files=max_images, max_fields=max_images)
-        except StarletteHTTPException as exc:
-            raise BadRequest(f"malformed multipart body: {exc.detail}") from exc
-        try:
-            unexpected = sorted({key for key in form if key != "file"})
-            if unexpected:
-                raise BadRequest(f"unexpected form field(s) {unexpected}; send each image as a 'file' part")
-            images: list[ImageInput] = []
-            for i, part in enumerate(form.getlist("file")):
-                if not isinstance(part, UploadFile):
-                    raise BadRequest(f"'file' part {i + 1} is a text field, not a file upload")
-                if part.filename is not None and len(part.filename.encode()) > MAX_FILENAME_BYTES:
-                    raise BadRequest(f"'file' part {i + 1} has a filename over {MAX_FILENAME_BYTES} bytes")
-                part_type = _media_type(part.content_type)
-                _check_image_type(part_type, f"'file' part {i + 1}")
-                images.append(ImageInput(await part.read(), part.filename, part_type or None))
-        finally:
-            await form.close()
-        if not images:
-            raise BadRequest("multipart body has no 'file' part")
-        return images
-    if media.startswith("image/") or media == "application/octet-stream":
-        body = await request.body()
-        if not body:
-            raise BadImage("empty image")
-        return [ImageInput(body, None, media)]
-    raise UnsupportedMediaType(
-        f"content type {media or 'missing'!r} is not accepted; send multipart/form-data with 'file' parts, "
-        f"or an image body ({', '.join(MEDIA_TYPES)})"
-    )
+LABELS = Wants(("mode", "top_k"), require_labels, _labels)
+VECTORS = Wants(("mode",), require_embedding, _vectors)
 
 
 @router.post(
     "/classify",
     response_model=ClassifyResponse,
-    responses={
-        **ERRORS,
-        202: {
-            "model": JobsAccepted,
-            "description": "mode=offline: one job per image.",
-            "headers": {
-                IDEMPOTENT_REPLAYED: {
-                    "description": "`true` when an earlier submit with this Idempotency-Key had queued every "
-                    "image: the same job ids, nothing queued again.",
-                    "schema": {"type": "string", "enum": ["true"]},
-                }
-            },
-        },
-    },
+    responses={**ERRORS, 202: ACCEPTED_DOC},
     openapi_extra={"requestBody": CLASSIFY_BODY, "parameters": QUERY_DOC},
     summary="Classify one or more images",
     description=(
@@ -255,7 +107,8 @@ async def _read_images(request: Request, max_images: int) -> list[ImageInput]:
         "error (naming it) and none of its images is inferred; other requests are never affected. "
         "With `mode=offline` each image is validated from its header, queued in RabbitMQ, and the answer "
         "is 202 with a job id per image (see GET /jobs/{job_id}); with a `Webhook-URL` header each job's "
-        "result is also POSTed there, signed, when it finishes."
+        "result is also POSTed there, signed, when it finishes. A model that gives embeddings is refused "
+        "(400 `not_a_classifier`): `POST /v1/models/{name}/embed` serves it."
     ),
 )
 async def classify(request: Request) -> Response:
@@ -266,37 +119,36 @@ async def handle_classify(request: Request, model: str | None = None, version: s
     """The route's work, shared by the FastAPI routes (documented in OpenAPI) and ``ClassifyFastPath``
     (what serves them: the same function without the framework's per-request layers). ``model``
     and ``version`` come from the path (None: the default model; its version by traffic)."""
-    top_k, mode = _classify_params(request)
+    return await handle_images(request, model, version, LABELS)
+
+
+async def handle_embed(request: Request, model: str, version: str | None = None) -> Response:
+    """``/v1/models/{name}[/versions/{v}]/embed``: ``classify``'s path, answering vectors."""
+    return await handle_images(request, model, version, VECTORS)
+
+
+async def handle_images(request: Request, model: str | None, version: str | None, wants: Wants) -> Response:
+    """An image route's work: the body read, admitted and answered online or queued offline."""
+    top_k, mode = query(request, wants.params)
     request.scope[CANCEL_ON_DISCONNECT] = mode == "online"
     gateway = gateway_of(request)
     served = choose(request, gateway, model, version)
+    wants.require(served.spec.profile, served.model, served.version)  # before the body: it cannot help
     admission = gateway.models.admission
     admission.check(served.model)  # full now: refuse before spending time on the body
-    if _media_type(request.headers.get("content-type")) == "application/json":
+    if media_type(request.headers.get("content-type")) == "application/json":
         urls = await _read_urls(request, gateway)
-        _spend_quota(request, gateway, len(urls), served.model)  # before fetching: the fetches are the cost
+        spend_quota(request, gateway, len(urls), served.model)  # before fetching: the fetches are the cost
         assert gateway.fetcher is not None  # _read_urls refuses URLs where fetching is off
         async with gateway.fetcher.images(urls) as fetched:
             admission.check(served.model)
-            return await _admitted(request, gateway, served, fetched, top_k, mode, version)
+            return await _admitted(request, gateway, served, fetched, top_k, mode, version, wants)
     # The body is read before taking a slot: a slow sender never holds one (its time is bounded by
     # GATEWAY_BODY_TIMEOUT, its memory by the body budget in BodyLimitMiddleware).
-    images = await _read_images(request, gateway.settings.max_images_per_request)
+    images = await read_images(request, gateway.settings.max_images_per_request)
     admission.check(served.model)
-    _spend_quota(request, gateway, len(images), served.model)
-    return await _admitted(request, gateway, served, images, top_k, mode, version)
-
-
-def choose(request: Request, gateway: Gateway, model: str | None, version: str | None) -> ServedVersion:
-    """The model version a request names, or (without a version) one its model's traffic weights pick."""
-    chosen = gateway.models.default if model is None else gateway.models.get(model)
-    key_id = request.scope.get(API_KEY)
-    allowed = gateway.key_models.get(key_id) if key_id is not None else None
-    if allowed is not None and chosen.name not in allowed:
-        raise Forbidden(f"this API key may not use model {chosen.name!r}; it may use {', '.join(sorted(allowed))}")
-    if version is not None:
-        return chosen.version(version)
-    return chosen.pick(request.scope.get(API_KEY))
+    spend_quota(request, gateway, len(images), served.model)
+    return await _admitted(request, gateway, served, images, top_k, mode, version, wants)
 
 
 async def _admitted(
@@ -307,6 +159,7 @@ async def _admitted(
     top_k: int,
     mode: str,
     version: str | None,
+    wants: Wants,
 ) -> Response:
     """``version``: the one the request named (None: ``served`` was picked by traffic weights)."""
     deadline = asyncio.get_running_loop().time() + gateway.settings.request_timeout
@@ -314,13 +167,12 @@ async def _admitted(
     admission.enter(served.model)
     try:
         if mode == "offline":
-            return await _classify_offline(request, served, images, top_k, version)
-        if WEBHOOK_URL in request.headers:
-            raise BadRequest(f"{WEBHOOK_URL} is for mode=offline: an online answer is the result itself")
+            return await submit(request, gateway, served, images, top_k, version)
+        refuse_webhook_online(request)
         if loader is not None:  # loads it (within the deadline) if it is not, holds it loaded
             await loader.acquire(served, deadline)
         try:
-            return await _classify_online(gateway, served, images, top_k, deadline)
+            return await wants.answer(request, gateway, served, images, top_k, deadline)
         finally:
             if loader is not None:
                 loader.release(served)
@@ -335,28 +187,20 @@ async def _read_urls(request: Request, gateway: Gateway) -> list[str]:
     return await read_urls(request, settings.max_json_body_bytes_effective, settings.max_images_per_request)
 
 
-def _spend_quota(request: Request, gateway: Gateway, images: int, model: str) -> None:
-    key_id = request.scope.get(API_KEY)
-    if gateway.quotas is None or key_id is None:
-        return
-    try:
-        gateway.quotas.take(key_id, images, model)
-    except QuotaExceeded:
-        gateway.metrics.quota_rejections.labels(key_id, "rate").inc()
-        raise
-    gateway.metrics.key_images.labels(key_id).inc(images)
-
-
 async def online(
     request: Request, served: ServedVersion, images: list[ImageInput], top_k: int | None
 ) -> list[np.ndarray] | list[Classification]:
     """An online request of another protocol for ``served``, admitted as ``/classify`` admits one
     (room, the API key's quota, the deadline): the ``top_k`` classes of every image, ranked with
-    its batch as ``/classify``'s are, or with ``top_k`` None its probabilities over every class."""
+    its batch as ``/classify``'s are (a sigmoid model's too, whatever their score: a protocol's
+    tensor has ``top_k`` of them in every row), or with ``top_k`` None its score rows (an embedding
+    model's vectors). Classes asked of an embedding model are refused before anything is spent."""
     gateway = gateway_of(request)
+    if top_k is not None:
+        require_labels(served.spec.profile, served.model, served.version)
     admission = gateway.models.admission
     admission.check(served.model)
-    _spend_quota(request, gateway, len(images), served.model)
+    spend_quota(request, gateway, len(images), served.model)
     deadline = asyncio.get_running_loop().time() + gateway.settings.request_timeout
     loader = gateway.models.loader
     admission.enter(served.model)
@@ -368,7 +212,7 @@ async def online(
             if top_k is None:
                 rows: list[np.ndarray] | list[Classification] = await classifier.scores(images, deadline=deadline)
             else:
-                rows = await classifier.classify(images, k=top_k, deadline=deadline)
+                rows = await classifier.classify(images, k=top_k, deadline=deadline, thresholded=False)
         finally:
             if loader is not None:
                 loader.release(served)
@@ -378,71 +222,12 @@ async def online(
     return rows
 
 
-async def _classify_online(
-    gateway: Gateway, served: ServedVersion, images: list[ImageInput], top_k: int, deadline: float
-) -> Response:
-    results = await served.classifier.classify(images, k=top_k, deadline=deadline)
-    served.metrics.images_online.inc(len(results))
-    return Response(gateway.answers[id(served)].render(results), media_type="application/json")
-
-
-async def _classify_offline(
-    request: Request, served: ServedVersion, images: list[ImageInput], top_k: int, version: str | None
-) -> JSONResponse:
-    """Validate every image cheaply (type, header, dimensions), then publish each as a job to its
-    model's queue, naming the version if the request did (else the workers pick one by weight)."""
-    gateway = gateway_of(request)
-    if gateway.jobs is None:  # a property of this deployment, not a passing fault: retrying cannot help
-        raise BadRequest("mode=offline is not available: this gateway has no message broker (GATEWAY_BROKER_URL)")
-    key = _idempotency_key(request)
-    webhook = await _webhook_url(request, gateway.settings)
-    await validate(images, served.config, served.executor)  # the queue workers classify: nothing is loaded here
-    offline = [OfflineImage(i.data, i.content_type or "application/octet-stream", i.filename) for i in images]
-    owner = request.scope.get(API_KEY) or ""
-    target = JobTarget(gateway.jobs.names.route(served.model, gateway.models.default.name), version)
-    submitted = await gateway.jobs.submit(offline, top_k, owner=owner, key=key, webhook=webhook, target=target)
-    body = JobsAccepted(
-        jobs=[
-            AcceptedJob(job_id=job_id, filename=image.filename, status_url=f"/jobs/{job_id}")
-            for job_id, image in zip(submitted.job_ids, images, strict=True)
-        ]
-    )
-    headers = {IDEMPOTENT_REPLAYED: "true"} if submitted.replayed else None
-    return JSONResponse(body.model_dump(), status_code=202, headers=headers)
-
-
-def _idempotency_key(request: Request) -> str | None:
-    key = request.headers.get(IDEMPOTENCY_KEY)
-    if key is None:
-        return None
-    if not _IDEMPOTENCY_KEY.fullmatch(key):
-        raise BadRequest(f"{IDEMPOTENCY_KEY} must be 1-255 printable ASCII characters")
-    return key
-
-
-async def _webhook_url(request: Request, settings: Settings) -> str | None:
-    url = request.headers.get(WEBHOOK_URL)
-    if url is None:
-        return None
-    if settings.webhook_secret is None:
-        raise BadRequest(f"{WEBHOOK_URL}: webhooks are turned off here (no GATEWAY_WEBHOOK_SECRET)")
-    if len(url) > MAX_WEBHOOK_URL:
-        raise BadRequest(f"{WEBHOOK_URL}: {len(url)} characters; at most {MAX_WEBHOOK_URL}")
-    if not url.isascii():  # header bytes arrive as latin-1: anything else would be another URL
-        raise BadRequest(
-            f"{WEBHOOK_URL}: non-ASCII bytes; send the host in IDNA (xn--) form and percent-encode the rest"
-        )
-    return await check_destination(
-        url, WEBHOOK_URL, settings.webhook_allow_http, parse_allowlist(settings.webhook_allowlist)
-    )
-
-
 @router.get(
     "/jobs/{job_id}",
     dependencies=CHECKED_QUERY,
     response_model=JobStatus,
     responses={404: {"model": ErrorBody, "description": "Unknown job, or another API key's."}},
-    summary="State of an offline job: pending, done (with labels) or failed (with the reason)",
+    summary="State of an offline job: pending, done (with labels, or an embedding) or failed (with the reason)",
 )
 async def job_status(request: Request, job_id: str) -> JobStatus:
     gateway = gateway_of(request)
@@ -467,6 +252,7 @@ async def job_status(request: Request, job_id: str) -> JobStatus:
         status=state.status,
         filename=state.filename,
         labels=state.labels,
+        embedding=state.embedding,
         error=error,
         model=state.model,
         timings=state.timings,

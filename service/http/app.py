@@ -37,7 +37,7 @@ from service.jobs.client import JobsClient
 from service.jobs.topology import Names
 from service.metrics import Metrics, multiprocess_dir
 from service.schemas import ModelInfo
-from service.serving.catalog import load_catalog
+from service.serving.catalog import Catalog, load_catalog
 from service.serving.pipeline import open_models
 from service.serving.reload import stamp, watch_models_file
 from service.settings import Settings
@@ -64,11 +64,12 @@ def create_app(
     *,
     backend: Backend | None = None,
     registry: CollectorRegistry | None = None,
+    catalog: Catalog | None = None,
 ) -> FastAPI:
-    """Build the gateway. ``backend`` and ``registry`` may be injected (tests); by default the
-    backend comes from the settings and the registry is new."""
+    """Build the gateway. ``backend``, ``registry`` and ``catalog`` may be injected (tests); by
+    default the backend and the models come from the settings and the registry is new."""
     seen = stamp(settings.models_file) if settings.models_file is not None else None
-    catalog = load_catalog(settings)
+    catalog = catalog if catalog is not None else load_catalog(settings)
     metrics = Metrics(registry)
     tracing = Tracing.from_settings(settings, role="gateway")
     keys = settings.load_api_keys()

@@ -10,10 +10,14 @@ The model takes encoded images, not pixels: one input, ``IMAGE``, a ``BYTES`` te
 the binary tensor data extension (``Inference-Header-Content-Length``, ``binary_data_size``; each
 element a 4-byte little-endian length and its bytes), which ``tritonclient`` uses by default, so
 photos go as raw bytes; or in JSON, each element the base64 of the image (JSON has no bytes).
-The output, ``PROBABILITIES``, is ``FP32 [N, classes]``; with the classification extension
+The output, ``PROBABILITIES``, is the model's own tensor, ``FP32 [N, outputs]``: the scores of its
+classes, or for a model that gives embeddings its vectors (same name, so a client reads any model
+the same way; the metadata's ``output`` parameter says which). With the classification extension
 (``"parameters": {"classification": k}`` on the requested output) it is ``BYTES [N, k]``, each
-element ``"score:index:label"``, best first. Outputs are JSON unless asked for in binary
-(``binary_data`` on an output, or ``binary_data_output`` on the request).
+element ``"score:index:label"``, best first: the k best of a sigmoid model too, whatever their
+score (a tensor's rows are all k long; the scores are in the elements); asked of an embedding model,
+a 400. Outputs are JSON unless asked for in binary (``binary_data`` on an output, or
+``binary_data_output`` on the request).
 
 Underneath is ``/classify``'s path: the same decode pool, batcher, backend, admission, quotas,
 deadline and error status codes; errors have the protocol's shape, ``{"error": "<message>"}``.
@@ -32,7 +36,8 @@ from starlette.responses import JSONResponse, Response
 from service import __version__
 from service.classifier import Classification
 from service.errors import GatewayError
-from service.http.api import CANCEL_ON_DISCONNECT, choose, gateway_of, online, reject_unknown_query
+from service.http.api import online
+from service.http.gateway import CANCEL_ON_DISCONNECT, choose, gateway_of, reject_unknown_query
 from service.http.inference_request import HEADER_LENGTH, INPUT, OUTPUT, read_request
 from service.serving.served import ServedModel, ServedVersion
 
@@ -88,15 +93,18 @@ async def model_metadata(request: Request, name: str, version: str | None = None
     except GatewayError as exc:
         return protocol_error(exc)
     first = versions[0]  # a model's versions may differ in backend, not in what they take and give
+    profile = first.spec.profile
     return JSONResponse(
         {
             "name": model.name,
             "versions": [served.version for served in versions],
             "platform": f"inference-gateway/{first.backend_name}",
             "inputs": [{"name": INPUT, "datatype": "BYTES", "shape": [-1]}],
-            "outputs": [{"name": OUTPUT, "datatype": "FP32", "shape": [-1, len(first.spec.profile.labels)]}],
+            "outputs": [{"name": OUTPUT, "datatype": "FP32", "shape": [-1, profile.outputs]}],
             "parameters": {
-                "image_size": first.spec.profile.height,
+                "image_size": profile.height,
+                "input_size": [profile.height, profile.width],
+                "output": profile.output,
                 "max_images_per_request": gateway_of(request).settings.max_images_per_request,
             },
         }
@@ -147,7 +155,7 @@ async def handle_infer(request: Request, name: str, version: str | None = None) 
         body,
         request.headers.get(HEADER_LENGTH),
         gateway.settings.max_images_per_request,
-        len(served.spec.profile.labels),
+        served.spec.profile.outputs,
     )
     rows = await online(request, served, asked.images, asked.k)
     return _answer(asked.id, served, rows, asked.binary_output)

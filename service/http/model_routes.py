@@ -1,6 +1,7 @@
 """The models routes: which models are served (``GET /v1/models``), each one's metadata, and
-classification by a named model and version (``POST /v1/models/{name}[/versions/{v}]/classify``,
-the same work as ``/classify``, which serves the default model)."""
+inference by a named model and version: ``POST /v1/models/{name}[/versions/{v}]/classify`` (the same
+work as ``/classify``, which serves the default model) for the models that give labels, and
+``.../embed`` (the same bodies, answering vectors) for those that give embeddings."""
 
 from __future__ import annotations
 
@@ -14,13 +15,16 @@ from fastapi.responses import Response
 
 from service.backends.triton_repository import TritonRepository
 from service.errors import Conflict, Forbidden, NotFound
-from service.http.api import CHECKED_QUERY, QUERY_DOC, gateway_of, handle_classify
+from service.http.answers import BINARY
+from service.http.api import EMBED_QUERY_DOC, QUERY_DOC, handle_classify, handle_embed
+from service.http.gateway import CHECKED_QUERY, gateway_of
+from service.http.offline_submit import ACCEPTED_DOC
 from service.http.openapi import CLASSIFY_BODY, ERRORS
 from service.schemas import (
     Batching,
     ClassifyResponse,
+    EmbedResponse,
     ErrorBody,
-    JobsAccepted,
     ModelMetadata,
     ModelsList,
     ModelSummary,
@@ -36,7 +40,15 @@ logger = logging.getLogger(__name__)
 CLASSIFY_DOC = (
     "`POST /classify`'s work (bodies, `top_k`, `mode`, errors) on the named model. Without a version, the "
     "model's traffic weights pick one (sticky per API key where the model says so); with one, that version. "
-    "The answer's `model` says which version answered. 404 for an unknown model or version."
+    "The answer's `model` says which version answered. 404 for an unknown model or version; 400 "
+    "`not_a_classifier` for a model that gives embeddings (its `/embed` route serves it)."
+)
+EMBED_DOC = (
+    "The vector of each image, by a model that gives embeddings (its `output` is `embedding`): the bodies, "
+    "`mode`, the version choice and the errors of `/classify`, and a 400 `not_an_embedding_model` for a model "
+    "that gives labels (its `/classify` route serves it). JSON by default (each number a float32 in 9 "
+    f"significant digits, which give it back exactly); `Accept: {BINARY}` answers little-endian float32 rows. "
+    "With `mode=offline` each job's result carries `embedding` instead of `labels`."
 )
 NOT_FOUND: dict[int | str, dict[str, Any]] = {
     404: {"model": ErrorBody, "description": "No such model (or version); the message lists them."}
@@ -99,7 +111,8 @@ async def list_models(request: Request) -> ModelsList:
     dependencies=CHECKED_QUERY,
     response_model=ModelMetadata,
     responses=NOT_FOUND,
-    summary="A model's metadata: per version its input size, labels, precision, backend and batching",
+    summary="A model's metadata: per version its input size, resize, output kind, labels, precision, backend and "
+    "batching",
 )
 async def model_metadata(request: Request, name: str) -> ModelMetadata:
     model = gateway_of(request).models.get(name)
@@ -112,7 +125,12 @@ async def model_metadata(request: Request, name: str) -> ModelMetadata:
             VersionMetadata(
                 **state.model_dump(),
                 image_size=profile.height,
+                input_size=[profile.height, profile.width],
+                resize=profile.resize,
                 crop_fraction=profile.crop_fraction,
+                output=profile.output,
+                threshold=profile.threshold if profile.output == "sigmoid" else None,
+                dimensions=profile.outputs,
                 precision=_precision(settings),
                 random_weights=served.random_weights,
                 batching=Batching(
@@ -122,16 +140,25 @@ async def model_metadata(request: Request, name: str) -> ModelMetadata:
                     max_inflight_batches=settings.max_inflight_batches,
                     max_queue_size=settings.max_queue_size,
                 ),
-                labels=list(profile.labels),
+                labels=list(profile.labels) if profile.classifies else None,
             )
         )
     return ModelMetadata(**summary.model_dump(exclude={"versions"}), versions=versions)
 
 
-CLASSIFY_RESPONSES: dict[int | str, dict[str, Any]] = {
-    **ERRORS,
-    **NOT_FOUND,
-    202: {"model": JobsAccepted, "description": "mode=offline: one job per image."},
+CLASSIFY_RESPONSES: dict[int | str, dict[str, Any]] = {**ERRORS, **NOT_FOUND, 202: ACCEPTED_DOC}
+EMBED_RESPONSES: dict[int | str, dict[str, Any]] = {
+    **CLASSIFY_RESPONSES,
+    200: {
+        "description": f"Each image's vector: JSON, or with `Accept: {BINARY}` its float32 rows.",
+        "content": {BINARY: {"schema": {"type": "string", "format": "binary"}}},
+        "headers": {
+            "X-Embedding-Shape": {
+                "description": f"`{BINARY}` answers: `N,D`, the images and each vector's numbers.",
+                "schema": {"type": "string"},
+            }
+        },
+    },
 }
 
 
@@ -229,3 +256,27 @@ async def classify_model(request: Request, name: str) -> Response:
 )
 async def classify_version(request: Request, name: str, version: str) -> Response:
     return await handle_classify(request, name, version)
+
+
+@router.post(
+    "/v1/models/{name}/embed",
+    response_model=EmbedResponse,
+    responses=EMBED_RESPONSES,
+    openapi_extra={"requestBody": CLASSIFY_BODY, "parameters": EMBED_QUERY_DOC},
+    summary="Embed images with a named model",
+    description=EMBED_DOC,
+)
+async def embed_model(request: Request, name: str) -> Response:
+    return await handle_embed(request, name)
+
+
+@router.post(
+    "/v1/models/{name}/versions/{version}/embed",
+    response_model=EmbedResponse,
+    responses=EMBED_RESPONSES,
+    openapi_extra={"requestBody": CLASSIFY_BODY, "parameters": EMBED_QUERY_DOC},
+    summary="Embed images with a named model version",
+    description=EMBED_DOC,
+)
+async def embed_version(request: Request, name: str, version: str) -> Response:
+    return await handle_embed(request, name, version)

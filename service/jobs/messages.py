@@ -7,7 +7,8 @@ in Unix milliseconds: the AMQP ``timestamp`` has whole seconds), the model it is
 absent on jobs of earlier versions: the default model), the version when the submit named one
 (``x-model-version``; absent: the worker picks one by the model's traffic weights) and, when the
 submit gave one, the completion webhook's URL (``x-webhook-url``, see ``service.jobs.webhooks``).
-A result is JSON. Both carry the W3C trace headers (``traceparent``, ``tracestate``) of the span
+A result is JSON: ``labels`` from a model that gives labels, ``embedding`` (the vector, float32
+values) from one that gives embeddings. Both carry the W3C trace headers (``traceparent``, ``tracestate``) of the span
 that sent them, when traced.
 """
 
@@ -66,6 +67,8 @@ class JobResult(BaseModel):
     status: Literal["done", "failed"]
     filename: str | None = None
     labels: list[Label] = Field(default_factory=list)
+    embedding: list[float] | None = None
+    """Done by a model that gives embeddings: its vector (float32 values); None otherwise."""
     error: JobError | None = None
     model: ModelInfo | None = None
     timings: dict[str, float] = Field(default_factory=dict)

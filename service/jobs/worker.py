@@ -5,8 +5,9 @@ broker, so a worker killed at any point loses nothing (its unacknowledged messag
 queue). Acks go out with ``multiple=True`` where the order allows (``service.jobs.acks``): one frame
 for a run of finished messages. Outcomes per message:
 
-* classified -> result ``done`` published (and, when the submit gave a ``Webhook-URL``, its
-  delivery to ``<prefix>.webhooks``: ``service.jobs.webhooks``), input acked;
+* classified -> result ``done`` published (its ``top_k`` best labels, or a model's ``embedding``)
+  and, when the submit gave a ``Webhook-URL``, its delivery to ``<prefix>.webhooks``
+  (``service.jobs.webhooks``), input acked;
 * bad input (undecodable, too large, not an image, bad headers: of the wrong type, or a number out
   of its range, ``service.jobs.headers``) -> result ``failed`` published, the message copied to the
   dead-letter exchange with the reason in ``x-gateway-error`` / ``x-gateway-detail``, input acked:
@@ -73,7 +74,7 @@ import aiormq
 from aio_pika.abc import AbstractIncomingMessage
 
 from service.backends.base import Backend
-from service.classifier import ImageInput
+from service.classifier import Classifier, ImageInput
 from service.errors import (
     BackendUnavailable,
     BadImage,
@@ -107,7 +108,7 @@ from service.jobs.webhooks import WebhookSender
 from service.logs import JOB_ID
 from service.metrics import Metrics
 from service.schemas import Label, ModelInfo
-from service.serving.catalog import load_catalog
+from service.serving.catalog import Catalog, load_catalog
 from service.serving.loading import Loader
 from service.serving.pipeline import open_models
 from service.serving.served import ServedModels
@@ -269,13 +270,10 @@ class Worker:
             if loader is not None:  # loads it within the deadline if the memory budget had unloaded it
                 await loader.acquire(served, deadline)
             try:
-                (classified,) = await served.classifier.classify(
-                    [ImageInput(message.body, filename)], k=job.top_k, deadline=deadline
-                )
+                await _infer(served.classifier, ImageInput(message.body, filename), job.top_k, deadline, base)
             finally:
                 if loader is not None:
                     loader.release(served)
-            base.labels = [Label(index=i, label=lab, score=s) for i, lab, s in classified.labels]
             served.metrics.images_offline.inc()
             base.timings["processing"] = time.perf_counter() - started
             mark("done")
@@ -323,14 +321,27 @@ class Worker:
         await self._acks.aclose()
 
 
+async def _infer(classifier: Classifier, image: ImageInput, top_k: int, deadline: float, result: JobResult) -> None:
+    """Put what the job's model gives into its ``result``: labels, or an embedding."""
+    if classifier.profile.output == "embedding":
+        (vector,) = await classifier.embed([image], deadline=deadline)
+        # each float32 in the fewest digits that give it back: 40 % less JSON than its double's repr
+        result.embedding = [float(f"{value:.9g}") for value in vector.tolist()]
+        return
+    (classified,) = await classifier.classify([image], k=top_k, deadline=deadline)
+    result.labels = [Label(index=i, label=lab, score=s) for i, lab, s in classified.labels]
+
+
 async def run_worker(
     settings: Settings,
     stop: asyncio.Event | None = None,
     backend: Backend | None = None,
     metrics: Metrics | None = None,
+    catalog: Catalog | None = None,
 ) -> None:
     """Run until SIGTERM/SIGINT (or ``stop``), then stop consuming, finish and ack what was taken.
-    ``metrics``: the registry to record in (a new one by default)."""
+    ``metrics``: the registry to record in (a new one by default); ``catalog``: the models (by
+    default the settings')."""
     if not settings.broker_url:
         raise SystemExit("gateway worker: GATEWAY_BROKER_URL is not set")
     stop = stop or asyncio.Event()
@@ -339,7 +350,7 @@ async def run_worker(
         loop.add_signal_handler(sig, stop.set)
     metrics = metrics or Metrics()
     endpoint = serve_metrics(settings, metrics.registry)  # the first free port of its range, logged
-    full = load_catalog(settings)
+    full = catalog if catalog is not None else load_catalog(settings)
     catalog = worker_catalog(full, settings.worker_models)
     # the messages it holds wait in its models' batchers: as many as the smallest holds (prefetch
     # counts per consumer: each of its models' queues holds that many at most; models found in

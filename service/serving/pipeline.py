@@ -24,7 +24,7 @@ from service.backends.factory import build_backend
 from service.backends.health import BackendHealth
 from service.backends.triton_repository import TritonRepository
 from service.batching.batcher import DynamicBatcher
-from service.classifier import Classifier, Prepare, PrepareMany, rank_batch
+from service.classifier import Classifier, Prepare, PrepareMany, rank_for
 from service.errors import ModelNotLoaded
 from service.host.allocator import keep_image_buffers
 from service.host.gpu import start_gpu_sampler
@@ -181,7 +181,7 @@ async def _start_version(
         tracing=tracing,
         backend_name=chosen.name,
         policy=settings.batch_policy,
-        rank=rank_batch,  # once per batch, not once per image on the event loop
+        rank=rank_for(profile),  # once per batch, not once per image on the event loop
         on_abandon=metrics.abandoned_images.inc,
     )
     served.metrics.bind(batcher)

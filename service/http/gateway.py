@@ -1,0 +1,90 @@
+"""What every route asks of the app: its state (``Gateway``, built once by ``service.http.app``),
+the model version a request names, its API key's quota, and the query parameters it may send."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from fastapi import Depends, Request
+
+from service.errors import Forbidden, InvalidParameters, QuotaExceeded
+from service.http.answers import Answers
+from service.http.fetch import Fetcher
+from service.http.middleware import API_KEY
+from service.http.quotas import Quotas
+from service.jobs.client import JobsClient
+from service.metrics import Metrics
+from service.serving.served import ServedModels, ServedVersion
+from service.settings import Settings
+
+CANCEL_ON_DISCONNECT = "gateway.cancel_on_disconnect"
+"""Scope key: True when the request's work may be cancelled if its client leaves (online: nobody
+would read the answer); an offline submit always finishes, so its jobs are queued whole."""
+
+
+@dataclass
+class Gateway:
+    """Everything a request handler needs, built once per app."""
+
+    settings: Settings
+    models: ServedModels
+    metrics: Metrics
+    answers: dict[int, Answers]
+    """Renders each model version's online answers, by ``id`` of its ``ServedVersion``."""
+    jobs: JobsClient | None = None
+    quotas: Quotas | None = None
+    fetcher: Fetcher | None = None
+    """Fetches images given by URL (None: URL inputs are off)."""
+    key_models: dict[str, frozenset[str]] = field(default_factory=dict)
+    """The models each API key may use, for the keys that are limited to some (``models=``)."""
+    closing: bool = False
+
+
+def gateway_of(request: Request) -> Gateway:
+    """The app's state, built once by its composition root (``service.http.app``)."""
+    gateway = request.app.state.gateway
+    assert isinstance(gateway, Gateway)
+    return gateway
+
+
+async def reject_unknown_query(request: Request) -> None:
+    """A misspelt parameter (``topk=3``) is an error, not silently the default."""
+    route = request.scope.get("route")
+    dependant = getattr(route, "dependant", None)
+    if dependant is None:
+        return
+    known = {param.alias for param in dependant.query_params}
+    unknown = sorted(set(request.query_params) - known)
+    if unknown:
+        expected = ", ".join(sorted(known)) or "none"
+        raise InvalidParameters(f"unknown query parameter(s) {unknown}; this route takes: {expected}")
+
+
+CHECKED_QUERY = [Depends(reject_unknown_query)]
+"""Routes with FastAPI-parsed parameters check for unknown ones this way; the image routes parse
+theirs themselves, on the hot path (``service.http.image_request.query``)."""
+
+
+def choose(request: Request, gateway: Gateway, model: str | None, version: str | None) -> ServedVersion:
+    """The model version a request names, or (without a version) one its model's traffic weights pick."""
+    chosen = gateway.models.default if model is None else gateway.models.get(model)
+    key_id = request.scope.get(API_KEY)
+    allowed = gateway.key_models.get(key_id) if key_id is not None else None
+    if allowed is not None and chosen.name not in allowed:
+        raise Forbidden(f"this API key may not use model {chosen.name!r}; it may use {', '.join(sorted(allowed))}")
+    if version is not None:
+        return chosen.version(version)
+    return chosen.pick(request.scope.get(API_KEY))
+
+
+def spend_quota(request: Request, gateway: Gateway, images: int, model: str) -> None:
+    """Take ``images`` from the request's API key's rate quota for ``model`` (429 when over it)."""
+    key_id = request.scope.get(API_KEY)
+    if gateway.quotas is None or key_id is None:
+        return
+    try:
+        gateway.quotas.take(key_id, images, model)
+    except QuotaExceeded:
+        gateway.metrics.quota_rejections.labels(key_id, "rate").inc()
+        raise
+    gateway.metrics.key_images.labels(key_id).inc(images)
