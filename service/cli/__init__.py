@@ -23,6 +23,12 @@ def _tune(args: argparse.Namespace) -> int:
     return run(args, load_settings(args))
 
 
+def _check(args: argparse.Namespace) -> int:
+    from service.cli.check import check
+
+    return check(args)
+
+
 def _settings_reference(args: argparse.Namespace) -> int:
     from service.settings.reference import reference
 
@@ -194,6 +200,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     quantize.add_argument("--force", action="store_true", help="quantize again even when the cached model is current")
     quantize.set_defaults(func=models_commands.quantize)
+    checking = model_commands.add_parser(
+        "check",
+        help="try a model of your own before serving it: what its file says, what the declaration adds, "
+        "and its answers for photos",
+    )
+    add_setting_flags(checking, skip=frozenset({"model_path"}))
+    checking.add_argument("model_path", type=Path, metavar="PATH", help="the model file (.onnx, or an IR .xml)")
+    checking.add_argument("--photo", type=Path, action="append", default=[], help="a photo to run (repeatable)")
+    checking.add_argument("--top-k", type=int, default=5, choices=range(1, 21), metavar="1-20")
+    checking.set_defaults(func=_check)
     listing = model_commands.add_parser("list", help="list the known models and their cache state")
     add_setting_flags(listing)
     listing.set_defaults(func=models_commands.list_models)

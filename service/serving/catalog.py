@@ -162,7 +162,8 @@ def load_catalog(settings: Settings) -> Catalog:
     if settings.model_path is not None:
         name = settings.model if "model" in settings.model_fields_set else _name_of(settings.model_path)
         table = {"models": {name: settings.declared()}}
-        return parse_catalog(table, settings, setting_name("model_path"), inherit=True)
+        where = f"{setting_name('model_path')}: model {name!r} version {DECLARED_VERSION!r}"
+        return parse_catalog(table, settings, where, inherit=True)
     if not settings.models.strip():
         table = {"models": {settings.model: {"profile": settings.model}}}
         return parse_catalog(table, settings, setting_name("model"), inherit=True)
