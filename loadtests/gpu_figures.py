@@ -195,7 +195,7 @@ def gpu_decode(photos: list[bytes], label: str, seconds: float, batch: int) -> R
         import torch
         from torchvision.io import decode_jpeg
 
-        from service.images.gpu_decode import square_resize
+        from service.images.gpu_decode import resize_chw
     except ImportError as exc:
         print(f"GPU decode skipped: {exc}", file=sys.stderr)
         return None
@@ -207,7 +207,7 @@ def gpu_decode(photos: list[bytes], label: str, seconds: float, batch: int) -> R
     def one_batch() -> None:
         decoded = decode_jpeg(datas, device="cuda")
         for img in decoded:
-            square_resize(img, config.image_size, config.crop_fraction)  # what GATEWAY_DECODER=nvjpeg does
+            resize_chw(img, config)  # what GATEWAY_DECODER=nvjpeg does
         torch.cuda.synchronize()
 
     one_batch()

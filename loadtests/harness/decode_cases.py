@@ -104,7 +104,7 @@ def one(path: Path) -> dict[str, float]:
     # pay them on a small picture of the same format before measuring.
     tiny = np.zeros((64, 64, 4 if path.suffix in (".png", ".webp", ".tiff") else 3), np.uint8)
     prepare(cv2.imencode(path.suffix, tiny)[1].tobytes(), config)
-    estimate = decoded_bytes(probe(data), config.needed_short_side)
+    estimate = decoded_bytes(probe(data), config)
     before = _status("VmRSS")
     started = time.perf_counter()
     prepare(data, config)

@@ -3,11 +3,12 @@
 as on A100/H100, first, then its CUDA decoder).
 
 The same contract as ``service.images.preprocess.prepare`` (encoded bytes in, the model's uint8 RGB
-``(size, size, 3)`` out, errors as ``GatewayError``), with the same semantics: the header is probed
-and checked against the same limits first; then the centre square of ``crop_fraction`` of the shorter
-side is resized to ``size`` (antialiased when shrinking, as OpenCV's INTER_AREA; bilinear with
-half-pixel centres when enlarging, as INTER_LINEAR), and the EXIF orientation is applied to that
-square. Pixels differ from OpenCV's by rounding and by the two decoders' IDCTs, a level or two.
+``(height, width, 3)`` out, errors as ``GatewayError``), with the same semantics: the header is probed
+and checked against the same limits first; then the same ``Plan`` (``service.images.geometry``: crop,
+stretch or letterbox, worked out in the decoded frame) takes the region and resizes it (antialiased
+when shrinking, as OpenCV's INTER_AREA; bilinear with half-pixel centres when enlarging, as
+INTER_LINEAR), the EXIF orientation is applied to the result, and a letterbox is padded with grey.
+Pixels differ from OpenCV's by rounding and by the two decoders' IDCTs, a level or two.
 
 Not every image goes to the GPU: other formats than JPEG, and JPEGs the GPU decoder refuses
 (progressive or arithmetic-coded ones some nvJPEG builds do not take, CMYK, corrupt data), are
@@ -18,8 +19,8 @@ The images of one request are decoded together (``prepare_many``): one batched c
 cropped and resized on the GPU, and one copy of them all back to the host, instead of a
 synchronising copy per image. nvJPEG's batched call fails whole when one image is refused (each is
 then tried alone); nvImageCodec's answers each image on its own (None where refused), so only the
-refused ones go to OpenCV. nvImageCodec is asked for RGB without its EXIF rotation: the square is
-oriented here, as on the CPU path.
+refused ones go to OpenCV. nvImageCodec is asked for RGB without its EXIF rotation: the resized
+image is oriented here, as on the CPU path.
 
 This module imports torch (and nvImageCodec) only when the decoder is built; the gateway without
 ``GATEWAY_DECODER`` never needs them.
@@ -37,6 +38,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from service.images.budget import Budget
+from service.images.geometry import LETTERBOX_GREY
 from service.images.imageinfo import ImageInfo, probe
 from service.images.preprocess import PreprocessConfig, check_limits, prepare
 
@@ -73,16 +75,23 @@ def orient_chw(img: torch.Tensor, orientation: int) -> torch.Tensor:
     return img
 
 
-def square_resize(img: torch.Tensor, size: int, crop_fraction: float) -> torch.Tensor:
-    """The centre square of a uint8 CHW image resized to ``size``: ``centre_crop_resize`` on the device."""
+def resize_chw(img: torch.Tensor, config: PreprocessConfig, orientation: int = 1) -> torch.Tensor:
+    """A uint8 CHW image as decoded (EXIF ``orientation`` not applied) made the model's CHW input on
+    its device: ``prepare``'s plan (``PreprocessConfig.plan``), resized, oriented, letterboxed."""
+    import torch
     import torch.nn.functional as F
 
     _, h, w = img.shape
-    side = max(1, round(min(h, w) * crop_fraction))
-    y, x = (h - side) // 2, (w - side) // 2
-    square = img[:, y : y + side, x : x + side].unsqueeze(0).float()
-    resized = F.interpolate(square, size=(size, size), mode="bilinear", antialias=side > size, align_corners=False)
-    return resized.squeeze(0).round_().clamp_(0, 255).to(img.dtype)
+    plan = config.plan(h, w, orientation)
+    region = img[:, plan.y : plan.y + plan.height, plan.x : plan.x + plan.width].unsqueeze(0).float()
+    shrinks = plan.height > plan.resized[0] or plan.width > plan.resized[1]  # antialiasing is per axis
+    resized = F.interpolate(region, size=plan.resized, mode="bilinear", antialias=shrinks, align_corners=False)
+    content = orient_chw(resized.squeeze(0).round_().clamp_(0, 255).to(img.dtype), orientation)
+    if config.resize != "letterbox":
+        return content
+    canvas = torch.full((img.shape[0], config.height, config.width), LETTERBOX_GREY, dtype=img.dtype, device=img.device)
+    canvas[:, plan.top : plan.top + content.shape[1], plan.left : plan.left + content.shape[2]] = content
+    return canvas
 
 
 def _cuda_device(device: str, setting: str) -> None:
@@ -141,7 +150,7 @@ class GpuDecoder:
         if not jpegs:
             return out
         try:
-            squares = self._decode_squares(
+            inputs = self._decode_inputs(
                 [datas[i] for i in jpegs], [info.orientation for info in jpegs.values()], config
             )
         except Exception as exc:  # one image the GPU decoder refuses fails the whole call
@@ -149,8 +158,8 @@ class GpuDecoder:
             for i, info in jpegs.items():
                 out[i] = self._alone(datas[i], info, config, budget, deadline, retry=len(jpegs) > 1)
             return out
-        for (i, info), square in zip(jpegs.items(), squares, strict=True):
-            out[i] = square if square is not None else self._alone(datas[i], info, config, budget, deadline, False)
+        for (i, info), one in zip(jpegs.items(), inputs, strict=True):
+            out[i] = one if one is not None else self._alone(datas[i], info, config, budget, deadline, False)
         return out
 
     def _alone(
@@ -166,9 +175,9 @@ class GpuDecoder:
         (and names a bad image)."""
         if retry:
             with contextlib.suppress(Exception):
-                (square,) = self._decode_squares([data], [info.orientation], config)
-                if square is not None:
-                    return square
+                (one,) = self._decode_inputs([data], [info.orientation], config)
+                if one is not None:
+                    return one
         self.on_fallback("refused")
         return _outcome(prepare, data, config, budget, deadline, info)
 
@@ -176,24 +185,24 @@ class GpuDecoder:
         """JPEGs decoded in one call: uint8 CHW RGB on the device, None where refused (or raise)."""
         raise NotImplementedError
 
-    def _decode_squares(
+    def _decode_inputs(
         self, datas: list[bytes], orientations: list[int], config: PreprocessConfig
     ) -> list[np.ndarray | None]:
-        """JPEGs decoded in one call, cropped, resized and oriented on the device, then copied back
-        to the host together: HWC uint8 arrays (None where the decoder refused the image)."""
+        """JPEGs decoded in one call, made the model's input on the device (``resize_chw``), then
+        copied back to the host together: HWC uint8 arrays (None where the decoder refused the image)."""
         import torch
 
-        squares: list[torch.Tensor | None] = []
+        inputs: list[torch.Tensor | None] = []
         for img, orientation in zip(self._decode(datas), orientations, strict=True):
             if img is None:
-                squares.append(None)
+                inputs.append(None)
                 continue
             if img.ndim != 3 or img.shape[0] != 3:
                 raise ValueError(f"decoded to {tuple(img.shape)}, not 3 channels")
-            squares.append(orient_chw(square_resize(img, config.image_size, config.crop_fraction), orientation))
-        done = [square for square in squares if square is not None]
+            inputs.append(resize_chw(img, config, orientation))
+        done = [one for one in inputs if one is not None]
         host = iter(list(torch.stack(done).permute(0, 2, 3, 1).contiguous().cpu().numpy()) if done else [])
-        return [next(host) if square is not None else None for square in squares]
+        return [next(host) if one is not None else None for one in inputs]
 
 
 class NvJpegDecoder(GpuDecoder):
@@ -252,8 +261,8 @@ class NvImageCodecDecoder(GpuDecoder):
 
 def _nvimagecodec(device: str, backends: tuple[str, ...]) -> DecodeImages:
     """nvImageCodec's batched decode on ``device`` with ``backends`` (e.g. the hardware decoder
-    first, the CUDA decoder next); RGB, EXIF orientation not applied (the square is oriented after
-    cropping, as on the CPU)."""
+    first, the CUDA decoder next); RGB, EXIF orientation not applied (the input is oriented after
+    resizing, as on the CPU)."""
     import torch
 
     try:

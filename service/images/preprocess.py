@@ -1,16 +1,18 @@
 """Decode and resize images with OpenCV: pure, synchronous functions, run in a thread pool.
 
 ``prepare`` turns encoded bytes into the model's input: a uint8 RGB array of shape
-``(size, size, 3)``, the centre square of the image (``crop_fraction`` of the shorter side), upright
-per its EXIF orientation. JPEGs much larger than needed are decoded at 1/2, 1/4 or 1/8 scale by
-libjpeg itself, which is several times faster than decoding the full image and resizing.
+``(height, width, 3)``, made from the upright picture (per its EXIF orientation) by the model's
+resize mode (``service.images.geometry``: crop, stretch or letterbox). JPEGs much larger than needed
+are decoded at 1/2, 1/4 or 1/8 scale by libjpeg itself, which is several times faster than decoding
+the full image and resizing; never so small that the result is enlarged where the full image would
+not have been.
 
 Memory is bounded by bytes, not pixels: ``decoded_bytes`` reckons from the header what the decoder
 will hold (channels, bit depth, a progressive JPEG's coefficients), and ``check_limits`` refuses an
 image over the budget before decoding (and ``prepare`` reserves that much from a budget shared by
 the decode threads). Images without alpha are decoded straight to 8-bit BGR
 (16-bit ones too); images with alpha or float samples keep their samples, and every conversion
-(depth, alpha over white, grey to colour) happens after the crop and resize, on 224 x 224 pixels.
+(depth, alpha over white, grey to colour) happens after the crop and resize, on the model's pixels.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import numpy as np
 
 from service.errors import BadImage, PayloadTooLarge
 from service.images.budget import Budget
+from service.images.geometry import LETTERBOX_GREY, RESIZE_MODES, Plan, Resize, enlarges, plan, quarter_turn
 from service.images.imageinfo import ImageInfo, probe
 
 _REDUCED = ((8, cv2.IMREAD_REDUCED_COLOR_8), (4, cv2.IMREAD_REDUCED_COLOR_4), (2, cv2.IMREAD_REDUCED_COLOR_2))
@@ -32,7 +35,7 @@ _REDUCED_GREY = {
     4: cv2.IMREAD_REDUCED_GRAYSCALE_4,
     2: cv2.IMREAD_REDUCED_GRAYSCALE_2,
 }
-# Orientation is applied by us, after the crop: OpenCV's reduced modes silently ignore it.
+# Orientation is applied by us, after the resize: OpenCV's reduced modes silently ignore it.
 _IGNORE_ORIENTATION = cv2.IMREAD_IGNORE_ORIENTATION
 
 
@@ -50,24 +53,42 @@ scale): a PNG of 40,000 x 40,000 reached it where ``max_image_bytes`` was raised
 
 @dataclass(frozen=True)
 class PreprocessConfig:
-    image_size: int = 224
+    """How a model's images are decoded, checked and shaped into its input."""
+
+    height: int = 224
+    width: int = 224
+    resize: Resize = "crop"
+    """How the picture becomes ``height x width`` (``service.images.geometry``)."""
     crop_fraction: float = 0.875
+    """With ``resize = "crop"``: share of the covering size kept (0.875: 256 to 224)."""
     max_image_bytes: int = 300_000_000
     """Budget of decoder memory per image (see ``decoded_bytes``); larger images get 413."""
 
-    @property
-    def needed_short_side(self) -> int:
-        """Shorter side the decoded image needs so the crop is not upscaled."""
-        return round(self.image_size / self.crop_fraction)
+    def __post_init__(self) -> None:
+        for name, side in (("height", self.height), ("width", self.width)):
+            if not isinstance(side, int) or isinstance(side, bool) or side < 1:
+                raise ValueError(f"preprocessing: {name} must be a whole number of pixels, at least 1, not {side!r}")
+        if self.resize not in RESIZE_MODES:
+            raise ValueError(f"preprocessing: resize must be one of {', '.join(RESIZE_MODES)}, not {self.resize!r}")
+        if not 0 < self.crop_fraction <= 1:  # also refuses nan
+            raise ValueError(f"preprocessing: crop_fraction must be in (0, 1], not {self.crop_fraction!r}")
+
+    def plan(self, height: int, width: int, orientation: int) -> Plan:
+        """How a decoded ``height x width`` image with EXIF ``orientation`` becomes the input."""
+        return plan(height, width, orientation, (self.height, self.width), self.resize, self.crop_fraction)
 
 
-def reduction_for(info: ImageInfo, needed_short_side: int) -> int:
-    """The largest JPEG DCT scaling factor that keeps the shorter side at least as long as needed."""
+def reduction_for(info: ImageInfo, config: PreprocessConfig) -> int:
+    """The largest JPEG DCT scaling factor at which the decoded image still has every pixel the
+    model's input takes from it (nothing is enlarged that the full image would not enlarge): for a
+    square crop, the shorter side at least ``size / crop_fraction``; stretching, both sides at least
+    the input's; letterboxing, one of them."""
     if info.format != "jpeg":
         return 1
-    short = min(info.width, info.height)
+    out, resize, crop_fraction = (config.height, config.width), config.resize, config.crop_fraction
     for factor, _ in _REDUCED:
-        if short // factor >= needed_short_side:
+        height, width = info.height // factor, info.width // factor
+        if height and width and not enlarges(height, width, info.orientation, out, resize, crop_fraction):
             return factor
     return 1
 
@@ -78,16 +99,21 @@ def _keeps_samples(info: ImageInfo) -> bool:
     return info.alpha or info.bits == 32
 
 
-def decoded_bytes(info: ImageInfo, needed_short_side: int) -> int:
+def decoded_bytes(info: ImageInfo, config: PreprocessConfig) -> int:
     """The most memory decoding this image takes. The decoded array counts twice: OpenCV decodes
     into its own buffer and the Python binding copies that into a NumPy array (measured: peak RSS
     growth is 2.0x the array for PNG, WebP and BMP). Beside it, a JPEG with several scans keeps every
     DCT coefficient (2 bytes per sample at full size, whatever the output scale), OpenCV's GIF reader
     a BGRA canvas, its TIFF reader a strip or tile buffer as large as the image at worst.
     ``python -m loadtests.decode_memory`` compares this with the measured peak per format."""
+    return _decoded_bytes(info, reduction_for(info, config))
+
+
+def _decoded_bytes(info: ImageInfo, factor: int) -> int:
+    """``decoded_bytes`` of a JPEG decoded at 1 / ``factor`` (other formats: at full size)."""
     w, h = info.width, info.height
     if info.format == "jpeg":
-        f = reduction_for(info, needed_short_side)
+        f = factor
         out = 2 * -(-w // f) * -(-h // f) * (1 if info.grey else 3)
         if info.scans > 1:
             out += 2 * (info.samples or w * h * info.channels)
@@ -139,12 +165,12 @@ def _premultiply(img: np.ndarray, rows: int = 256) -> None:
         stripe[:, :, : channels - 1] = colour if img.dtype.kind == "f" else colour + 0.5
 
 
-def decode(data: bytes, info: ImageInfo, needed_short_side: int) -> np.ndarray:
+def decode(data: bytes, info: ImageInfo, config: PreprocessConfig) -> np.ndarray:
     """Decode at the smallest size and depth that serves: JPEGs at reduced scale when large enough,
     colour images without alpha straight to 8-bit RGB (the decoder writes RGB as cheaply as BGR, so
     no conversion pass follows), other images in OpenCV's BGR order; orientation not applied."""
     buf = np.frombuffer(data, np.uint8)
-    factor = reduction_for(info, needed_short_side)
+    factor = reduction_for(info, config)
     if _keeps_samples(info):
         flag = cv2.IMREAD_UNCHANGED
     elif info.grey:
@@ -162,35 +188,52 @@ def decodes_to_rgb(info: ImageInfo) -> bool:
     return not _keeps_samples(info) and not info.grey
 
 
-def centre_crop_resize(img: np.ndarray, size: int, crop_fraction: float, out: np.ndarray | None = None) -> np.ndarray:
-    """Resize-shorter-side-then-centre-crop as one crop and one resize of the source pixels.
+def resize_region(img: np.ndarray, plan: Plan, out: np.ndarray | None = None) -> np.ndarray:
+    """``plan``'s region of ``img`` resized to ``plan.resized``: one crop (a view) and one resize of
+    the source pixels (antialiased, INTER_AREA, when shrinking; INTER_LINEAR when enlarging). Where
+    one axis shrinks and the other grows (a panorama stretched to a square), the shrinking axis is
+    resized first, alone: INTER_AREA averages only where both axes shrink, and would alias it.
 
     The output array is made here, before the call: an array OpenCV allocates for its result is
     made inside the call, which then takes the GIL back for it while it has released it. In a
     decode thread that costs a wait for the GIL (up to the switch interval) in the middle of every
     resize while the event loop runs; given ``dst``, the resize runs from start to end without it.
     ``out``: where to write it, if it has the result's shape."""
-    h, w = img.shape[:2]
-    side = max(1, round(min(h, w) * crop_fraction))
-    y, x = (h - side) // 2, (w - side) // 2
-    square = img[y : y + side, x : x + side]
-    interpolation = cv2.INTER_AREA if side > size else cv2.INTER_LINEAR
-    out = _fits(out, (size, size, *img.shape[2:]), img.dtype)
-    resized: np.ndarray = cv2.resize(square, (size, size), dst=out, interpolation=interpolation)
+    region = img[plan.y : plan.y + plan.height, plan.x : plan.x + plan.width]
+    rows, columns = plan.resized
+    shrinks = plan.height > rows or plan.width > columns
+    if shrinks and plan.enlarges:
+        step = (rows, plan.width) if plan.height > rows else (plan.height, columns)
+        first = np.empty((*step, *img.shape[2:]), img.dtype)
+        region = cv2.resize(region, step[::-1], dst=first, interpolation=cv2.INTER_AREA)
+        shrinks = False
+    interpolation = cv2.INTER_AREA if shrinks else cv2.INTER_LINEAR
+    out = _fits(out, (rows, columns, *img.shape[2:]), img.dtype)
+    resized: np.ndarray = cv2.resize(region, (columns, rows), dst=out, interpolation=interpolation)
     return resized  # ``out`` itself; a new array only if OpenCV's result had another layout
 
 
+def centre_crop_resize(img: np.ndarray, size: int, crop_fraction: float, out: np.ndarray | None = None) -> np.ndarray:
+    """Resize-shorter-side-then-centre-crop to ``size x size`` as one crop and one resize of the
+    source pixels (``resize_region`` of a square crop's plan)."""
+    h, w = img.shape[:2]
+    return resize_region(img, plan(h, w, 1, (size, size), "crop", crop_fraction), out)
+
+
 def _fits(out: np.ndarray | None, shape: tuple[int, ...], dtype: np.dtype[Any]) -> np.ndarray:
-    """``out`` if it can take a result of ``shape`` and ``dtype`` as it is, else a new array."""
-    if out is not None and out.shape == shape and out.dtype == dtype and out.flags.c_contiguous:
+    """``out`` if it can take a result of ``shape`` and ``dtype`` as it is (each row contiguous, as
+    a region of a larger array is), else a new array."""
+    if out is not None and out.shape == shape and out.dtype == dtype and out[0].flags.c_contiguous:
         return out
     return np.empty(shape, dtype)
 
 
 def orient(img: np.ndarray, orientation: int, out: np.ndarray | None = None) -> np.ndarray:
-    """Apply an EXIF orientation (1-8) so the image is shown upright. ``out``: where to write a
-    square image's result (without it, an image needing no change is returned as it is)."""
-    out = _fits(out, img.shape, img.dtype) if out is not None and img.shape[0] == img.shape[1] else None
+    """Apply an EXIF orientation (1-8) so the image is shown upright. ``out``: where to write the
+    result, if it has its shape (without it, an image needing no change is returned as it is)."""
+    if out is not None:
+        turned = (img.shape[1], img.shape[0], *img.shape[2:]) if quarter_turn(orientation) else img.shape
+        out = _fits(out, turned, img.dtype)
     oriented: np.ndarray
     if orientation == 2:
         oriented = cv2.flip(img, 1, dst=out)
@@ -214,6 +257,25 @@ def orient(img: np.ndarray, orientation: int, out: np.ndarray | None = None) -> 
     return oriented
 
 
+def _canvas(
+    out: np.ndarray | None, config: PreprocessConfig, plan: Plan, orientation: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """The model input to write (``out`` if it fits) and the part of it the oriented picture goes
+    to: all of it, or, letterboxing, its centre (the rest grey)."""
+    whole = _fits(out, (config.height, config.width, 3), np.dtype(np.uint8))
+    if config.resize != "letterbox":
+        return whole, whole
+    rows, columns = plan.resized[::-1] if quarter_turn(orientation) else plan.resized
+    whole[...] = LETTERBOX_GREY
+    return whole, whole[plan.top : plan.top + rows, plan.left : plan.left + columns]
+
+
+def _put(result: np.ndarray, target: np.ndarray) -> None:
+    """``result`` into ``target``, unless OpenCV wrote it there already."""
+    if result is not target:
+        target[...] = result
+
+
 def check_limits(info: ImageInfo, config: PreprocessConfig) -> int:
     """Refuse an image the header says is empty or over the budget; return the bytes decoding takes."""
     if info.width == 0 or info.height == 0:
@@ -223,14 +285,14 @@ def check_limits(info: ImageInfo, config: PreprocessConfig) -> int:
         raise BadImage(
             f"{info.format.upper()} image is {info.width}x{info.height}: its decoder takes at most {side} pixels a side"
         )
-    needed = decoded_bytes(info, config.needed_short_side)
+    factor = reduction_for(info, config)
+    needed = _decoded_bytes(info, factor)
     if needed > config.max_image_bytes:
         raise PayloadTooLarge(
             f"image is {info.width}x{info.height} ({info.format.upper()}, {info.channels} channel(s) of "
             f"{info.bits} bits{', ' + str(info.scans) + ' scans' if info.scans > 1 else ''}): decoding it "
             f"takes {needed / 1e6:.0f} MB; the limit is {config.max_image_bytes / 1e6:.0f} MB per image"
         )
-    factor = reduction_for(info, config.needed_short_side)
     if -(-info.width // factor) * -(-info.height // factor) > OPENCV_MAX_PIXELS:
         raise BadImage(
             f"{info.format.upper()} image is {info.width}x{info.height}: its decoder takes at most "
@@ -247,13 +309,13 @@ def prepare(
     info: ImageInfo | None = None,
     into: Callable[[], np.ndarray | None] | None = None,
 ) -> np.ndarray:
-    """Encoded image bytes to the model input: uint8 RGB ``(size, size, 3)``.
+    """Encoded image bytes to the model input: uint8 RGB ``(config.height, config.width, 3)``.
 
     With a ``budget``, the decoder memory the header promises is reserved from it first (waiting,
     until ``deadline`` at most, while other threads hold it) and given back once the image is small.
     ``info``: the header, when the caller has probed it already. ``into``: where the result goes,
-    asked for once the image has decoded (the shared engine's memory): a ``(size, size, 3)`` uint8
-    array, returned, or None for a new one."""
+    asked for once the image has decoded (the shared engine's memory): a ``(height, width, 3)``
+    uint8 array, returned, or None for a new one."""
     info = info or probe(data)
     needed = check_limits(info, config)
     if budget is None:
@@ -265,19 +327,23 @@ def prepare(
 def _prepare(
     data: bytes, info: ImageInfo, config: PreprocessConfig, into: Callable[[], np.ndarray | None] | None
 ) -> np.ndarray:
-    img = decode(data, info, config.needed_short_side)
-    size = config.image_size
+    img = decode(data, info, config)
+    plan = config.plan(img.shape[0], img.shape[1], info.orientation)
     out = into() if into is not None else None  # decoded: only the result is left to write
     if decodes_to_rgb(info):  # the common case: three 8-bit channels, RGB already
+        whole, target = _canvas(out, config, plan, info.orientation)
         if info.orientation == 1:
-            return centre_crop_resize(img, size, config.crop_fraction, out)
-        return orient(centre_crop_resize(img, size, config.crop_fraction), info.orientation, out)
+            _put(resize_region(img, plan, target), target)
+        else:
+            _put(orient(resize_region(img, plan), info.orientation, target), target)
+        return whole
     if img.ndim == 3 and img.shape[2] in (2, 4):
         _premultiply(img)
-    img = centre_crop_resize(img, config.image_size, config.crop_fraction)  # at native depth, then convert
+    img = resize_region(img, plan)  # at native depth, then convert
     if img.dtype != np.uint8 or img.ndim == 2 or img.shape[2] != 3:
         img = _to_bgr8(img)
-    img = orient(img, info.orientation)  # the centre square rotates onto itself
+    img = orient(img, info.orientation)
+    whole, target = _canvas(out, config, plan, info.orientation)
     # cvtColor, not img[:, :, ::-1].copy(): 40x faster (4 vs 169 us at 224x224) and it releases the GIL
-    rgb: np.ndarray = cv2.cvtColor(img, cv2.COLOR_BGR2RGB, dst=_fits(out, (size, size, 3), np.dtype(np.uint8)))
-    return rgb
+    _put(cv2.cvtColor(img, cv2.COLOR_BGR2RGB, dst=target), target)
+    return whole

@@ -85,7 +85,7 @@ def photos_in(folder: Path) -> list[Path]:
 
 def model_inputs(paths: list[Path], profile: ModelProfile) -> list[np.ndarray]:
     """The photos as the model sees them; files that are not usable images are skipped, with a log line."""
-    config = PreprocessConfig(profile.height, profile.crop_fraction)
+    config = PreprocessConfig(profile.height, profile.width, profile.resize, profile.crop_fraction)
     out = []
     for path in paths:
         try:

@@ -75,7 +75,9 @@ class ServedVersion:
     def config(self) -> PreprocessConfig:
         """How its images are decoded and checked (known without loading it)."""
         profile = self.spec.profile
-        return PreprocessConfig(profile.height, profile.crop_fraction, self.spec.settings.max_image_bytes)
+        return PreprocessConfig(
+            profile.height, profile.width, profile.resize, profile.crop_fraction, self.spec.settings.max_image_bytes
+        )
 
     @property
     def failure(self) -> str | None:

@@ -207,7 +207,7 @@ async def test_many_threads_decode_within_the_shared_budget() -> None:
     the reserved bytes never pass the budget, and images waited their turn."""
     images = [noise_png(900, seed) for seed in range(12)]
     config = PreprocessConfig()
-    each = decoded_bytes(probe(images[0]), config.needed_short_side)
+    each = decoded_bytes(probe(images[0]), config)
     waits: list[int] = []
     budget = ByteBudget(2 * each, on_wait=lambda: waits.append(1))
     seen: list[int] = []

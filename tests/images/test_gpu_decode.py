@@ -12,10 +12,12 @@ import onnxruntime as ort
 import pytest
 import torch
 from PIL import Image
+from skimage import data as skdata
 
 from service.errors import BadImage
-from service.images.gpu_decode import NvImageCodecDecoder, NvJpegDecoder, orient_chw, square_resize
-from service.images.preprocess import PreprocessConfig, centre_crop_resize, orient, prepare
+from service.images.geometry import Resize
+from service.images.gpu_decode import NvImageCodecDecoder, NvJpegDecoder, orient_chw, resize_chw
+from service.images.preprocess import PreprocessConfig, centre_crop_resize, orient, prepare, resize_region
 from service.metrics import Metrics
 from service.models.profiles import get_profile
 from service.models.store import model_path
@@ -54,12 +56,52 @@ def test_orientation_is_opencvs(orientation: int) -> None:
 def test_crop_and_resize_are_opencvs_within_rounding(cat_jpeg: bytes, shape: tuple[int, int]) -> None:
     """Shrinking (antialiased, as INTER_AREA) and enlarging (bilinear, as INTER_LINEAR)."""
     rgb = cv2.resize(cv2.imdecode(np.frombuffer(cat_jpeg, np.uint8), cv2.IMREAD_COLOR_RGB), shape[::-1])
-    ours = square_resize(torch.from_numpy(rgb).permute(2, 0, 1), 224, 0.875).permute(1, 2, 0).numpy()
+    ours = resize_chw(torch.from_numpy(rgb).permute(2, 0, 1), CONFIG).permute(1, 2, 0).numpy()
     theirs = centre_crop_resize(rgb, 224, 0.875)
     difference = np.abs(ours.astype(int) - theirs)
     assert ours.shape == theirs.shape == (224, 224, 3)
     assert difference.mean() < 1.5
     assert np.percentile(difference, 99) <= 8
+
+
+@pytest.mark.parametrize("orientation", [1, 3, 6, 7])
+@pytest.mark.parametrize("size", [(224, 224), (260, 200), (200, 300)], ids=str)
+@pytest.mark.parametrize("resize", ["crop", "stretch", "letterbox"])
+def test_every_resize_mode_is_opencvs_within_rounding(resize: Resize, size: tuple[int, int], orientation: int) -> None:
+    """Crop, stretch and letterbox at square and non-square sizes, with quarter turns: the device's
+    input is the CPU path's (the same plan, resize, orientation and grey bands) within rounding."""
+    rgb = cv2.resize(skdata.chelsea(), (1200, 900), interpolation=cv2.INTER_CUBIC)
+    config = PreprocessConfig(*size, resize=resize)
+    ours = resize_chw(torch.from_numpy(rgb).permute(2, 0, 1), config, orientation).permute(1, 2, 0).numpy()
+    plan = config.plan(900, 1200, orientation)
+    theirs = orient(resize_region(rgb, plan), orientation)
+    if resize == "letterbox":
+        canvas = np.full((*size, 3), 114, np.uint8)
+        canvas[plan.top : plan.top + theirs.shape[0], plan.left : plan.left + theirs.shape[1]] = theirs
+        theirs = canvas
+    assert ours.shape == theirs.shape == (*size, 3)
+    difference = np.abs(ours.astype(int) - theirs)
+    assert difference.mean() < 1.5
+    assert np.percentile(difference, 99) <= 8
+
+
+@pytest.mark.parametrize("resize", ["crop", "stretch", "letterbox"])
+def test_a_decoders_non_square_inputs_are_prepares(resize: Resize) -> None:
+    """Through the decoder (batched, oriented after the resize): a tall input of each mode from
+    photos stored with quarter turns is ``prepare``'s, within rounding."""
+    config = PreprocessConfig(260, 200, resize)
+    coffee = Image.fromarray(skdata.coffee())
+    photos = [pil_bytes(coffee, "JPEG", quality=95, exif=_exif(coffee, orientation)) for orientation in (1, 6, 8)]
+    for photo, ours in zip(photos, decoder().prepare_many(photos, config), strict=True):
+        assert isinstance(ours, np.ndarray)
+        assert ours.shape == (260, 200, 3)
+        assert np.abs(ours.astype(int) - prepare(photo, config)).mean() < 1.5
+
+
+def _exif(image: Image.Image, orientation: int) -> bytes:
+    exif = image.getexif()
+    exif[0x0112] = orientation
+    return exif.tobytes()
 
 
 def test_the_same_photos_get_the_same_answers(models_dir: Path, cat_jpeg: bytes, coffee_jpeg: bytes) -> None:

@@ -70,7 +70,7 @@ def test_exif_orientation_is_applied(orientation: int, size: tuple[int, int]) ->
 def test_large_jpeg_is_decoded_at_reduced_scale_and_matches_full_decode() -> None:
     big = cv2.resize(skdata.chelsea(), (3608, 2400), interpolation=cv2.INTER_CUBIC)
     encoded = pil_bytes(Image.fromarray(big), "JPEG", quality=92)
-    assert reduction_for(probe(encoded), CONFIG.needed_short_side) == 8
+    assert reduction_for(probe(encoded), CONFIG) == 8
     full = centre_crop_resize(big, 224, CONFIG.crop_fraction)
     diff = np.abs(prepare(encoded, CONFIG).astype(int) - full.astype(int))
     assert diff.mean() < 6
