@@ -10,15 +10,13 @@ from typing import TYPE_CHECKING, Literal
 
 import numpy as np
 
+from service.images.geometry import Resize
+
 if TYPE_CHECKING:  # building needs the `models` extra (onnx); serving a built model does not
     import onnx
 
     from service.models.declaration import ModelSource
 
-Resize = Literal["crop", "stretch", "letterbox"]
-"""How a photo becomes the model's ``height x width``: ``crop`` scales it to cover
-``input_size / crop_fraction`` and keeps the centre; ``stretch`` scales each side to fit, ignoring the
-aspect ratio; ``letterbox`` scales it to fit inside and pads the rest with grey (114)."""
 OutputKind = Literal["softmax", "logits", "sigmoid", "embedding"]
 """What a model's output row is: ``softmax`` probabilities (ranked labels), ``logits`` (softmax
 applied by the gateway, in the graph), ``sigmoid`` (independent labels, sigmoid applied in the graph;
