@@ -3,8 +3,8 @@
 ``application/octet-stream``.
 
 A float32 is written with 9 significant digits (``%.9g``), the fewest that always give the same
-float32 back: for a 1,280-number vector that is about 15.5 KB and 0.3 ms against 26 KB and 0.7 ms
-for ``json.dumps`` of the row's doubles; the binary rows are 5 KB and take no time."""
+float32 back: for a 1,280-number vector that is 15.6 KB and 0.4 ms of the event loop, against
+26.4 KB and 0.8 ms for ``json.dumps`` of the row's doubles; the binary rows are 5 KB in 1 us."""
 
 from __future__ import annotations
 
