@@ -33,7 +33,7 @@ the same on every attempt and on a duplicate, so a receiver that remembers ids s
 ``webhook-timestamp`` is the attempt's Unix time; ``webhook-signature`` is ``v1,`` and the base64
 HMAC-SHA256 of ``<id>.<timestamp>.<body>`` under the secret (``whsec_`` + base64, the form the
 spec's libraries take). The body is ``{"type": "job.done" | "job.failed", "timestamp": <ISO 8601>,
-"data": <the job's result: job_id, status, labels or error, model, timings, worker>}``.
+"data": <the job's result: job_id, status, labels (an embedding model: embedding) or error, model, timings, worker>}``.
 """
 
 from __future__ import annotations
