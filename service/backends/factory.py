@@ -84,7 +84,10 @@ async def _torch(settings: Settings, profile: ModelProfile) -> Backend:
 
 
 async def _onnx_file(settings: Settings, profile: ModelProfile) -> Path:
-    return await asyncio.to_thread(ensure_model, settings.models_dir, profile, weights_for(settings, profile.name))
+    """The model file an in-process backend loads: built (a declared model: derived from its file,
+    which is its weights) if missing or stale."""
+    weights = weights_for(settings, profile.name) if profile.source is None else None
+    return await asyncio.to_thread(ensure_model, settings.models_dir, profile, weights)
 
 
 async def _openvino(settings: Settings, profile: ModelProfile) -> Backend:
