@@ -35,8 +35,12 @@ async def _fake(settings: Settings, profile: ModelProfile) -> Backend:
 
 
 async def _triton(settings: Settings, profile: ModelProfile) -> Backend:
+    """A model of Triton's: the gateway's wire (built-in, or a declared file written by
+    ``gateway models triton-repo``), or a model already in the user's Triton in its own dtype
+    and layout (``declared``)."""
     from service.backends.triton import TritonBackend
 
+    resident = profile.source is not None and profile.source.format == "triton"
     return TritonBackend(
         url=settings.triton_url,
         model=settings.triton_model or profile.name,
@@ -47,6 +51,7 @@ async def _triton(settings: Settings, profile: ModelProfile) -> Backend:
         max_batch_size=settings.max_batch_size,
         shared_memory=settings.triton_shared_memory,
         shared_memory_regions=settings.max_inflight_batches,
+        declared=profile if resident else None,
     )
 
 
@@ -137,11 +142,12 @@ def runs_on(settings: Settings) -> str:
 DECLARED_FORMATS: dict[str, frozenset[str]] = {
     "embedded": frozenset({"onnx"}),
     "openvino": frozenset({"onnx", "openvino"}),
-    "triton": frozenset({"onnx"}),
+    "triton": frozenset({"onnx", "triton"}),
     "fake": frozenset({"onnx", "openvino", "torch"}),
 }
 """The declared model files each backend runs (the ``triton`` backend: the file as
-``gateway models triton-repo`` writes it into Triton's repository)."""
+``gateway models triton-repo`` writes it into Triton's repository, or a model already in the
+user's Triton, ``triton``)."""
 
 
 def declared_problem(runs: str, profile: ModelProfile) -> str | None:
@@ -153,7 +159,7 @@ def declared_problem(runs: str, profile: ModelProfile) -> str | None:
     if not formats:
         only = ", ".join(sorted(ONLY_PROFILES.get(runs, {"resnet50"})))
         return f"runs the built-in {only} only; serve a declared model on embedded, openvino or triton"
-    kinds = {"onnx": ".onnx", "openvino": "OpenVINO IR (.xml)", "torch": "torch (.pt2)"}
+    kinds = {"onnx": ".onnx", "openvino": "OpenVINO IR (.xml)", "torch": "torch (.pt2)", "triton": "Triton's models"}
     return f"does not run {kinds[profile.source.format]} files; it runs {', '.join(kinds[f] for f in sorted(formats))}"
 
 

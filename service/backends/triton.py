@@ -1,6 +1,13 @@
 """The Triton backend: batches go to NVIDIA Triton Inference Server over asynchronous gRPC (the
 default) or HTTP, as uint8 NHWC tensors, optionally through system shared memory.
 
+A model already in the user's Triton, declared without a file (``declared``: its profile, source
+format ``triton``), takes its own element type and layout under its own tensor names: the declared
+arithmetic is done in NumPy off the event loop (``service.backends.arithmetic``), the output read by
+its name and made the gateway's float32 rows (softmax or sigmoid applied as declared). Its names
+come from Triton's metadata, checked against the declaration at every readiness check
+(``service.triton.declared.check_on_triton``).
+
 One long-lived client per process, opened in the lifespan. Triton's failures are mapped here, at the
 adapter edge, to the gateway's errors: unreachable or not ready -> 503, "exceeds maximum queue size"
 -> 429, deadline -> 504, anything else (a wrong shape or type included) -> 500 with a log line.
@@ -20,11 +27,14 @@ import aiohttp
 import numpy as np
 from tritonclient.utils import InferenceServerException
 
+from service.backends.arithmetic import model_input, rows
 from service.backends.base import BatchBuffer, Images
 from service.backends.triton_shm import SharedMemoryPool
 from service.errors import BackendError, BackendUnavailable, DeadlineExceeded, GatewayError, QueueFull
+from service.models.profiles import ModelProfile
 from service.models.tensors import INPUT_NAME, OUTPUT_NAME
 from service.tracing import current_headers
+from service.triton.declared import DATATYPES, check_on_triton
 
 logger = logging.getLogger(__name__)
 
@@ -50,7 +60,12 @@ class TritonBackend:
         max_batch_size: int = 16,
         shared_memory: bool = False,
         shared_memory_regions: int = 2,
+        declared: ModelProfile | None = None,
     ) -> None:
+        if declared is not None and (declared.source is None or declared.source.format != "triton"):
+            raise ValueError("declared: the profile of a model in Triton (source format triton)")
+        if declared is not None and shared_memory:
+            raise ValueError("a model in Triton in its own element type and layout is sent over the socket")
         self.url = url
         self.model = model
         self.version = version
@@ -66,6 +81,12 @@ class TritonBackend:
         self._buffer = BatchBuffer()
         self._last_problem: str | None = None
         """The readiness check's last problem (its detail is logged when it changes)."""
+        self.declared = declared
+        self._names: tuple[str, str] | None = None
+        """A declared model's input and output names, as Triton's metadata last gave them."""
+        if declared is not None and declared.source is not None and declared.source.input_name:
+            self._names = (declared.source.input_name, declared.source.output_name)
+        self._learning = asyncio.Lock()
 
     async def start(self) -> None:
         if self.protocol == "grpc":
@@ -112,6 +133,38 @@ class TritonBackend:
         result = await self._call([inp], [out], timeout)
         return np.asarray(result.as_numpy(OUTPUT_NAME))
 
+    def _model_batch(self, images: Images) -> np.ndarray:
+        """The images in the declared model's element type and layout (in a worker thread)."""
+        assert self.declared is not None
+        assert self.declared.source is not None
+        return model_input(self._buffer.assemble(images), self.declared.source.arithmetic)
+
+    async def _infer_declared(self, images: Images, timeout: float | None) -> np.ndarray:
+        assert self.declared is not None
+        if self._names is None:
+            await self._learn_names()
+        assert self._names is not None
+        input_name, output_name = self._names
+        batch = await asyncio.to_thread(self._model_batch, images)
+        inp = self._mod.InferInput(input_name, list(batch.shape), DATATYPES[batch.dtype.name])
+        binary = {} if self.protocol == "grpc" else {"binary_data": True}
+        inp.set_data_from_numpy(batch, **binary)
+        result = await self._call([inp], [self._mod.InferRequestedOutput(output_name, **binary)], timeout)
+        raw = result.as_numpy(output_name)
+        try:
+            if raw is None:
+                raise ValueError(f"no output {output_name!r} in the answer")
+            return await asyncio.to_thread(rows, np.asarray(raw), self.declared.output, self.classes)
+        except ValueError as exc:
+            logger.error("triton: model %s answered what its declaration does not say: %s", self.model, exc)
+            raise BackendError(f"Triton's model {self.model} did not answer {self.classes} scores per image") from exc
+
+    async def _learn_names(self) -> None:
+        """A declared model's tensor names, from Triton's metadata, before its first batch."""
+        async with self._learning:
+            if self._names is None and (problem := await self._metadata_problem()) is not None:
+                raise BackendUnavailable(problem)
+
     async def _infer_shm(self, images: Images, timeout: float | None) -> np.ndarray:
         assert self._shm is not None
         pair = await self._shm.acquire(self._client)
@@ -141,6 +194,8 @@ class TritonBackend:
             raise DeadlineExceeded("the deadline passed before the batch reached Triton")
         try:
             async with asyncio.timeout(timeout):
+                if self.declared is not None:
+                    return await self._infer_declared(images, timeout)
                 if self._shm is None:
                     return await self._infer_socket(images, timeout)
                 try:
@@ -182,6 +237,16 @@ class TritonBackend:
             meta = await self._client.get_model_metadata(self.model, self.version, as_json=True)
         else:
             meta = await self._client.get_model_metadata(self.model, self.version)
+        if self.declared is not None:
+            now, problem = check_on_triton(self.declared, meta, self.max_batch_size, f"model {self.model!r} on Triton")
+            if problem is not None:
+                self._names = None  # the next batch checks again, and is refused while this lasts
+                logger.error("triton: %s", problem)
+                return problem
+            assert now is not None
+            assert now.source is not None
+            self._names = (now.source.input_name, now.source.output_name)
+            return await self._config_problem()
         height, width = self.input_size
         inputs = {i["name"]: (i["datatype"], [int(d) for d in i["shape"]]) for i in meta.get("inputs", [])}
         outputs = {o["name"]: (o["datatype"], [int(d) for d in o["shape"]]) for o in meta.get("outputs", [])}
@@ -194,6 +259,10 @@ class TritonBackend:
             )
             logger.error("triton: %s", problem)
             return problem
+        return await self._config_problem()
+
+    async def _config_problem(self) -> str | None:
+        """Whether Triton's model takes batches as large as the gateway's."""
         if self.protocol == "grpc":
             config = (await self._client.get_model_config(self.model, self.version, as_json=True)).get("config", {})
         else:

@@ -6,7 +6,9 @@ Each key is checked here on its own (type, range, no inf or nan, files bounded a
 declaration against what it says (input name, shape, dtype, layout; output width). An error names
 the model, the version and the key: ``DeclarationError``'s message is the whole sentence.
 
-Keys (all optional but ``path`` or a Triton backend; what the model file says fills the rest)::
+Keys (all optional but ``path`` or a Triton backend; what the model file says fills the rest; a model
+already in the user's Triton has no ``path``: what Triton says fills the rest,
+``service.triton.declared``)::
 
     path = "models/cars.onnx"    # .onnx, OpenVINO IR .xml (its .bin beside it), torch .pt2
     labels = "models/cars.txt"   # one label per line, a JSON list (.json), or a TOML list of strings
@@ -33,7 +35,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, get_args
 
-from service.models.profiles import OutputKind, Resize
+from service.images.geometry import Resize
+from service.models.profiles import OutputKind
 from service.settings.values import read_regular_file
 
 DECLARED_KEYS = (
@@ -56,7 +59,8 @@ DECLARED_KEYS = (
 Color = Literal["RGB", "BGR"]
 Layout = Literal["NCHW", "NHWC"]
 InputDtype = Literal["uint8", "float32", "float16"]
-Format = Literal["onnx", "openvino", "torch"]
+Format = Literal["onnx", "openvino", "torch", "triton"]
+"""A model's kind: a file's (by its suffix), or ``triton``: a model in the user's Triton, no file here."""
 
 FORMATS: dict[str, Format] = {".onnx": "onnx", ".xml": "openvino", ".pt2": "torch"}
 """A model file's kind, by its suffix."""
@@ -96,15 +100,25 @@ class Arithmetic:
 
 @dataclass(frozen=True)
 class ModelSource:
-    """A user's model file and what its input takes (the built graph puts that arithmetic in front)."""
+    """A user's model and what its input takes: a file (the built graph puts that arithmetic in
+    front), or a model in the user's Triton (``format`` ``triton``, no file: the triton backend
+    does the arithmetic in NumPy)."""
 
-    path: Path
+    file: Path | None
+    """The model file; None for a model in Triton (``path`` is then an error: nothing reads it)."""
     format: Format
     arithmetic: Arithmetic
     input_name: str
-    """The model's image input, as its file names it."""
+    """The model's image input, as its file (or Triton) names it; "" where Triton is asked at start."""
     output_name: str
-    """The model's output the gateway reads (its first)."""
+    """The model's output the gateway reads (its first); "" where Triton is asked at start."""
+
+    @property
+    def path(self) -> Path:
+        """The model file (only a file's source has one: the in-process backends read it)."""
+        if self.file is None:
+            raise ValueError(f"a model in Triton ({self.format}) has no file here")
+        return self.file
 
 
 @dataclass(frozen=True)

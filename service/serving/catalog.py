@@ -303,13 +303,21 @@ def _model(name: str, entry: Any, settings: Settings, where: str, inherit: bool,
 def _declared(
     keys: dict[str, Any], name: str, version: str, settings: Settings, where: str, base: Path
 ) -> ModelProfile:
-    """A declared model's profile: its keys checked, then its file read and checked against them."""
+    """A declared model's profile: its keys checked, then its file read and checked against them
+    (a model already in the user's Triton, without ``path``: what Triton says, asked now)."""
     from service.models.reading import complete  # reads ONNX files: imported where a model is declared
 
-    if "path" not in keys:
-        raise CatalogError(f'{where}: path: a declared model needs its file (path = "model.onnx")')
+    if "path" not in keys and settings.backend != "triton":
+        raise CatalogError(
+            f'{where}: path: a declared model needs its file (path = "model.onnx"), or backend = "triton" for a '
+            "model already in your Triton (triton_model names it)"
+        )
     try:
         declaration = parse_declaration(keys, where, base=base, root=settings.models_root)
+        if declaration.path is None:
+            from service.triton.declared import complete_on_triton
+
+            return complete_on_triton(declaration, settings, name=name, version=version)
         return complete(declaration, name=name, version=version, max_batch_size=settings.max_batch_size)
     except DeclarationError as exc:
         raise CatalogError(str(exc)) from None
