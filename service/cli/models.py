@@ -5,8 +5,14 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 from service.cli.common import load_settings
+
+if TYPE_CHECKING:
+    from service.settings import Settings
+    from service.triton.repository import TritonOptions
 
 
 def build(args: argparse.Namespace) -> int:
@@ -44,12 +50,45 @@ def triton_repo(args: argparse.Namespace) -> int:
         tensorrt_accelerator=not args.triton_no_tensorrt,
         engine_cache=args.triton_engine_cache,
     )
+    if settings.models_file is not None or settings.model_path is not None:
+        return _catalog_repo(args, settings, options)
     for name in list(PROFILES) if args.all else [settings.model]:
         profile = get_profile(name)
         onnx = None
         if not args.config_only:
             onnx = ensure_model(settings.models_dir, profile, weights_for(settings, name))
         print(write_model(args.out, profile, options, onnx))
+    return 0
+
+
+def _catalog_repo(args: argparse.Namespace, settings: Settings, options: TritonOptions) -> int:
+    """The models of a models file (or ``--model-path``'s) into the repository, declared ones as
+    their derived graphs: the gateway then serves them with ``backend = "triton"``."""
+    from service.models.checkpoints import weights_for
+    from service.models.store import ensure_model
+    from service.serving.catalog import load_catalog
+    from service.triton.declared_repo import Entry, RepositoryRefused, write_catalog
+
+    if args.all:
+        print("gateway models triton-repo: --all writes the built-in profiles, not a models file's", file=sys.stderr)
+        return 2
+
+    def model_file(entry: Entry) -> Path | None:
+        if args.config_only:
+            return None
+        if entry.profile.source is not None:
+            return ensure_model(settings.models_dir, entry.profile)
+        return ensure_model(settings.models_dir, entry.profile, weights_for(settings, entry.profile.name))
+
+    try:
+        written, notes = write_catalog(args.out, load_catalog(settings), options, model_file)
+    except RepositoryRefused as exc:
+        print(f"gateway models triton-repo: {exc}", file=sys.stderr)
+        return 1
+    for note in notes:
+        print(f"gateway models triton-repo: {note}", file=sys.stderr)
+    for folder in written:
+        print(folder)
     return 0
 
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import os
 import shutil
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -70,9 +71,17 @@ class TritonOptions:
         return self.kind or ("KIND_CPU" if self.variant in CPU_VARIANTS else "KIND_GPU")
 
 
-def render_config(name: str, profile: ModelProfile, options: TritonOptions) -> str:
+LABELS_FILE = "labels.txt"
+"""A declared classifier's labels beside its config (``label_filename``: Triton's classification
+extension answers ``score:index:label``)."""
+
+
+def render_config(
+    name: str, profile: ModelProfile, options: TritonOptions, versions: Sequence[str] | None = None
+) -> str:
+    """``versions``: the versions Triton serves (None: the latest one)."""
     height, width = profile.input_size
-    classes = len(profile.labels)
+    classes = profile.outputs
     header = {
         "tensorrt": 'platform: "tensorrt_plan"\ndefault_model_filename: "model.plan"',
         "onnxruntime": 'platform: "onnxruntime_onnx"\ndefault_model_filename: "model.onnx"',
@@ -80,6 +89,7 @@ def render_config(name: str, profile: ModelProfile, options: TritonOptions) -> s
         "python": 'backend: "python"',
     }[options.variant]
     preferred = ", ".join(str(n) for n in options.preferred_batch_sizes if n <= options.max_batch_size)
+    preferred_line = f"  preferred_batch_size: [ {preferred} ]\n" if preferred else ""
     parameters = dict(options.extra_parameters)
     if options.variant == "python":
         parameters.setdefault("intra_op_threads", str(options.intra_op_threads))
@@ -95,6 +105,16 @@ def render_config(name: str, profile: ModelProfile, options: TritonOptions) -> s
     )
     gpus = "\n    gpus: [ 0 ]" if options.instance_kind == "KIND_GPU" else ""
     origin = f"`gateway models triton-repo --variant {options.variant}`; {profile.name} v{profile.version}"
+    labels = ""
+    if profile.source is not None:
+        origin = f"`gateway models triton-repo --variant {options.variant}`; declared model {profile.name}"
+        if profile.source.file is not None:
+            origin += f" from {profile.source.file.name}"
+        if profile.classifies:
+            labels = f'\n    label_filename: "{LABELS_FILE}"'
+    policy = "latest: { num_versions: 1 }"
+    if versions is not None and len(versions) > 1:
+        policy = f"specific: {{ versions: [ {', '.join(sorted(versions, key=int))} ] }}"
     queue_policy = (
         f"\n  default_queue_policy {{ max_queue_size: {options.max_queue_size} }}" if options.max_queue_size else ""
     )
@@ -115,12 +135,11 @@ output [
   {{
     name: "{OUTPUT_NAME}"
     data_type: TYPE_FP32
-    dims: [ {classes} ]
+    dims: [ {classes} ]{labels}
   }}
 ]
 dynamic_batching {{
-  preferred_batch_size: [ {preferred} ]
-  max_queue_delay_microseconds: {options.max_queue_delay_us}{queue_policy}
+{preferred_line}  max_queue_delay_microseconds: {options.max_queue_delay_us}{queue_policy}
 }}
 instance_group [
   {{
@@ -128,7 +147,7 @@ instance_group [
     kind: {options.instance_kind}{gpus}
   }}
 ]
-version_policy: {{ latest: {{ num_versions: 1 }} }}
+version_policy: {{ {policy} }}
 {accelerator}{params}"""
 
 
@@ -167,28 +186,29 @@ model_warmup [{warmups}
 """
 
 
-def render_build_script(profile: ModelProfile, options: TritonOptions) -> str:
+def render_build_script(profile: ModelProfile, options: TritonOptions, version: str | None = None) -> str:
     height, width = profile.input_size
+    version = version or profile.version
     opt = max((n for n in options.preferred_batch_sizes if n <= options.max_batch_size), default=1)
     return f"""#!/usr/bin/env sh
-# Build {profile.version}/model.plan from model.onnx with TensorRT, on the GPU that will serve it
+# Build {version}/model.plan from model.onnx with TensorRT, on the GPU that will serve it
 # (a plan is specific to the GPU model and the TensorRT version). Run it inside NVIDIA's
 # tritonserver or tensorrt container of the same release as the Triton that serves the plan:
 #   docker run --rm --gpus all -v "$PWD":/m -w /m nvcr.io/nvidia/tensorrt:<release>-py3 sh build_plan.sh
 # Input: UINT8 NHWC {height}x{width}x3, dynamic batch 1..{options.max_batch_size}, optimised for {opt}; FP16 kernels.
 set -eu
 cd "$(dirname "$0")"
-mkdir -p {profile.version}
+mkdir -p {version}
 trtexec \\
   --onnx=model.onnx \\
-  --saveEngine={profile.version}/model.plan \\
+  --saveEngine={version}/model.plan \\
   --fp16 \\
   --minShapes={INPUT_NAME}:1x{height}x{width}x3 \\
   --optShapes={INPUT_NAME}:{opt}x{height}x{width}x3 \\
   --maxShapes={INPUT_NAME}:{options.max_batch_size}x{height}x{width}x3 \\
   --memPoolSize=workspace:4096 \\
   --skipInference
-echo "wrote $(pwd)/{profile.version}/model.plan"
+echo "wrote $(pwd)/{version}/model.plan"
 """
 
 
@@ -203,18 +223,31 @@ def _place(source: Path, target: Path) -> None:
 
 
 def write_model(
-    repository: Path, profile: ModelProfile, options: TritonOptions, onnx_path: Path | None, name: str | None = None
+    repository: Path,
+    profile: ModelProfile,
+    options: TritonOptions,
+    onnx_path: Path | None,
+    name: str | None = None,
+    *,
+    version: str | None = None,
+    versions: Sequence[str] | None = None,
 ) -> Path:
     """Write one model directory into ``repository`` and return it. With ``onnx_path`` None only the
-    configuration files are written (what the repository under deploy/ keeps in git)."""
+    configuration files are written (what the repository under deploy/ keeps in git).
+
+    ``version``: its version folder (default: the profile's); ``versions``: every version the
+    config serves (default: the latest). A declared classifier's labels are written beside its
+    config (``labels.txt``)."""
     name = name or profile.name
     model_dir = repository / name
     model_dir.mkdir(parents=True, exist_ok=True)
-    (model_dir / "config.pbtxt").write_text(render_config(name, profile, options))
-    version_dir = model_dir / profile.version
+    (model_dir / "config.pbtxt").write_text(render_config(name, profile, options, versions))
+    if profile.source is not None and profile.classifies:
+        (model_dir / LABELS_FILE).write_text("".join(f"{label}\n" for label in profile.labels))
+    version_dir = model_dir / (version or profile.version)
     if options.variant == "tensorrt":
         script = model_dir / "build_plan.sh"
-        script.write_text(render_build_script(profile, options))
+        script.write_text(render_build_script(profile, options, version))
         script.chmod(0o755)
         if onnx_path is not None:
             _place(onnx_path, model_dir / "model.onnx")
