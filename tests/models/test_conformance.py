@@ -214,18 +214,61 @@ def test_a_graph_using_the_gateways_names_is_renamed_not_confused(tmp_path: Path
     assert_received(run(path, rgb), reference(rgb, "NHWC", "BGR", "float32", keys), "float32", keys)
 
 
-def test_the_users_other_outputs_are_not_computed(tmp_path: Path) -> None:
-    """The first output is served; the nodes only the others need are left out of the derived graph."""
+def test_a_subgraph_reading_the_renamed_input(tmp_path: Path) -> None:
+    """A model whose ``If`` branches read its input (named ``images``) from the outer graph: the
+    rename reaches into the branches, and the nodes feeding them are kept."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    rows = numpy_helper.from_array(np.array([0, -1], np.int64), "rows")
+    then = helper.make_graph(
+        [helper.make_node("Reshape", ["images", "rows"], ["then_out"])],
+        "then",
+        [],
+        [helper.make_tensor_value_info("then_out", TensorProto.FLOAT, ["N", HEIGHT * WIDTH * 3])],
+    )
+    otherwise = helper.make_graph(
+        [
+            helper.make_node("Neg", ["images"], ["negated"]),
+            helper.make_node("Reshape", ["negated", "rows"], ["else_out"]),
+        ],
+        "else",
+        [],
+        [helper.make_tensor_value_info("else_out", TensorProto.FLOAT, ["N", HEIGHT * WIDTH * 3])],
+    )
+    graph = helper.make_graph(
+        [
+            helper.make_node("Constant", [], ["cond"], value=numpy_helper.from_array(np.array(True), "c")),
+            helper.make_node("If", ["cond"], ["scores"], then_branch=then, else_branch=otherwise),
+        ],
+        "branches",
+        [helper.make_tensor_value_info("images", TensorProto.FLOAT, shape_of("NCHW"))],
+        [helper.make_tensor_value_info("scores", TensorProto.FLOAT, ["N", HEIGHT * WIDTH * 3])],
+        [rows],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    keys = {**NORMALISATIONS["torchvision"], "output": "embedding"}
+    path, run = derived(tmp_path, model, keys)
+    rgb = batch()
+    assert_received(run(path, rgb), reference(rgb, "NCHW", "RGB", "float32", keys), "float32", keys)
+
+
+@pytest.mark.parametrize("fmt", ["onnx", "openvino"])
+def test_the_users_other_outputs_are_not_computed(tmp_path: Path, fmt: str) -> None:
+    """The first output is served, alone; the nodes only the others need are left out."""
     from onnx import helper
 
     model = tiny_model(shape_of("NCHW"), outputs=3)
     graph = model.graph
     graph.node.append(helper.make_node("ReduceMax", ["as_float"], ["side"], keepdims=0))
     graph.output.append(helper.make_tensor_value_info("side", onnx.TensorProto.FLOAT, ["N"]))
-    path, run = derived(tmp_path, model, {"scale": 1, "labels": ["a", "b", "c"]})
-    built = onnx.load(path)
-    assert "ReduceMax" not in {n.op_type for n in built.graph.node}
-    assert [v.name for v in built.graph.output] == ["scores"]
+    path, run = derived(tmp_path, model, {"scale": 1, "labels": ["a", "b", "c"]}, fmt)
+    if fmt == "onnx":
+        built = onnx.load(path)
+        assert "ReduceMax" not in {n.op_type for n in built.graph.node}
+        assert [v.name for v in built.graph.output] == ["scores"]
+    else:
+        assert [p.get_any_name() for p in ov.Core().read_model(path).outputs] == ["scores"]
     assert run(path, batch()).shape == (3, 3)
 
 
