@@ -57,10 +57,17 @@ class ServedVersion:
     lazy: bool = False
     """Loaded on first use and unloaded when the memory budget needs its room (``Loader``)."""
     in_use: int = 0
-    """Requests using it now (or waiting for its load): it is not unloaded while any is."""
+    """Requests holding it now: it is not unloaded while any does (a drain waits for them)."""
+    waiting: int = 0
+    """Requests waiting for its load (or, draining, its reload): it is not idle while any does."""
+    draining: bool = False
+    """Its turn in the memory budget is over: new requests wait for its reload, and it is unloaded
+    once the requests holding it are answered (``Loader``)."""
     loading: bool = False
     """A load of it is under way (``Loader``)."""
     last_used: float = 0.0
+    loaded_at: float = 0.0
+    """When it was last loaded (monotonic): it is drained for another only after a while (``Loader``)."""
     failed: tuple[float, str] | None = None
     """When its last load failed, and why (cleared by a load that succeeds)."""
     random_weights: bool = field(init=False)

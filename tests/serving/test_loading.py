@@ -6,10 +6,12 @@ outlives its request finishes for the next one. Loads and unloads are counted.""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import re
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -69,27 +71,42 @@ async def test_the_least_recently_used_idle_model_makes_room(
     assert _counts(text, "gateway_model_memory_bytes") == {"a": 100 * MB, "b": 0, "c": 100 * MB}
 
 
-async def test_a_model_in_use_is_not_unloaded_and_the_request_that_needs_its_room_retries(
+async def test_a_busy_model_is_drained_for_another_and_a_request_in_a_hurry_retries(
     gateway_factory: MakeSettings, tmp_path: Path, coffee_jpeg: bytes
 ) -> None:
-    """a is busy (a 1.5 s batch): b cannot take its room, 503 with Retry-After; once a's request
-    is answered, b loads in a's place."""
+    """a is busy (a 1.5 s batch) and b does not fit beside it: b's load drains a. A request for b
+    whose deadline (0.3 s) is shorter than the drain gets 503 with Retry-After, and the load goes
+    on; one with a longer deadline waits for its turn and is answered. a's request is answered,
+    not cut off; a request for a while it drains waits for its reload, after b's turn."""
     models = _models(tmp_path, {"a": f"memory = {100 * MB}\nfake_delay = 1.5", "b": f"memory = {100 * MB}"})
-    async with running_gateway(gateway_factory(models_file=models, model_memory_budget=150 * MB)) as client:
+    settings = gateway_factory(models_file=models, model_memory_budget=150 * MB)
+    async with running_gateway(settings) as client:
+        assert await _loaded(client) == {"a": True, "b": False}
+        gateway = client.app.state.gateway
+        gateway.models.loader.min_residency = 0.2
         busy = asyncio.create_task(client.post("/v1/models/a/classify", content=coffee_jpeg, headers=JPEG))
         async with asyncio.timeout(5):
             inflight = 'gateway_batcher_inflight_batches{model="a",version="1"} 1.0'
             while inflight not in (await client.get("/metrics")).text:  # noqa: ASYNC110
                 await asyncio.sleep(0.02)
-        refused = await client.post("/v1/models/b/classify", content=coffee_jpeg, headers=JPEG)
-        assert refused.status_code == 503, refused.text
-        assert refused.json()["error"] == "model_not_loaded"
-        assert "the models in use hold 100 MB of the 150 MB budget" in refused.json()["detail"]
-        assert refused.headers["retry-after"] == "5"
+        gateway.settings = settings.model_copy(update={"request_timeout": 0.3})
+        hurried = await client.post("/v1/models/b/classify", content=coffee_jpeg, headers=JPEG)
+        assert hurried.status_code == 503, hurried.text
+        assert hurried.json()["error"] == "model_not_loaded"
+        assert "is loading (or waiting for its turn in the memory budget)" in hurried.json()["detail"]
+        assert hurried.headers["retry-after"] == "1"
+        gateway.settings = settings
+        assert await _loaded(client) == {"a": True, "b": False}  # draining: its request is not cut off
+        joining = asyncio.create_task(client.post("/v1/models/a/classify", content=coffee_jpeg, headers=JPEG))
+        patient = await client.post("/v1/models/b/classify", content=coffee_jpeg, headers=JPEG)
+        assert patient.status_code == 200, patient.text
+        assert patient.json()["model"]["name"] == "b"
         assert (await busy).status_code == 200
-        later = await client.post("/v1/models/b/classify", content=coffee_jpeg, headers=JPEG)
-        assert later.status_code == 200
-        assert await _loaded(client) == {"a": False, "b": True}
+        assert (await joining).status_code == 200  # a's reload, once b's turn was over
+        assert await _loaded(client) == {"a": True, "b": False}
+        text = (await client.get("/metrics")).text
+    assert _counts(text, "gateway_model_loads_total") == {"a": 2.0, "b": 1.0}
+    assert _counts(text, "gateway_model_unloads_total") == {"a": 1.0, "b": 1.0}
 
 
 async def test_real_models_load_on_first_use_and_a_slow_load_finishes_for_the_next_request(
@@ -147,18 +164,27 @@ async def test_requests_waiting_for_a_load_keep_it_from_the_next_load(
     gateway_factory: MakeSettings, tmp_path: Path, coffee_jpeg: bytes
 ) -> None:
     """Two requests for b and two for c at once, room for one of them: b loads (a makes room) and
-    both its requests are answered; c's load may not take b's room while b's requests wait for
-    their turn, so c is refused (503, Retry-After) rather than b's requests after b's whole load."""
+    both its requests are answered: c's load may not take b's room before b's turn is over (1 s
+    here), though b's requests still wait to be woken when c's load looks for room. c's requests,
+    whose deadline (0.5 s) is shorter than b's turn, get 503 with Retry-After; c's load goes on,
+    and c answers the next request."""
     models = _models(tmp_path, {name: f"memory = {100 * MB}" for name in ("a", "b", "c")})
-    async with running_gateway(gateway_factory(models_file=models, model_memory_budget=150 * MB)) as client:
+    settings = gateway_factory(models_file=models, model_memory_budget=150 * MB, request_timeout=0.5)
+    async with running_gateway(settings) as client:
+        assert await _loaded(client) == {"a": True, "b": False, "c": False}
+        client.app.state.gateway.models.loader.min_residency = 1.0
         answers = await asyncio.gather(
             *(client.post(f"/v1/models/{name}/classify", content=coffee_jpeg, headers=JPEG) for name in "bbcc")
         )
         assert [a.status_code for a in answers[:2]] == [200, 200], [a.text for a in answers]
         for refused in answers[2:]:
             assert refused.status_code == 503
-            assert refused.headers["retry-after"] == "5"
-        assert await _loaded(client) == {"a": False, "b": True, "c": False}
+            assert "is loading" in refused.json()["detail"]
+            assert refused.headers["retry-after"] == "1"
+        async with asyncio.timeout(5):
+            while not (await _loaded(client))["c"]:  # noqa: ASYNC110
+                await asyncio.sleep(0.05)
+        assert await _loaded(client) == {"a": False, "b": False, "c": True}
         assert (await client.post("/v1/models/c/classify", content=coffee_jpeg, headers=JPEG)).status_code == 200
 
 
@@ -240,3 +266,163 @@ async def test_a_failed_load_is_refused_for_the_time_it_says(
         after = (await client.get("/v1/models/bad")).json()["versions"][0]
         assert (after["state"], after["loaded"], after["ready"]) == ("failed", False, False)
         assert "failed to load" in after["reason"]
+
+
+async def test_two_models_that_do_not_fit_together_take_turns_under_steady_traffic(
+    gateway_factory: MakeSettings, tmp_path: Path, coffee_jpeg: bytes
+) -> None:
+    """a is never idle (three overlapping loops of 0.1 s batches) and b does not fit beside it: b's
+    24 requests over 3 s are answered (a is drained for b, then b for a), not refused for ever,
+    and a's requests go on being answered between b's turns."""
+    models = _models(tmp_path, {"a": f"memory = {100 * MB}\nfake_delay = 0.1", "b": f"memory = {100 * MB}"})
+    async with running_gateway(gateway_factory(models_file=models, model_memory_budget=150 * MB)) as client:
+        assert await _loaded(client) == {"a": True, "b": False}  # (the lifespan has run)
+        client.app.state.gateway.models.loader.min_residency = 0.2  # turns of 0.2 s, not seconds
+        stop = asyncio.Event()
+        a_answers: list[tuple[float, int]] = []
+
+        async def steady() -> None:
+            while not stop.is_set():
+                answer = await client.post("/v1/models/a/classify", content=coffee_jpeg, headers=JPEG)
+                a_answers.append((time.monotonic(), answer.status_code))
+
+        async def b_request(at: float) -> tuple[float, int, str]:
+            await asyncio.sleep(at)
+            answer = await client.post("/v1/models/b/classify", content=coffee_jpeg, headers=JPEG)
+            return time.monotonic(), answer.status_code, answer.text
+
+        loops = [asyncio.create_task(steady()) for _ in range(3)]
+        await asyncio.sleep(0.3)  # a is busy from here on
+        b_answers = await asyncio.gather(*(b_request(i * 0.125) for i in range(24)))
+        stop.set()
+        await asyncio.gather(*loops)
+        text = (await client.get("/metrics")).text
+    assert [status for _, status, _ in b_answers] == [200] * 24, [body for _, _, body in b_answers]
+    assert all(status == 200 for _, status in a_answers), a_answers
+    first_b, last_b = min(at for at, _, _ in b_answers), max(at for at, _, _ in b_answers)
+    assert any(first_b < at < last_b for at, _ in a_answers)  # a had turns between b's
+    loads, unloads = _counts(text, "gateway_model_loads_total"), _counts(text, "gateway_model_unloads_total")
+    assert loads["a"] >= 2, loads  # loaded at start, and again after b's turn
+    assert loads["b"] >= 1, loads
+    assert unloads["a"] >= 1, unloads
+
+
+class _Versions:
+    """Lazy versions of 100 MB each (fake backends) and their loader, without a gateway: what starts
+    and stops is logged, and a start waits while ``gate`` is clear."""
+
+    def __init__(self) -> None:
+        self.log: list[str] = []
+        self.gate = asyncio.Event()
+        self.gate.set()
+        self.starting = asyncio.Event()
+        self.metrics = Metrics(CollectorRegistry())
+        self._names: dict[int, str] = {}
+
+    async def start(self, served: ServedVersion) -> Running:
+        self.log.append(f"start {served.model}")
+        self.starting.set()
+        await self.gate.wait()
+        health = BackendHealth(FakeBackend(), served.metrics, 1.0)
+        await health.refresh()
+        self._names[id(health.backend)] = served.model
+        return Running(classifier=None, backend=health.backend, health=health, watcher=None)  # type: ignore[arg-type]
+
+    async def stop(self, running: Running) -> None:
+        self.log.append(f"stop {self._names[id(running.backend)]}")
+
+    @contextmanager
+    def loader(self, tmp_path: Path, names: str, **timing: float) -> Iterator[tuple[Loader, list[ServedVersion]]]:
+        """A loader of ``names`` (one version each) with room for one of them."""
+        spec = load_catalog(Settings(model="trivial", backend="fake", models_dir=tmp_path)).models[0].versions[0]
+        spec = dataclasses.replace(spec, memory=100 * MB)
+        with ThreadPoolExecutor(1) as pool:
+            versions = [
+                ServedVersion(name, spec, self.metrics.model(name, "1", "fake"), pool, lazy=True) for name in names
+            ]
+            yield Loader(150 * MB, versions, self.start, self.stop, self.metrics, **timing), versions
+
+    def refused(self, name: str) -> float | None:
+        labels = {"model": name, "version": "1", "outcome": "refused"}
+        return self.metrics.registry.get_sample_value("gateway_model_loads_total", labels)
+
+
+async def _until(condition: Callable[[], bool]) -> None:
+    async with asyncio.timeout(5):
+        while not condition():  # noqa: ASYNC110 (a loader's state, set without an event to wait on)
+            await asyncio.sleep(0.005)
+
+
+async def test_a_version_just_loaded_is_not_drained_before_its_waiting_requests_hold_it(tmp_path: Path) -> None:
+    """b's two requests wait for its load and c's load (room for one of them) is queued right behind
+    it, so that c's load looks for room before b's requests are woken: b is not taken from them
+    (they count as waiting, and b's turn has just begun). b is loaded once and both its requests
+    hold it; c's request, whose deadline (0.1 s) is shorter than b's turn (0.3 s), is refused with
+    Retry-After, and c's load goes on: it drains b once b's turn is over (a new request for b then
+    waits for b's reload) and takes b's room once b's requests are answered."""
+    versions = _Versions()
+    versions.gate.clear()
+    with versions.loader(tmp_path, "bc", min_residency=0.3) as (loader, (b, c)):
+        b_requests = [asyncio.create_task(loader.acquire(b, None)) for _ in range(2)]
+        await versions.starting.wait()  # b's load holds the lock
+        deadline = asyncio.get_running_loop().time() + 0.1
+        c_request = asyncio.create_task(loader.acquire(c, deadline))
+        await _until(lambda: c.waiting == 1)
+        await asyncio.sleep(0.01)  # c's load waits for the lock
+        versions.gate.set()
+        await asyncio.gather(*b_requests)
+        assert (b.in_use, versions.log) == (2, ["start b"])
+        with pytest.raises(ModelNotLoaded) as refused:
+            await c_request
+        assert "is loading (or waiting for its turn" in refused.value.detail
+        assert refused.value.headers == {"Retry-After": "1"}
+        await _until(lambda: b.draining)  # b's turn is over: c's load drains it
+        late = asyncio.create_task(loader.acquire(b, None))  # waits for b's reload, does not join it
+        await _until(lambda: b.waiting == 1)
+        assert b.in_use == 2
+        loader.release(b)
+        loader.release(b)
+        await late  # c (idle: its request gave up) makes room for b again
+        assert versions.log == ["start b", "stop b", "start c", "stop c", "start b"]
+        await loader.aclose()
+
+
+async def test_a_drain_that_outlasts_its_limit_is_given_up_and_the_load_refused(tmp_path: Path) -> None:
+    """a is held by a request that does not end: b's load drains a, meanwhile a new request for a
+    waits for a's reload instead of joining it; after ``drain_limit`` (0.2 s) the drain is given up:
+    b's request gets 503 with Retry-After 5 (counted refused), a serves on (the waiting request
+    holds it) and nothing was unloaded."""
+    versions = _Versions()
+    with versions.loader(tmp_path, "ab", min_residency=0.0, drain_limit=0.2) as (loader, (a, b)):
+        await loader.acquire(a, None)
+        b_request = asyncio.create_task(loader.acquire(b, None))
+        await _until(lambda: a.draining)
+        a_request = asyncio.create_task(loader.acquire(a, None))
+        await _until(lambda: a.waiting == 1)
+        assert a.in_use == 1
+        with pytest.raises(ModelNotLoaded) as refused:
+            await b_request
+        assert "its room is held by a version 1, still in use after 0.2 s" in refused.value.detail
+        assert refused.value.headers == {"Retry-After": "5"}
+        assert versions.refused("b") == 1
+        async with asyncio.timeout(2):
+            await a_request
+        assert (a.in_use, a.waiting, a.draining, a.running is not None) == (2, 0, False, True)
+        assert versions.log == ["start a"]
+        await loader.aclose()
+
+
+async def test_shutdown_gives_up_a_drain_at_once(tmp_path: Path) -> None:
+    """At shutdown, a load draining a busy version (for up to 30 s) gives up at once: its request is
+    told the gateway is shutting down, and the drained version is left as it was, to be stopped
+    with the rest."""
+    versions = _Versions()
+    with versions.loader(tmp_path, "ab", min_residency=0.0, drain_limit=30.0) as (loader, (a, b)):
+        await loader.acquire(a, None)
+        b_request = asyncio.create_task(loader.acquire(b, None))
+        await _until(lambda: a.draining)
+        async with asyncio.timeout(2):
+            await loader.aclose()
+        with pytest.raises(ModelNotLoaded, match="shutting down"):
+            await b_request
+        assert (a.draining, a.running is not None, versions.log) == (False, True, ["start a"])
