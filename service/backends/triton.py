@@ -133,11 +133,16 @@ class TritonBackend:
         result = await self._call([inp], [out], timeout)
         return np.asarray(result.as_numpy(OUTPUT_NAME))
 
-    def _model_batch(self, images: Images) -> np.ndarray:
-        """The images in the declared model's element type and layout (in a worker thread)."""
+    def _model_tensor(self, images: Images, name: str) -> Any:
+        """The images in the declared model's element type and layout, serialised into the request
+        in a worker thread (the thread's batch buffer may be the very array sent: it is copied here,
+        before the thread assembles another batch into it)."""
         assert self.declared is not None
         assert self.declared.source is not None
-        return model_input(self._buffer.assemble(images), self.declared.source.arithmetic)
+        batch = model_input(self._buffer.assemble(images), self.declared.source.arithmetic)
+        tensor = self._mod.InferInput(name, list(batch.shape), DATATYPES[batch.dtype.name])
+        tensor.set_data_from_numpy(batch, **({} if self.protocol == "grpc" else {"binary_data": True}))
+        return tensor
 
     async def _infer_declared(self, images: Images, timeout: float | None) -> np.ndarray:
         assert self.declared is not None
@@ -145,10 +150,8 @@ class TritonBackend:
             await self._learn_names()
         assert self._names is not None
         input_name, output_name = self._names
-        batch = await asyncio.to_thread(self._model_batch, images)
-        inp = self._mod.InferInput(input_name, list(batch.shape), DATATYPES[batch.dtype.name])
+        inp = await asyncio.to_thread(self._model_tensor, images, input_name)
         binary = {} if self.protocol == "grpc" else {"binary_data": True}
-        inp.set_data_from_numpy(batch, **binary)
         result = await self._call([inp], [self._mod.InferRequestedOutput(output_name, **binary)], timeout)
         raw = result.as_numpy(output_name)
         try:

@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 import shutil
@@ -96,6 +97,12 @@ y = np.concatenate([means, np.zeros((x.shape[0], 1))], 1).astype(np.float32)
 out.append(pb_utils.InferenceResponse([pb_utils.Tensor("logits", y)]))"""
 """The tiny model: float32 NCHW 8x6 in, logits out: each channel's mean as it received it, and 0."""
 
+TINY_UINT8 = """x = pb_utils.get_input_tensor_by_name(r, "rgb").as_numpy()
+means = x.reshape(x.shape[0], -1, 3).astype(np.float64).mean(1)
+y = np.concatenate([means, np.zeros((x.shape[0], 1))], 1).astype(np.float32)
+out.append(pb_utils.InferenceResponse([pb_utils.Tensor("logits", y)]))"""
+"""The tiny model of uint8 RGB NHWC, the gateway's own pixels under other names: each channel's mean, and 0."""
+
 ONNX_INIT = """import onnxruntime as ort
 options = ort.SessionOptions()
 options.intra_op_num_threads = 1
@@ -114,6 +121,7 @@ def _tiny_models(repository: Path) -> None:
     _python_model(repository, "two-inputs", [*pixels, ("mask", "TYPE_FP32", [3, 8, 6])], logits, "pass")
     _python_model(repository, "any-channels", [("pixels", "TYPE_FP32", [-1, 8, 6])], logits, "pass")
     _python_model(repository, "short-labels", pixels, logits, TINY, labels=TINY_LABELS[:3])
+    _python_model(repository, "tiny-uint8", [("rgb", "TYPE_UINT8", [8, 6, 3])], logits, TINY_UINT8)
 
 
 @pytest.fixture(scope="module")
@@ -292,6 +300,31 @@ async def test_the_backend_sends_the_models_own_dtype_and_layout(declared_triton
     expected = np.exp(logits) / np.exp(logits).sum(1, keepdims=True)
     assert got.dtype == np.float32
     np.testing.assert_allclose(got, expected, rtol=1e-5)
+
+
+@pytest.mark.parametrize("protocol", ["grpc", "http"])
+async def test_concurrent_batches_of_uint8_pixels_each_reach_triton_as_they_are(
+    declared_triton: LocalTriton, protocol: str
+) -> None:
+    """A model that takes the gateway's pixels as they are (uint8 NHWC RGB, its own names): the
+    batch sent is the worker thread's own buffer, so it is serialised there, before that thread
+    assembles the next batch into it. Many batches at once: each answer is its own batch's."""
+    url = declared_triton.grpc_url if protocol == "grpc" else declared_triton.http_url
+    settings = Settings(triton_url=url, triton_protocol=protocol, triton_model="tiny-uint8")
+    profile = complete_on_triton(_declaration({"output": "embedding"}), settings, name="m", version="1")
+    assert profile.source is not None
+    assert (profile.source.arithmetic.dtype, profile.source.arithmetic.layout) == ("uint8", "NHWC")
+    backend = TritonBackend(
+        url=url, model="tiny-uint8", protocol=protocol, input_size=(8, 6), classes=4, declared=profile
+    )
+    await backend.start()
+    try:
+        batches = [np.full((4, 8, 6, 3), [k, 255 - k, k // 2], np.uint8) for k in range(64)]
+        answers = await asyncio.gather(*(backend.infer(list(b), timeout=30) for b in batches))
+    finally:
+        await backend.aclose()
+    for k, answer in enumerate(answers):
+        np.testing.assert_array_equal(answer, np.tile([k, 255 - k, k // 2, 0], (4, 1)).astype(np.float32))
 
 
 async def test_a_declaration_that_says_enough_starts_without_triton_and_is_checked_when_ready(
