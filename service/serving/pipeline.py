@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import Executor, ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from functools import partial
@@ -156,7 +156,34 @@ async def _start_version(
     decode: Prepare,
     decode_many: PrepareMany | None,
 ) -> Running:
-    """One model version's backend (started), batcher, readiness check and classifier."""
+    """One model version's backend (started), batcher, readiness check and classifier. If a step
+    fails (the backend's start, most often), what the earlier ones opened is closed before the
+    error goes on: a load that fails leaves no backend threads or connections behind."""
+    opened: list[Callable[[], Awaitable[None]]] = []
+    try:
+        return await _assemble_version(served, metrics, tracing, backend, budget, decode, decode_many, opened)
+    except BaseException:
+        for close in reversed(opened):
+            try:
+                await close()
+            except Exception as exc:  # the error that stopped the start is the one that goes on
+                logger.warning(
+                    "model %s version %s: closing after a failed start: %s", served.model, served.version, exc
+                )
+        raise
+
+
+async def _assemble_version(
+    served: ServedVersion,
+    metrics: Metrics,
+    tracing: Tracing | None,
+    backend: Backend | None,
+    budget: Budget,
+    decode: Prepare,
+    decode_many: PrepareMany | None,
+    opened: list[Callable[[], Awaitable[None]]],
+) -> Running:
+    """``_start_version``'s steps; each thing it opens is added to ``opened`` (its close) first."""
     name, spec = served.model, served.spec
     settings, profile = spec.settings, spec.profile
     chosen = backend if backend is not None else await build_backend(settings, profile)
@@ -170,6 +197,7 @@ async def _start_version(
         chosen = CircuitBreaker(
             chosen, threshold=settings.breaker_threshold, cooldown=settings.breaker_cooldown, probe=probe
         )
+    opened.append(chosen.aclose)  # a start that fails may have opened threads or connections
     await chosen.start()
     batcher = DynamicBatcher(
         chosen.infer,
@@ -186,6 +214,7 @@ async def _start_version(
     )
     served.metrics.bind(batcher)
     batcher.start()
+    opened.append(partial(batcher.aclose, drain_timeout=0))
     health = BackendHealth(chosen, served.metrics, settings.readiness_interval, name=f"{name}/{spec.version}")
     if (problem := await health.refresh()) is None:
         logger.info("model %s version %s ready: %s on the %s backend", name, spec.version, profile.name, chosen.name)

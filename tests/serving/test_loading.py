@@ -24,6 +24,7 @@ from service.metrics import Metrics
 from service.schemas import VersionState
 from service.serving.catalog import load_catalog
 from service.serving.loading import Loader
+from service.serving.pipeline import open_models
 from service.serving.served import FAILED_LOAD_BACKOFF, Running, ServedVersion
 from service.settings import Settings
 from tests.conftest import GatewayClient, running_gateway
@@ -426,3 +427,29 @@ async def test_shutdown_gives_up_a_drain_at_once(tmp_path: Path) -> None:
         with pytest.raises(ModelNotLoaded, match="shutting down"):
             await b_request
         assert (a.draining, a.running is not None, versions.log) == (False, True, ["start a"])
+
+
+class _StartFails(FakeBackend):
+    """A backend whose start fails after it has opened something: ``closed`` says whether that was released."""
+
+    async def start(self) -> None:
+        self.started = True
+        raise RuntimeError("the runtime refused the model")
+
+
+async def test_a_backend_whose_start_fails_is_closed(gateway_factory: MakeSettings) -> None:
+    """The lone model, loaded on first use under a budget, with a backend whose start raises: the
+    load fails (the version says so, counted ``failed``) and the backend is closed, not left holding
+    what its start opened (threads, connections) for the life of the process."""
+    backend = _StartFails()
+    metrics = Metrics(CollectorRegistry())
+    settings = gateway_factory(model="trivial", backend="fake", model_memory_budget=1 << 30)
+    async with open_models(settings, metrics, backend=backend) as models:
+        served = models.default.versions["1"]
+        assert served.lazy
+        assert served.state[0] is VersionState.FAILED
+        assert "failed to load: RuntimeError" in str(served.state[1])
+        assert backend.started
+        assert backend.closed
+        labels = {"model": served.model, "version": "1", "outcome": "failed"}
+        assert metrics.registry.get_sample_value("gateway_model_loads_total", labels) == 1
