@@ -268,7 +268,8 @@ async def _discover(catalog: Catalog, settings: Settings) -> Catalog:
     assert catalog.discovery is not None
     try:
         found = await TritonRepository(catalog.discovery.url, catalog.discovery.protocol).index()
-        grown, skipped = with_discovered(catalog, [(e.name, e.version, e.state) for e in found], settings)
+        entries = [(e.name, e.version, e.state) for e in found]
+        grown, skipped = await asyncio.to_thread(with_discovered, catalog, entries, settings)
     except Exception as exc:  # whatever Triton answers, the file's models are served
         logger.warning("models: Triton's repository index gave no models to serve: %s", exc)
         return catalog

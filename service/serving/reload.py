@@ -60,11 +60,12 @@ def stamp(path: Path) -> tuple[int, int, int] | None:
 
 
 async def reload_models(path: Path, models: ServedModels, settings: Settings, metrics: Metrics) -> bool:
-    """Read ``path`` (in a thread) and apply its traffic weights (on the event loop, where requests
-    pick versions); False (and a warning) when it cannot be."""
+    """Read and check ``path`` (in a thread) and apply its traffic weights (on the event loop, where
+    requests pick versions); False (and a warning) when it cannot be."""
     try:
         table = await asyncio.to_thread(read_models_file, path)
-        catalog = reload_traffic(models.catalog, table, settings, str(path))
+        # in a thread too: a declared model's file is read again, a Triton model's metadata asked for
+        catalog = await asyncio.to_thread(reload_traffic, models.catalog, table, settings, str(path))
     except CatalogError as exc:
         logger.warning("models file changed but not applied (the running weights stay): %s", exc)
         metrics.model_reloads.labels("refused").inc()
