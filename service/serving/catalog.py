@@ -348,7 +348,10 @@ def get_profile_named(name: Any, where: str) -> ModelProfile:
     try:
         return get_profile(name)
     except ValueError as exc:
-        raise CatalogError(f"{where}: profile: {exc}") from None
+        raise CatalogError(
+            f'{where}: profile: {exc}; or declare a model of your own: path = "model.onnx" and its labels '
+            "(on Triton, without a path: its output = ...; see docs/own-models.md)"
+        ) from None
 
 
 def _known(entry: dict[str, Any], allowed: set[str], where: str) -> None:

@@ -180,8 +180,9 @@ class ServingFields(_Fields):
     model_memory_budget: int = Field(0, ge=0)
     """Bytes the in-process models (embedded, openvino, torch) may hold at once: with a budget, the
     default model loads at start and the others on first use, and the least recently used idle one
-    is unloaded when a load would exceed it (a version's memory: its ``memory`` in the models file,
-    else twice its model file). 0: every model loaded at start, none unloaded. See docs/routing.md."""
+    is unloaded when a load would exceed it; models that cannot fit together under traffic take turns
+    (a version's memory: its ``memory`` in the models file, else twice its model file). 0: every
+    model loaded at start, none unloaded. See docs/routing.md."""
     admin_key: SecretStr | None = None
     """Key of the models' admin routes (``POST /v1/models/{name}/load`` and ``/unload``), sent as
     ``X-Admin-Key``; unset: those routes are off (404). Not an API key: API keys classify."""

@@ -49,7 +49,8 @@ def test_a_full_declaration_is_read_as_given(tmp_path: Path, model_file: Path) -
         output="sigmoid",
         threshold=0.3,
     )
-    assert d.path == model_file.resolve() and d.format == "onnx"
+    assert d.path == model_file.resolve()
+    assert d.format == "onnx"
     assert d.labels == ("sedan", "hatchback", "van")
     assert (d.input_size, d.resize, d.color, d.layout, d.input_dtype) == (
         (260, 200),
@@ -154,7 +155,7 @@ def test_files_outside_the_models_root_are_refused_symlinks_followed(tmp_path: P
     for path in ("../elsewhere/secret.onnx", str(outside / "secret.onnx"), "link.onnx"):
         with pytest.raises(DeclarationError, match=f"^{WHERE}: path: .* is outside the models root"):
             _parse(root, root=root, path=path)
-    with pytest.raises(DeclarationError, match="labels: .* is outside the models root"):
+    with pytest.raises(DeclarationError, match=r"labels: .* is outside the models root"):
         _parse(root, root=root, path="inside.onnx", labels="../elsewhere/labels.txt")
 
 
@@ -177,5 +178,5 @@ def test_a_bad_path_is_refused(tmp_path: Path, path: Any, message: str) -> None:
 
 def test_a_fifo_as_labels_is_refused_without_blocking(tmp_path: Path, model_file: Path) -> None:
     os.mkfifo(tmp_path / "labels.txt")
-    with pytest.raises(DeclarationError, match="labels: .*is not a file|is not a regular file"):
+    with pytest.raises(DeclarationError, match=r"labels: .*is not a file|is not a regular file"):
         _parse(tmp_path, path="cars.onnx", labels="labels.txt")
