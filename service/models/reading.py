@@ -231,6 +231,8 @@ def complete(declaration: Declaration, *, name: str, version: str, max_batch_siz
     input_size = _input_size(d, image, layout)
     arithmetic = _arithmetic(d, image, layout)
     _batch(d, image, max_batch_size)
+    if not facts.outputs:
+        raise d.error("path", f"{d.path.name} has no output")
     result = facts.outputs[0]
     width = _output_width(d, result)
     output = d.output or "softmax"
@@ -265,7 +267,7 @@ def complete(declaration: Declaration, *, name: str, version: str, max_batch_siz
 def _image_input(d: Declaration, facts: ModelFacts) -> TensorFacts:
     """The model's one input, an image: rank 4, of an element type the gateway can feed."""
     if len(facts.inputs) != 1:
-        shown = "; ".join(map(str, facts.inputs)) or "none"
+        shown = "; ".join(map(str, facts.inputs[:4])) + ("; ..." if len(facts.inputs) > 4 else "") or "none"
         raise d.error(
             "path",
             f"the model takes {len(facts.inputs)} inputs ({shown}); the gateway feeds one, the image",
