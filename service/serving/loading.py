@@ -32,7 +32,7 @@ from typing import NoReturn
 
 from service.errors import Conflict, ModelNotLoaded, public_text
 from service.metrics import Metrics
-from service.models.store import model_path
+from service.models.store import model_bytes
 from service.serving.served import FAILED_LOAD_BACKOFF, Running, ServedVersion
 
 logger = logging.getLogger(__name__)
@@ -58,7 +58,7 @@ def memory_of(served: ServedVersion) -> int:
     if served.spec.memory is not None:
         return served.spec.memory
     try:
-        return ESTIMATE_FACTOR * model_path(served.spec.settings.models_dir, served.spec.profile).stat().st_size
+        return ESTIMATE_FACTOR * model_bytes(served.spec.settings.models_dir, served.spec.profile)
     except OSError:
         return 0
 
