@@ -119,3 +119,16 @@ def test_check_says_which_photo_it_could_not_read(folder: Path) -> None:
     assert result.returncode == 1
     assert "labels.txt: not a recognised image" in result.stdout
     assert "red.jpg: red" in result.stdout
+
+
+def test_check_notes_softmax_scores_that_are_not_probabilities(folder: Path) -> None:
+    """The most common slip: a model ending in logits declared as softmax (the default)."""
+    declared = _check(folder, "means.onnx", "--labels", "labels.txt", "--scale", "1", "--photo", "red.jpg")
+    assert declared.returncode == 0, declared.stderr
+    assert 'note: output = "softmax" says the model gives probabilities' in declared.stdout
+    assert 'declare output = "logits"' in declared.stdout
+    logits = _check(
+        folder, "means.onnx", "--labels", "labels.txt", "--scale", "1", "--output", "logits", "--photo", "red.jpg"
+    )
+    assert "note:" not in logits.stdout
+    assert "red.jpg: red 1.000" in logits.stdout

