@@ -6,7 +6,7 @@ format ``triton``), takes its own element type and layout under its own tensor n
 arithmetic is done in NumPy off the event loop (``service.backends.arithmetic``), the output read by
 its name and made the gateway's float32 rows (softmax or sigmoid applied as declared). Its names
 come from Triton's metadata, checked against the declaration at every readiness check
-(``service.triton.declared.check_on_triton``).
+(``service.backends.triton_declared.check_on_triton``).
 
 One long-lived client per process, opened in the lifespan. Triton's failures are mapped here, at the
 adapter edge, to the gateway's errors: unreachable or not ready -> 503, "exceeds maximum queue size"
@@ -29,12 +29,13 @@ from tritonclient.utils import InferenceServerException
 
 from service.backends.arithmetic import model_input, rows
 from service.backends.base import BatchBuffer, Images
+from service.backends.triton_datatypes import DATATYPES
+from service.backends.triton_declared import check_on_triton
 from service.backends.triton_shm import SharedMemoryPool
 from service.errors import BackendError, BackendUnavailable, DeadlineExceeded, GatewayError, QueueFull
 from service.models.profiles import ModelProfile
 from service.models.tensors import INPUT_NAME, OUTPUT_NAME
 from service.tracing import current_headers
-from service.triton.declared import DATATYPES, check_on_triton
 
 logger = logging.getLogger(__name__)
 

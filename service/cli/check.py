@@ -27,7 +27,7 @@ SHOWN_LABELS = 5
 
 
 def check(args: argparse.Namespace) -> int:
-    from service.models.reading import read_facts
+    from service.models.facts import read_facts
 
     settings = load_settings(args)  # the declaration and the file, checked as serve checks them
     spec = load_catalog(settings).models[0]

@@ -8,7 +8,7 @@ the model, the version and the key: ``DeclarationError``'s message is the whole 
 
 Keys (all optional but ``path`` or a Triton backend; what the model file says fills the rest; a model
 already in the user's Triton has no ``path``: what Triton says fills the rest,
-``service.triton.declared``)::
+``service.backends.triton_declared``)::
 
     path = "models/cars.onnx"    # .onnx, OpenVINO IR .xml (its .bin beside it), torch .pt2
     labels = "models/cars.txt"   # one label per line, a JSON list (.json), or a TOML list of strings

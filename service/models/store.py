@@ -104,7 +104,7 @@ def _ensure_declared(models_dir: Path, profile: ModelProfile, *, force: bool) ->
     """A declared model's derived file, from the bytes its fingerprint hashed (a file replaced
     while it is read is built as it was hashed, or refused as changed)."""
     from service.models import wrap
-    from service.models.reading import ModelFileError, ir_weights, load_onnx, read_model_bytes
+    from service.models.facts import ModelFileError, ir_weights, load_onnx, read_model_bytes
 
     source = profile.source
     assert source is not None

@@ -24,8 +24,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from service.models.declaration import Arithmetic, ModelSource
+from service.models.facts import ModelFacts, ModelFileError, flattens, load_onnx, onnx_facts, read_model_bytes
 from service.models.profiles import OutputKind
-from service.models.reading import ModelFacts, ModelFileError, flattens, load_onnx, onnx_facts, read_model_bytes
 from service.models.tensors import INPUT_NAME, OUTPUT_NAME
 
 if TYPE_CHECKING:
@@ -325,7 +325,7 @@ def derive_openvino(
     import openvino as ov
     from openvino.preprocess import ColorFormat, PrePostProcessor
 
-    from service.models.reading import openvino_tensor
+    from service.models.facts import openvino_tensor
 
     model = ov.Core().read_model(xml, weights)
     facts = ModelFacts(

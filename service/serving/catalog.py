@@ -315,7 +315,7 @@ def _declared(
     try:
         declaration = parse_declaration(keys, where, base=base, root=settings.models_root)
         if declaration.path is None:
-            from service.triton.declared import complete_on_triton
+            from service.backends.triton_declared import complete_on_triton
 
             return complete_on_triton(declaration, settings, name=name, version=version)
         return complete(declaration, name=name, version=version, max_batch_size=settings.max_batch_size)

@@ -98,7 +98,7 @@ def write_catalog(
 
 def _options(options: TritonOptions, files: list[Path]) -> TritonOptions:
     """A model whose graph takes one image at a time is written with ``max_batch_size`` 1."""
-    from service.models.reading import read_facts
+    from service.models.facts import read_facts
 
     for file in files:
         shape = read_facts(file).inputs[0].shape

@@ -16,8 +16,9 @@ import openvino as ov
 import pytest
 
 from service.models.declaration import DeclarationError, parse_declaration
+from service.models.facts import ModelFileError
 from service.models.profiles import ModelProfile
-from service.models.reading import ModelFileError, complete
+from service.models.reading import complete
 from service.models.store import ensure_model, model_bytes, model_path
 from tests.models.exports import tiny_model
 

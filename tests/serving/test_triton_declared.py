@@ -31,13 +31,13 @@ from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2 as mc
 
 from service.backends.triton import TritonBackend
+from service.backends.triton_declared import complete_on_triton
 from service.cli import main
 from service.errors import BackendUnavailable
 from service.models.declaration import DeclarationError, parse_declaration
 from service.models.profiles import imagenet_labels
 from service.serving.catalog import CatalogError, parse_catalog
 from service.settings import Settings
-from service.triton.declared import complete_on_triton
 from service.triton.server import LocalTriton, Ports, TritonInstall
 from tests.conftest import CAT_CLASSES, ESPRESSO, running_gateway
 from tests.models.exports import PLAIN, export

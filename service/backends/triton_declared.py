@@ -19,26 +19,22 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from service.models.declaration import Arithmetic, Declaration, DeclarationError, Layout, ModelSource, parse_declaration
+from service.backends.triton_datatypes import TRITON_TYPES
+from service.models import reading
+from service.models.declaration import Declaration, DeclarationError, parse_declaration
+from service.models.facts import ModelFacts, TensorFacts
 from service.models.profiles import CLASSIFYING, ModelProfile
-from service.models.reading import ModelFacts, TensorFacts
+from service.models.reading import ImageModel, examine
 
 if TYPE_CHECKING:
     from service.settings import Settings
 
 BUILDER_REVISION = 1
 """A model in Triton is not built here; the profile's field says nothing of it."""
-TRITON_TYPES = {
-    "FP32": "float32", "FP16": "float16", "FP64": "float64", "BF16": "bfloat16", "UINT8": "uint8",
-    "UINT16": "uint16", "UINT32": "uint32", "UINT64": "uint64", "INT8": "int8", "INT16": "int16",
-    "INT32": "int32", "INT64": "int64", "BOOL": "bool", "BYTES": "bytes",
-}  # fmt: skip
-"""Triton's datatype names to NumPy's (``TensorFacts.dtype``)."""
-DATATYPES = {numpy: triton for triton, numpy in TRITON_TYPES.items()}
 MAX_TENSORS = 64
 """Inputs or outputs read from Triton's metadata (a model with more is refused all the same)."""
 MAX_RANK = 8
@@ -100,74 +96,36 @@ def declared_facts(d: Declaration) -> ModelFacts:
     )
 
 
-@dataclass(frozen=True)
-class Read:
-    """What a file's checks make of Triton's facts, before the labels: the image input, its
-    layout, size and arithmetic, and the output read with its width (None: dynamic)."""
-
-    image: TensorFacts
-    layout: Layout
-    input_size: tuple[int, int]
-    arithmetic: Arithmetic
-    result: TensorFacts
-    width: int | None
-
-
-def read(d: Declaration, facts: ModelFacts, max_batch_size: int) -> Read:
-    """``facts`` read with a file's checks (``service.models.reading``'s), whose key ``path`` is
+def read(d: Declaration, facts: ModelFacts, max_batch_size: int) -> ImageModel:
+    """``facts`` checked as a file's are (``service.models.reading.examine``), whose key ``path`` is
     the model in Triton here: ``triton_model``."""
-    from service.models import reading
-
     try:
-        if not facts.outputs:
-            raise d.error("path", "the model has no output")
-        image = reading._image_input(d, facts)
-        layout = reading._layout(d, image)
-        input_size = reading._input_size(d, image, layout)
-        arithmetic = reading._arithmetic(d, image, layout)
-        reading._batch(d, image, max_batch_size)
-        result = facts.outputs[0]
-        width = reading._output_width(d, result)
+        return examine(d, facts, max_batch_size)
     except DeclarationError as exc:
-        raise DeclarationError(str(exc).replace(f"{d.where}: path: ", f"{d.where}: triton_model: ", 1)) from None
-    return Read(image, layout, input_size, arithmetic, result, width)
+        raise _in_triton(exc, d) from None
 
 
 def complete_facts(d: Declaration, facts: ModelFacts, *, name: str, version: str, max_batch_size: int) -> ModelProfile:
     """The profile of a model in Triton: the declaration completed from ``facts`` and checked
     against them with a file's checks (``DeclarationError`` naming the key and both values)."""
-    found = read(d, facts, max_batch_size)
-    result, width = found.result, found.width
-    output = d.output or "softmax"
-    dimensions = None
-    if output in CLASSIFYING:
-        if d.labels is None:
-            shown = f"the model gives {width}" if width is not None else "one per output"
-            raise d.error(
-                "labels",
-                f'output = "{output}" answers labels: give them ({shown}), or a label_filename for the output '
-                f"{result.name!r} in the model's config.pbtxt on Triton",
-            )
-        if width is not None and len(d.labels) != width:
-            raise d.error("labels", f"{len(d.labels)} labels for {width} outputs (the model's output {result})")
-    elif width is None:
-        raise d.error("output", f"the model's output {result} has a dynamic width; an embedding's must be fixed")
-    else:
-        dimensions = width
-    return ModelProfile(
-        name=name,
-        version=version,
-        input_size=found.input_size,
-        crop_fraction=d.crop_fraction if d.crop_fraction is not None else 0.875,
-        builder_revision=BUILDER_REVISION,
-        build=functools.partial(_not_built, name),
-        resize=d.resize or "crop",
-        output=output,
-        threshold=d.threshold if d.threshold is not None else 0.5,
-        label_names=d.labels,
-        dimensions=dimensions,
-        source=ModelSource(None, "triton", found.arithmetic, found.image.name, result.name),
-    )
+    try:
+        return reading.complete_facts(
+            d,
+            facts,
+            name=name,
+            version=version,
+            max_batch_size=max_batch_size,
+            builder=lambda source, size, output: functools.partial(_not_built, name),
+            revision=BUILDER_REVISION,
+            labels_elsewhere=", or a label_filename for its output in the model's config.pbtxt on Triton",
+        )
+    except DeclarationError as exc:
+        raise _in_triton(exc, d) from None
+
+
+def _in_triton(exc: DeclarationError, d: Declaration) -> DeclarationError:
+    """A file's error about the model (``path``) said of the model in Triton (``triton_model``)."""
+    return DeclarationError(str(exc).replace(f"{d.where}: path: ", f"{d.where}: triton_model: ", 1))
 
 
 def _not_built(name: str, weights: Path | None) -> Any:
@@ -222,7 +180,7 @@ def complete_on_triton(
     """The profile of a model in the user's Triton (the catalog's, for ``backend = "triton"``
     without ``path``): from the declaration alone when it says enough, else from what Triton says,
     asked synchronously (a Triton still starting is waited for up to ``wait`` seconds)."""
-    from service.triton import metadata as asking
+    from service.backends import triton_metadata as asking
 
     if settings.triton_shared_memory:
         raise d.error(

@@ -24,7 +24,7 @@ from tritonclient.utils import InferenceServerException
 from service.models.declaration import DeclarationError
 
 if TYPE_CHECKING:
-    from service.triton.declared import Read
+    from service.models.reading import ImageModel
 
 logger = logging.getLogger(__name__)
 
@@ -155,10 +155,10 @@ class TritonAsker:
         )
         return self._error("triton_model", f"{which} is not ready on Triton at {self.url}: {states}")
 
-    def labels(self, model: str, version: str, geometry: Read) -> list[str]:
+    def labels(self, model: str, version: str, geometry: ImageModel) -> list[str]:
         """Each output's label, by index, from the output's ``label_filename`` on Triton: one
         inference of a blank image asking for every class (``score:index:label`` strings)."""
-        from service.triton.declared import DATATYPES
+        from service.backends.triton_datatypes import DATATYPES
 
         assert geometry.width is not None
         image, result, width = geometry.image, geometry.result, geometry.width
