@@ -134,19 +134,19 @@ async def handle_images(request: Request, model: str | None, version: str | None
     gateway = gateway_of(request)
     served = choose(request, gateway, model, version)
     wants.require(served.spec.profile, served.model, served.version)  # before the body: it cannot help
-    admission = gateway.models.admission
-    admission.check(served.model)  # full now: refuse before spending time on the body
+    models = gateway.models
+    models.check(served)  # full now: refuse before spending time on the body
     if media_type(request.headers.get("content-type")) == "application/json":
         urls = await _read_urls(request, gateway)
         spend_quota(request, gateway, len(urls), served.model)  # before fetching: the fetches are the cost
         assert gateway.fetcher is not None  # _read_urls refuses URLs where fetching is off
         async with gateway.fetcher.images(urls) as fetched:
-            admission.check(served.model)
+            models.check(served)
             return await _admitted(request, gateway, served, fetched, top_k, mode, version, wants)
     # The body is read before taking a slot: a slow sender never holds one (its time is bounded by
     # GATEWAY_BODY_TIMEOUT, its memory by the body budget in BodyLimitMiddleware).
     images = await read_images(request, gateway.settings.max_images_per_request)
-    admission.check(served.model)
+    models.check(served)
     spend_quota(request, gateway, len(images), served.model)
     return await _admitted(request, gateway, served, images, top_k, mode, version, wants)
 
@@ -162,22 +162,14 @@ async def _admitted(
     wants: Wants,
 ) -> Response:
     """``version``: the one the request named (None: ``served`` was picked by traffic weights)."""
-    deadline = asyncio.get_running_loop().time() + gateway.settings.request_timeout
-    admission, loader = gateway.models.admission, gateway.models.loader
-    admission.enter(served.model)
-    try:
-        if mode == "offline":
+    models = gateway.models
+    if mode == "offline":
+        with models.admitted(served):
             return await submit(request, gateway, served, images, top_k, version)
-        refuse_webhook_online(request)
-        if loader is not None:  # loads it (within the deadline) if it is not, holds it loaded
-            await loader.acquire(served, deadline)
-        try:
-            return await wants.answer(request, gateway, served, images, top_k, deadline)
-        finally:
-            if loader is not None:
-                loader.release(served)
-    finally:
-        admission.leave(served.model)
+    refuse_webhook_online(request)
+    deadline = asyncio.get_running_loop().time() + gateway.settings.request_timeout
+    async with models.hold(served, deadline):  # loads it (within the deadline) if it is not, holds it loaded
+        return await wants.answer(request, gateway, served, images, top_k, deadline)
 
 
 async def _read_urls(request: Request, gateway: Gateway) -> list[str]:
@@ -198,26 +190,16 @@ async def online(
     gateway = gateway_of(request)
     if top_k is not None:
         require_labels(served.spec.profile, served.model, served.version)
-    admission = gateway.models.admission
-    admission.check(served.model)
+    models = gateway.models
+    models.check(served)
     spend_quota(request, gateway, len(images), served.model)
     deadline = asyncio.get_running_loop().time() + gateway.settings.request_timeout
-    loader = gateway.models.loader
-    admission.enter(served.model)
-    try:
-        if loader is not None:
-            await loader.acquire(served, deadline)
-        try:
-            classifier = served.classifier
-            if top_k is None:
-                rows: list[np.ndarray] | list[Classification] = await classifier.scores(images, deadline=deadline)
-            else:
-                rows = await classifier.classify(images, k=top_k, deadline=deadline, thresholded=False)
-        finally:
-            if loader is not None:
-                loader.release(served)
-    finally:
-        admission.leave(served.model)
+    async with models.hold(served, deadline):
+        classifier = served.classifier
+        if top_k is None:
+            rows: list[np.ndarray] | list[Classification] = await classifier.scores(images, deadline=deadline)
+        else:
+            rows = await classifier.classify(images, k=top_k, deadline=deadline, thresholded=False)
     served.metrics.images_online.inc(len(rows))
     return rows
 

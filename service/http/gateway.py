@@ -14,7 +14,8 @@ from service.http.middleware import API_KEY
 from service.http.quotas import Quotas
 from service.jobs.client import JobsClient
 from service.metrics import Metrics
-from service.serving.served import ServedModels, ServedVersion
+from service.serving.registry import ServedModels
+from service.serving.served import ServedVersion
 from service.settings import Settings
 
 CANCEL_ON_DISCONNECT = "gateway.cancel_on_disconnect"

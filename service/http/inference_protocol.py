@@ -149,7 +149,7 @@ async def handle_infer(request: Request, name: str, version: str | None = None) 
     await reject_unknown_query(request)
     served = _version(request, name, version)
     gateway = gateway_of(request)
-    gateway.models.admission.check(served.model)  # full now: refuse before reading the body
+    gateway.models.check(served)  # full now: refuse before reading the body
     body = await request.body()
     asked = await read_request(
         body,

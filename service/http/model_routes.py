@@ -201,8 +201,9 @@ async def _control(request: Request, name: str, load: bool) -> ModelSummary:
                 await served.running.health.refresh()  # its readiness now, not at the next check
         elif served.lazy and loader is not None:
             if load:
-                await loader.acquire(served, asyncio.get_running_loop().time() + gateway.settings.request_timeout)
-                loader.release(served)
+                deadline = asyncio.get_running_loop().time() + gateway.settings.request_timeout
+                async with gateway.models.hold(served, deadline, admit=False):
+                    pass  # loaded (an operator's load is not a request in progress)
             else:
                 await loader.unload_idle(served)
         else:

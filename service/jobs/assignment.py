@@ -19,7 +19,8 @@ from service.errors import GatewayError
 from service.jobs.headers import JobHeaders
 from service.jobs.topology import Names, Route
 from service.serving.catalog import Catalog, CatalogError
-from service.serving.served import ServedModels, ServedVersion
+from service.serving.registry import ServedModels
+from service.serving.served import ServedVersion
 
 NOT_SERVED_REQUEUES = 20
 """Requeues of a job no worker has served (pauses 0.5 s doubling to 30 s: about 7 minutes) before

@@ -109,9 +109,8 @@ from service.logs import JOB_ID
 from service.metrics import Metrics
 from service.schemas import Label, ModelInfo
 from service.serving.catalog import Catalog, load_catalog
-from service.serving.loading import Loader
 from service.serving.pipeline import open_models
-from service.serving.served import ServedModels
+from service.serving.registry import ServedModels
 from service.settings import Settings
 from service.tracing import Tracing
 
@@ -154,7 +153,6 @@ class Worker:
         self.ingest = IngestQueues(broker.names)
         """The ingest runs' results queues of the jobs it handled (their depth is sampled)."""
         """The queue of every model the gateway serves (the ones served here, and the others)."""
-        self.loader: Loader | None = models.loader
         self.broker = broker
         self.metrics = metrics
         self.outcomes = Outcomes(broker, metrics)
@@ -266,14 +264,10 @@ class Worker:
                     "(a crashing codec or model input?)"
                 )
             deadline = asyncio.get_running_loop().time() + self.settings.request_timeout
-            loader = self.loader
-            if loader is not None:  # loads it within the deadline if the memory budget had unloaded it
-                await loader.acquire(served, deadline)
-            try:
+            # loaded within the deadline if the memory budget had unloaded it; a job is not admitted
+            # as a request (the prefetch bounds what a worker holds)
+            async with self.models.hold(served, deadline, admit=False):
                 await _infer(served.classifier, ImageInput(message.body, filename), job.top_k, deadline, base)
-            finally:
-                if loader is not None:
-                    loader.release(served)
             served.metrics.images_offline.inc()
             base.timings["processing"] = time.perf_counter() - started
             mark("done")

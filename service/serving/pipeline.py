@@ -36,7 +36,8 @@ from service.serving.catalog import Catalog, load_catalog
 from service.serving.discovery import with_discovered
 from service.serving.fair import Admission, FairPool, Lane
 from service.serving.loading import Loader
-from service.serving.served import Running, ServedModel, ServedModels, ServedVersion
+from service.serving.registry import ServedModels
+from service.serving.served import Running, ServedModel, ServedVersion
 from service.settings import Settings
 from service.tracing import Tracing
 
@@ -112,6 +113,10 @@ async def open_models(
             if budgeted
             else None
         )
+        shares = {spec.name: spec.share for spec in catalog.models}
+        admission = Admission(settings.max_concurrent_requests, shares, fair=settings.fair_sharing)
+        bodies = Admission(settings.max_buffered_body_bytes_effective, shares, fair=settings.fair_sharing)
+        served_models = ServedModels(catalog, models, admission, loader, bodies)
         for served in every:
             if not served.lazy:
                 served.running = await start(served)
@@ -119,15 +124,12 @@ async def open_models(
             default = sorted(models[catalog.default].versions.values(), key=lambda v: -v.spec.traffic)
             for served in (v for v in default if v.lazy and v.spec.traffic > 0):
                 try:
-                    await loader.acquire(served, None)
+                    async with served_models.hold(served, None, admit=False):
+                        pass  # loaded
                 except ModelNotLoaded as exc:
                     logger.warning("models: not loaded at start: %s", exc)
                     break
-                loader.release(served)
-        shares = {spec.name: spec.share for spec in catalog.models}
-        admission = Admission(settings.max_concurrent_requests, shares, fair=settings.fair_sharing)
-        bodies = Admission(settings.max_buffered_body_bytes_effective, shares, fair=settings.fair_sharing)
-        yield ServedModels(catalog, models, admission, loader, bodies)
+        yield served_models
     finally:
         if loader is not None:
             await loader.aclose()  # the loads under way finish first: what they start is stopped below

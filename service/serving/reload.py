@@ -15,7 +15,7 @@ from typing import Any
 from service.metrics import Metrics
 from service.models.profiles import ModelProfile
 from service.serving.catalog import Catalog, CatalogError, parse_catalog, read_models_file
-from service.serving.served import ServedModels
+from service.serving.registry import ServedModels
 from service.settings import Settings
 
 logger = logging.getLogger(__name__)

@@ -12,7 +12,6 @@ import random
 import time
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from service.backends.base import Backend
 from service.backends.factory import MODEL_ELSEWHERE, runs_on
@@ -24,12 +23,8 @@ from service.images.preprocess import PreprocessConfig
 from service.metrics import ModelMetrics
 from service.models.checkpoints import weights_for
 from service.schemas import VersionState
-from service.serving.catalog import Catalog, ModelSpec, VersionSpec
-from service.serving.fair import Admission, Lane
-
-if TYPE_CHECKING:
-    from service.serving.loading import Loader
-
+from service.serving.catalog import ModelSpec, VersionSpec
+from service.serving.fair import Lane
 
 FAILED_LOAD_BACKOFF = 30.0
 """Seconds a version whose load failed is refused at once (its failure said) before a load is tried again."""
@@ -211,7 +206,7 @@ class ServedModel:
     def version(self, version: str) -> ServedVersion:
         served = self.versions.get(version)
         if served is None:
-            shown = _quoted(version, 16, "version")
+            shown = quoted(version, 16, "version")
             raise NotFound(f"model {self.name!r} has no version {shown}; it has {', '.join(self.versions)}")
         return served
 
@@ -222,47 +217,6 @@ class ServedModel:
         return "; ".join(problems) if len(problems) == len(self._by_bound) else None
 
 
-def _quoted(text: str, most: int, what: str) -> str:
+def quoted(text: str, most: int, what: str) -> str:
     """A name from a request, quoted in an error; a long one by its length only."""
     return repr(text) if len(text) <= most else f"(a {what} of {len(text)} characters)"
-
-
-class ServedModels:
-    """Every model served here, by name, with the default (``/classify``'s) and the fair admission."""
-
-    def __init__(
-        self,
-        catalog: Catalog,
-        models: dict[str, ServedModel],
-        admission: Admission,
-        loader: Loader | None = None,
-        bodies: Admission | None = None,
-    ) -> None:
-        self.catalog = catalog
-        self.models = models
-        self.default = models[catalog.default]
-        self.admission = admission
-        """Requests in progress, shared by weight."""
-        self.bodies = bodies
-        """Bytes of the request bodies being received, shared by weight (``BodyLimitMiddleware``)."""
-        self.loader = loader
-        """Loads and unloads in-process versions within the memory budget (None: no budget, all loaded)."""
-
-    def get(self, name: str) -> ServedModel:
-        model = self.models.get(name)
-        if model is None:
-            raise NotFound(f"no model {_quoted(name, 64, 'name')}; this gateway serves {', '.join(self.models)}")
-        return model
-
-    def versions(self) -> list[ServedVersion]:
-        return [version for model in self.models.values() for version in model.versions.values()]
-
-    def retarget(self, catalog: Catalog) -> None:
-        """Apply a reloaded catalog's traffic weights and sticky flags (its models are these)."""
-        for spec in catalog.models:
-            self.models[spec.name].route(spec)
-        shares = {spec.name: spec.share for spec in catalog.models}
-        self.admission.reshare(shares)
-        if self.bodies is not None:
-            self.bodies.reshare(shares)
-        self.catalog = catalog

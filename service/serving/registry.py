@@ -1,0 +1,105 @@
+"""Every model served here, by name, and the one door to a served version: every entry point (the
+image routes, the Open Inference Protocol, the queue worker, the admin load route, the start-up
+loads) goes through ``ServedModels.check`` and ``ServedModels.hold`` instead of writing the
+admission and loading sequence again.
+
+A request first asks ``check`` (is there room now? 429 otherwise) before it spends anything (reading
+a body, a quota); then, with no wait in between, ``hold`` admits it, holds the version loaded
+(loading it within the deadline, under a memory budget) and, whatever happens inside (an error, a
+cancelled request, a client gone), lets go of both in reverse order: a hand-written sequence that
+missed one ``release`` on one path kept a version from ever being drained, or a model's admission
+slot from ever being given back.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager, contextmanager
+
+from service.errors import NotFound
+from service.serving.catalog import Catalog
+from service.serving.fair import Admission
+from service.serving.loading import Loader
+from service.serving.served import ServedModel, ServedVersion, quoted
+
+
+class ServedModels:
+    """Every model served here, by name, with the default (``/classify``'s) and the fair admission."""
+
+    def __init__(
+        self,
+        catalog: Catalog,
+        models: dict[str, ServedModel],
+        admission: Admission,
+        loader: Loader | None = None,
+        bodies: Admission | None = None,
+    ) -> None:
+        self.catalog = catalog
+        self.models = models
+        self.default = models[catalog.default]
+        self.admission = admission
+        """Requests in progress, shared by weight."""
+        self.bodies = bodies
+        """Bytes of the request bodies being received, shared by weight (``BodyLimitMiddleware``)."""
+        self.loader = loader
+        """Loads and unloads in-process versions within the memory budget (None: no budget, all loaded)."""
+
+    def get(self, name: str) -> ServedModel:
+        model = self.models.get(name)
+        if model is None:
+            raise NotFound(f"no model {quoted(name, 64, 'name')}; this gateway serves {', '.join(self.models)}")
+        return model
+
+    def versions(self) -> list[ServedVersion]:
+        return [version for model in self.models.values() for version in model.versions.values()]
+
+    def retarget(self, catalog: Catalog) -> None:
+        """Apply a reloaded catalog's traffic weights and sticky flags (its models are these)."""
+        for spec in catalog.models:
+            self.models[spec.name].route(spec)
+        shares = {spec.name: spec.share for spec in catalog.models}
+        self.admission.reshare(shares)
+        if self.bodies is not None:
+            self.bodies.reshare(shares)
+        self.catalog = catalog
+
+    def check(self, served: ServedVersion) -> None:
+        """Refuse now (``QueueFull``, 429) when ``served``'s model has no room for one more request:
+        before the request spends time or quota on what it could not run."""
+        self.admission.check(served.model)
+
+    @contextmanager
+    def admitted(self, served: ServedVersion) -> Iterator[None]:
+        """A request of ``served``'s model in progress (refused as ``check`` refuses), without the
+        version loaded: an offline submit, which only queues its images."""
+        self.check(served)
+        self.admission.enter(served.model)
+        try:
+            yield
+        finally:
+            self.admission.leave(served.model)
+
+    @asynccontextmanager
+    async def hold(
+        self, served: ServedVersion, deadline: float | None, *, admit: bool = True
+    ) -> AsyncIterator[ServedVersion]:
+        """``served``, loaded, for the body of the ``async with``: admitted first (``admit``; the
+        queue worker and the operator's loads are not requests in progress), then held by the
+        memory budget's loader (loaded by ``deadline``, event-loop time, or ``ModelNotLoaded``; None:
+        no limit). Both are let go in reverse order whatever ends the body, a cancellation included;
+        a request cancelled while it waits for the load leaves nothing counted."""
+        if admit:
+            self.check(served)
+            self.admission.enter(served.model)
+        try:
+            loader = self.loader
+            if loader is not None:
+                await loader.acquire(served, deadline)
+            try:
+                yield served
+            finally:
+                if loader is not None:
+                    loader.release(served)
+        finally:
+            if admit:
+                self.admission.leave(served.model)
