@@ -24,7 +24,7 @@ from starlette.routing import BaseRoute
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from service.errors import GatewayError, RequestTimeout, error_response
-from service.http.api import CANCEL_ON_DISCONNECT, handle_classify
+from service.http.api import CANCEL_ON_DISCONNECT, handle_classify, handle_embed
 from service.http.inference_protocol import handle_infer, protocol_error
 from service.http.middleware import CLIENT_LEFT
 from service.http.protocol import ON_DISCONNECT, TIMED_OUT
@@ -56,6 +56,11 @@ def _classify(request: Request, model: str | None, version: str | None) -> Await
     return handle_classify(request, model, version)
 
 
+def _embed(request: Request, model: str | None, version: str | None) -> Awaitable[Response]:
+    assert model is not None  # the pattern names it
+    return handle_embed(request, model, version)
+
+
 def _infer(request: Request, model: str | None, version: str | None) -> Awaitable[Response]:
     assert model is not None  # the pattern names it
     return handle_infer(request, model, version)
@@ -70,6 +75,12 @@ FAST_ROUTES = (
         _classify,
     ),
     FastRoute(
+        "/v1/models/",
+        re.compile(r"/v1/models/(?P<model>[^/]+)/(?:versions/(?P<version>[^/]+)/)?embed"),
+        ("/v1/models/{name}/embed", "/v1/models/{name}/versions/{version}/embed"),
+        _embed,
+    ),
+    FastRoute(
         "/v2/models/",
         re.compile(r"/v2/models/(?P<model>[^/]+)/(?:versions/(?P<version>[^/]+)/)?infer"),
         ("/v2/models/{name}/infer", "/v2/models/{name}/versions/{version}/infer"),
@@ -77,7 +88,7 @@ FAST_ROUTES = (
         protocol_error,
     ),
 )
-"""``/classify``, the models' classify routes, and the Open Inference Protocol's infer routes."""
+"""``/classify``, the models' classify and embed routes, and the Open Inference Protocol's infer routes."""
 
 
 class ClassifyFastPath:

@@ -16,8 +16,10 @@ import numpy as np
 import pytest
 
 from service.backends.fake import FakeBackend
+from service.models.profiles import ModelProfile
 from service.settings import Settings
 from tests.conftest import png_bytes, running_gateway, solid_image
+from tests.http.test_output_kinds import catalog_of, embedder_graph
 
 MakeSettings = Callable[..., Settings]
 
@@ -241,3 +243,54 @@ async def test_a_client_that_leaves_after_a_photos_body_is_seen(gateway_factory:
     assert backend.batches == [1]  # the photo never reached the backend
     route = 'route="/classify"' if path == "/classify" else V2_ROUTE
     assert f'{route},status="499"}} 1.0' in metrics
+
+
+EMBED = "/v1/models/emb/embed"
+EMBED_ROUTE = 'route="/v1/models/{name}/embed"'
+
+
+@pytest.mark.parametrize("path", [EMBED, "/v1/models/emb/versions/1/embed"])
+async def test_an_embed_client_that_leaves_mid_wait_is_dropped_and_counted_499(
+    gateway_factory: MakeSettings, tmp_path: Path, path: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``/v1/models/{name}[/versions/{v}]/embed`` has ``/classify``'s disconnect handling: A's batch
+    (an embedding model's) is held in the backend, an /embed client (curl, giving up after 1 s) waits
+    in the queue and leaves; its image leaves the queue, the backend never sees it, and it is counted
+    499 under its route (through FastAPI's routing it stayed queued, was computed and counted 200)."""
+    backend = FakeBackend(classes=16)
+    backend.gate = asyncio.Event()
+    settings = gateway_factory(backend="fake", max_batch_size=1, max_inflight_batches=1, max_delay=0.0)
+    profile = ModelProfile(
+        "fake-embedder", "1", (32, 32), 0.875, 1, lambda weights: embedder_graph(), output="embedding",
+        dimensions=16,
+    )  # fmt: skip
+    image = tmp_path / "c.png"
+    image.write_bytes(png_bytes(solid_image(9, 32)))
+    route = EMBED_ROUTE if path == EMBED else 'route="/v1/models/{name}/versions/{version}/embed"'
+    async with running_gateway(settings, backend, catalog_of(settings, ("emb", profile))) as client:
+        first = asyncio.create_task(
+            client.post(EMBED, content=png_bytes(solid_image(7, 32)), headers={"content-type": "image/png"})
+        )
+        await backend.wait_for_batches(1)  # A is in the backend, held
+        batcher = client.app.state.gateway.models.default.versions["1"].classifier.batcher
+        curl = await asyncio.create_subprocess_exec(
+            "curl", "-s", "-o", "/dev/null", "-w", "%{http_code}", "--max-time", "1",
+            "-H", "content-type: image/png", "--data-binary", f"@{image}", f"{client.base_url}{path}",
+            stdout=asyncio.subprocess.PIPE,
+        )  # fmt: skip
+        out, _ = await curl.communicate()
+        assert curl.returncode == 28, out  # curl's "operation timed out": it left without an answer
+        await metrics_when(client, lambda text: counter(text, "gateway_client_disconnects_total") >= 1)
+        assert batcher.queue_depth == 0  # the /embed request's image has left the queue
+        backend.gate.set()
+        held = await first
+        metrics = (await client.get("/metrics")).text
+    assert held.status_code == 200, held.text
+    assert held.json()["embeddings"][0]["vector"] == [1.0 if i == 7 else 0.0 for i in range(16)]
+    assert backend.batches == [1]  # the image of the client that left never reached the backend
+    assert counter(metrics, "gateway_abandoned_images_total") == 1
+    assert f'{route},status="499"}} 1.0' in metrics
+    assert f'{route},status="500"' not in metrics
+    if path != EMBED:
+        assert f'{route},status="200"' not in metrics
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
