@@ -1,4 +1,5 @@
-"""The contract every backend meets, and the batch buffer backends assemble their input in."""
+"""The contract every backend meets (its optional parts with their defaults in ``BackendDefaults``),
+and the batch buffer backends assemble their input in."""
 
 from __future__ import annotations
 
@@ -38,6 +39,33 @@ class Backend(Protocol):
 
     async def aclose(self) -> None:
         """Release what ``start`` opened; called once at shutdown."""
+
+    @property
+    def detail(self) -> str | None:
+        """What runs the model, for ``/readyz`` (a runtime, a precision, any fallback it took), or None."""
+        ...
+
+    def liveness(self) -> str | None:
+        """Why this process is not live and a restart may help (the shared engine gone too long), or None."""
+        ...
+
+    def allocate_image(self) -> np.ndarray | None:
+        """Memory of the backend's own to decode one image into (then its batch is sent with no copy),
+        or None: a new array. Any thread."""
+        ...
+
+
+class BackendDefaults:
+    """The optional parts of ``Backend`` as a backend without them has them: no detail, always live,
+    no memory of its own for images. Every backend inherits it and overrides what it has."""
+
+    detail: str | None = None
+
+    def liveness(self) -> str | None:
+        return None
+
+    def allocate_image(self) -> np.ndarray | None:
+        return None
 
 
 def _numpy_empty(shape: tuple[int, ...], dtype: np.dtype[Any]) -> np.ndarray:

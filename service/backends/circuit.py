@@ -56,14 +56,16 @@ class CircuitBreaker:
 
     @property
     def detail(self) -> str | None:
-        """The wrapped backend's description of what runs the model, if it gives one."""
-        detail: str | None = getattr(self.inner, "detail", None)
-        return detail
+        """The wrapped backend's description of what runs the model."""
+        return self.inner.detail
 
     def liveness(self) -> str | None:
-        """The wrapped backend's reason for the process not to be live, if it has one."""
-        check = getattr(self.inner, "liveness", None)
-        return check() if check is not None else None
+        """The wrapped backend's reason for the process not to be live."""
+        return self.inner.liveness()
+
+    def allocate_image(self) -> np.ndarray | None:
+        """The wrapped backend's memory for an image."""
+        return self.inner.allocate_image()
 
     def _open(self) -> None:
         if self.state != "open":

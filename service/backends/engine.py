@@ -61,7 +61,7 @@ from typing import Any
 
 import numpy as np
 
-from service.backends.base import Images, stack_into
+from service.backends.base import BackendDefaults, Images, stack_into
 from service.backends.image_cells import ImageCells
 from service.errors import BackendError, BackendUnavailable, DeadlineExceeded, QueueFull
 
@@ -289,7 +289,7 @@ class _Connection:
         return owed if owed is not None and owed < time.monotonic() else None
 
 
-class EngineClient:
+class EngineClient(BackendDefaults):
     """The backend of a worker whose model runs in the shared engine."""
 
     name = "engine"

@@ -234,7 +234,7 @@ async def run_engine(socket_path: str, stop: asyncio.Event, on_ready: Callable[[
         backend_name=backend.name,
         policy=settings.batch_policy,
     )
-    detail = f"engine shared by the workers: {getattr(backend, 'detail', None) or backend.name}"
+    detail = f"engine shared by the workers: {backend.detail or backend.name}"
     engine = EngineServer(batcher, Geometry(profile.height, profile.outputs), detail)
     batcher.start()
     serving = asyncio.create_task(engine.serve(engine.listen(socket_path)), name="engine-accept")

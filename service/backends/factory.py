@@ -12,20 +12,13 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 from service.backends.base import Backend
+from service.backends.capabilities import CAPABILITIES, runs_on
 from service.models.checkpoints import weights_for
 from service.models.profiles import ModelProfile
 from service.models.store import ensure_model
 from service.settings import Settings
 
 Builder = Callable[[Settings, ModelProfile], Awaitable[Backend]]
-
-ONLY_PROFILES: dict[str, frozenset[str]] = {"torch": frozenset({"resnet50"})}
-"""Backends that run some profiles alone (the ``torch`` backend has ResNet-50's graph, and no other, in
-PyTorch); the others run every profile. The models' catalog refuses any other at start."""
-
-MODEL_ELSEWHERE = frozenset({"triton", "engine"})
-"""What runs a version's model in another process (``runs_on``): whether the model is loaded there is
-known only from the version's readiness check."""
 
 
 async def _fake(settings: Settings, profile: ModelProfile) -> Backend:
@@ -73,7 +66,7 @@ async def _engine(settings: Settings, profile: ModelProfile) -> Backend:
 async def _torch(settings: Settings, profile: ModelProfile) -> Backend:
     from service.backends.torch_backend import TorchBackend
 
-    if profile.name not in ONLY_PROFILES["torch"]:  # the catalog refuses this at start already
+    if profile.name not in (CAPABILITIES["torch"].only_profiles or ()):  # the catalog refuses it at start already
         raise ValueError(f"the torch backend serves resnet50, not {profile.name}")
     return TorchBackend(
         weights_for(settings, profile.name),
@@ -128,39 +121,8 @@ BACKENDS: dict[str, Builder] = {
     "triton": _triton,
     "fake": _fake,
 }
-"""``GATEWAY_BACKEND``'s values (the settings' ``backend`` field lists the same names)."""
-
-
-def runs_on(settings: Settings) -> str:
-    """What runs a version's batches: its backend, or ``engine`` for a worker of a shared engine
-    (the engine's own settings say which backend it runs, checked where the engine starts)."""
-    if settings.backend == "torch" and settings.torch_engine == "shared" and settings.engine_socket:
-        return "engine"
-    return settings.backend
-
-
-DECLARED_FORMATS: dict[str, frozenset[str]] = {
-    "embedded": frozenset({"onnx"}),
-    "openvino": frozenset({"onnx", "openvino"}),
-    "triton": frozenset({"onnx", "triton"}),
-    "fake": frozenset({"onnx", "openvino", "torch"}),
-}
-"""The declared model files each backend runs (the ``triton`` backend: the file as
-``gateway models triton-repo`` writes it into Triton's repository, or a model already in the
-user's Triton, ``triton``)."""
-
-
-def declared_problem(runs: str, profile: ModelProfile) -> str | None:
-    """Why a backend (``runs_on``'s name) cannot run a declared model's file, or None."""
-    assert profile.source is not None
-    formats = DECLARED_FORMATS.get(runs, frozenset())
-    if profile.source.format in formats:
-        return None
-    if not formats:
-        only = ", ".join(sorted(ONLY_PROFILES.get(runs, {"resnet50"})))
-        return f"runs the built-in {only} only; serve a declared model on embedded, openvino or triton"
-    kinds = {"onnx": ".onnx", "openvino": "OpenVINO IR (.xml)", "torch": "torch (.pt2)", "triton": "Triton's models"}
-    return f"does not run {kinds[profile.source.format]} files; it runs {', '.join(kinds[f] for f in sorted(formats))}"
+"""``GATEWAY_BACKEND``'s values (the settings' ``backend`` field lists the same names; what each can do:
+``service.backends.capabilities``)."""
 
 
 def host_problem(settings: Settings) -> str | None:

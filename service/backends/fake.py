@@ -11,11 +11,11 @@ import asyncio
 
 import numpy as np
 
-from service.backends.base import Images
+from service.backends.base import BackendDefaults, Images
 from service.errors import BackendError
 
 
-class FakeBackend:
+class FakeBackend(BackendDefaults):
     name = "fake"
 
     def __init__(self, *, classes: int = 1000, delay: float = 0.0) -> None:

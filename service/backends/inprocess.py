@@ -15,13 +15,13 @@ from pathlib import Path
 
 import numpy as np
 
-from service.backends.base import BatchBuffer, Images
+from service.backends.base import BackendDefaults, BatchBuffer, Images
 from service.errors import BackendError, BackendUnavailable
 
 logger = logging.getLogger(__name__)
 
 
-class InProcessBackend:
+class InProcessBackend(BackendDefaults):
     name = "in-process"
     runtime_errors: tuple[type[Exception], ...] = ()
     """Errors of the runtime that mean "this batch failed" (502), not "the gateway is broken"."""

@@ -28,7 +28,7 @@ import numpy as np
 from tritonclient.utils import InferenceServerException
 
 from service.backends.arithmetic import model_input, rows
-from service.backends.base import BatchBuffer, Images
+from service.backends.base import BackendDefaults, BatchBuffer, Images
 from service.backends.triton_datatypes import DATATYPES
 from service.backends.triton_declared import check_on_triton
 from service.backends.triton_shm import SharedMemoryPool
@@ -46,7 +46,7 @@ class _RegionsLost(Exception):
     """Triton does not know our shared-memory regions (it restarted)."""
 
 
-class TritonBackend:
+class TritonBackend(BackendDefaults):
     name = "triton"
 
     def __init__(

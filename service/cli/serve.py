@@ -52,7 +52,9 @@ def shared_engine(settings: Settings) -> Iterator[EngineSupervisor | None]:
     """With ``GATEWAY_TORCH_ENGINE=shared`` (and the torch backend), the engine process that owns
     the GPU, for the workers spawned inside the block, kept running (restarted when it dies);
     stopped after them. Yields its supervisor, whose ``gave_up`` says the engine could not be kept up."""
-    if settings.backend != "torch" or settings.torch_engine != "shared" or settings.engine_socket:
+    from service.backends.capabilities import shares_engine
+
+    if not shares_engine(settings) or settings.engine_socket:
         yield None  # per-worker models, or an engine the operator runs (GATEWAY_ENGINE_SOCKET)
         return
     import signal

@@ -251,9 +251,7 @@ async def healthz(request: Request) -> dict[str, str]:
     for served in gateway_of(request).models.versions():
         if served.running is None:
             continue
-        check = getattr(served.backend, "liveness", None)
-        problem = check() if check is not None else None
-        if problem is not None:
+        if (problem := served.backend.liveness()) is not None:
             raise BackendUnavailable(problem)
     return {"status": "ok"}
 
@@ -281,7 +279,7 @@ async def readyz(request: Request) -> JSONResponse:
         where = "" if len(versions) == 1 else f" {served.model}/{served.version}"
         state = served.problem or ("ok" if served.running is not None else "not loaded (loads on first use): ok")
         checks[f"backend{where}"] = f"{served.backend_name}: {state}"
-        runtime = getattr(served.backend, "detail", None) if served.running is not None else None
+        runtime = served.backend.detail if served.running is not None else None
         if runtime:  # informational: what runs the model, and any fallback it took (e.g. no bf16 kernels)
             checks[f"runtime{where}"] = runtime
         profile = served.spec.profile.name

@@ -13,6 +13,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
+from service.backends.capabilities import capabilities_of
 from service.backends.triton_repository import TritonRepository
 from service.errors import Conflict, Forbidden, NotFound
 from service.http.answers import BINARY
@@ -32,7 +33,6 @@ from service.schemas import (
     VersionMetadata,
 )
 from service.serving.served import ServedModel, ServedVersion
-from service.settings import Settings
 
 router = APIRouter()
 logger = logging.getLogger(__name__)
@@ -53,17 +53,6 @@ EMBED_DOC = (
 NOT_FOUND: dict[int | str, dict[str, Any]] = {
     404: {"model": ErrorBody, "description": "No such model (or version); the message lists them."}
 }
-
-
-def _precision(settings: Settings) -> str:
-    """What the backend computes in, as far as the gateway decides it."""
-    if settings.backend == "openvino":
-        return settings.openvino_precision
-    if settings.backend == "torch":
-        return "fp32" if settings.torch_device == "cpu" else settings.torch_precision
-    if settings.backend == "triton":
-        return "as deployed in Triton"
-    return "fp32" if settings.backend == "embedded" else "none"
 
 
 def _state(model: ServedModel, served: ServedVersion) -> ModelVersionState:
@@ -131,7 +120,7 @@ async def model_metadata(request: Request, name: str) -> ModelMetadata:
                 output=profile.output,
                 threshold=profile.threshold if profile.output == "sigmoid" else None,
                 dimensions=profile.outputs,
-                precision=_precision(settings),
+                precision=capabilities_of(settings).precision(settings),
                 random_weights=served.random_weights,
                 batching=Batching(
                     max_batch_size=settings.max_batch_size,
@@ -191,7 +180,7 @@ async def _control(request: Request, name: str, load: bool) -> ModelSummary:
     asked = set()
     for served in model.versions.values():
         settings = served.spec.settings
-        if settings.backend == "triton":
+        if capabilities_of(settings).on_triton:
             target = (settings.triton_url, settings.triton_protocol, settings.triton_model or name)
             if target not in asked:
                 asked.add(target)

@@ -34,7 +34,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import ConfigDict, TypeAdapter, ValidationError
 
-from service.backends.factory import ONLY_PROFILES, declared_problem, runs_on
+from service.backends.capabilities import budget_problem, capabilities_of, run_problem, shares_engine
 from service.models.declaration import DECLARED_KEYS, DeclarationError, parse_declaration
 from service.models.profiles import ModelProfile, get_profile
 from service.settings import Settings
@@ -210,9 +210,7 @@ def parse_catalog(
         raise CatalogError(f"{where}: {len(models_table)} models; at most {MAX_MODELS}")
     models = tuple(_model(name, entry, settings, where, inherit, base) for name, entry in models_table.items())
     versions = [version for model in models for version in model.versions]
-    if len(versions) > 1 and any(
-        v.settings.backend == "torch" and v.settings.torch_engine == "shared" for v in versions
-    ):
+    if len(versions) > 1 and any(shares_engine(v.settings) for v in versions):
         raise CatalogError(
             f"{where}: the shared torch engine (GATEWAY_TORCH_ENGINE=shared) serves one model version; "
             "give several models torch_engine per-worker, or another backend"
@@ -307,7 +305,7 @@ def _declared(
     (a model already in the user's Triton, without ``path``: what Triton says, asked now)."""
     from service.models.reading import complete  # reads ONNX files: imported where a model is declared
 
-    if "path" not in keys and settings.backend != "triton":
+    if "path" not in keys and not capabilities_of(settings).on_triton:
         raise CatalogError(
             f'{where}: path: a declared model needs its file (path = "model.onnx"), or backend = "triton" for a '
             "model already in your Triton (triton_model names it)"
@@ -327,13 +325,10 @@ def _check_budget(settings: Settings, memory: int | None, where: str) -> None:
     """Under ``model_memory_budget``: an in-process version the budget can never hold, or whose
     memory cannot be estimated (the torch backend builds no model file), is refused at start."""
     budget = settings.model_memory_budget
-    if not budget or settings.backend == "triton":
+    if not budget or not capabilities_of(settings).in_budget:
         return
-    if memory is None and settings.backend == "torch":
-        raise CatalogError(
-            f"{where}: the torch backend's memory cannot be estimated under {setting_name('model_memory_budget')}: "
-            f"give it memory = BYTES in a models file ({setting_name('models_file')})"
-        )
+    if (problem := budget_problem(settings, memory)) is not None:
+        raise CatalogError(f"{where}: {problem}")
     if memory is not None and memory > budget:
         raise CatalogError(
             f"{where}: its memory ({memory >> 20} MB) is over GATEWAY_MODEL_MEMORY_BUDGET ({budget >> 20} MB): "
@@ -393,17 +388,8 @@ def _settings(settings: Settings, model: str, own: dict[str, Any], where: str) -
 def _check_backend(settings: Settings, profile: ModelProfile, own: bool, where: str) -> None:
     """Whether the version's backend can run its model (``own``: the file names the backend)."""
     which = f"{where}: backend:" if own else f"{where}:"  # the file's, or the gateway's setting
-    named = "" if own else f" ({setting_name('backend')})"
-    if profile.source is not None:
-        if (problem := declared_problem(runs_on(settings), profile)) is not None:
-            raise CatalogError(f"{which} the {settings.backend} backend{named} {problem}")
-        return
-    only = ONLY_PROFILES.get(runs_on(settings))
-    if only is not None and profile.name not in only:
-        raise CatalogError(
-            f"{which} {profile.name} cannot run on the {settings.backend} backend{named}, which serves "
-            f"{', '.join(sorted(only))} only"
-        )
+    if (problem := run_problem(settings, profile, own=own)) is not None:
+        raise CatalogError(f"{which} {problem}")
 
 
 _ADAPTERS: dict[str, TypeAdapter[Any]] = {}

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from service.backends.capabilities import capabilities_of
 from service.serving.catalog import MAX_MODELS, MAX_VERSIONS, NAME, VERSION, Catalog, parse_catalog
 from service.settings import Settings
 
@@ -21,7 +22,7 @@ def with_discovered(
     discovery = catalog.discovery
     named = set(catalog.table.get("models", {}))
     served_there = {
-        v.settings.triton_model for m in catalog.models for v in m.versions if v.settings.backend == "triton"
+        v.settings.triton_model for m in catalog.models for v in m.versions if capabilities_of(v.settings).on_triton
     }
     versions: dict[str, dict[str, str]] = {}
     skipped = []

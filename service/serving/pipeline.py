@@ -18,6 +18,7 @@ import cv2
 import numpy as np
 
 from service.backends.base import Backend
+from service.backends.capabilities import capabilities_of
 from service.backends.circuit import CircuitBreaker
 from service.backends.engine import EngineClient
 from service.backends.factory import build_backend
@@ -100,8 +101,9 @@ async def open_models(
                 memory[spec.name] = budget.share(spec.share)
             versions = {}
             for version in spec.versions:
-                lazy = budgeted and version.settings.backend != "triton"  # Triton holds its own models
-                label = backend.name if lone and backend is not None else _backend_label(version.settings)
+                capabilities = capabilities_of(version.settings)
+                lazy = budgeted and capabilities.in_budget  # Triton holds its own models
+                label = backend.name if lone and backend is not None else capabilities.name
                 served_metrics = metrics.model(spec.name, version.version, label)
                 served = ServedVersion(spec.name, version, served_metrics, executor, lazy=lazy)
                 every.append(served)
@@ -189,9 +191,8 @@ async def _assemble_version(
     name, spec = served.model, served.spec
     settings, profile = spec.settings, spec.profile
     chosen = backend if backend is not None else await build_backend(settings, profile)
-    allocate: Callable[[], np.ndarray | None] | None = getattr(chosen, "allocate_image", None)
-    if allocate is not None and decode is prepare:  # OpenCV decodes into the backend's memory (the engine's cells)
-        decode = partial(prepare, into=allocate)
+    if decode is prepare:  # OpenCV decodes into the backend's memory where it has some (the engine's cells)
+        decode = partial(prepare, into=chosen.allocate_image)
     if isinstance(chosen, EngineClient):
         chosen.on_sent = partial(_count_sent, metrics)
     if settings.breaker_threshold:
@@ -284,13 +285,6 @@ async def _discover(catalog: Catalog, settings: Settings) -> Catalog:
         ", ".join(grown.discovered) or "nothing the models file does not name",
     )
     return grown
-
-
-def _backend_label(settings: Settings) -> str:
-    """The ``backend`` label of a version's series: its backend's name, known before it loads."""
-    if settings.backend == "torch" and settings.engine_socket is not None:
-        return "engine"  # a worker of the shared engine
-    return settings.backend
 
 
 async def _sample(metrics: Metrics) -> None:

@@ -14,7 +14,7 @@ from concurrent.futures import Executor
 from dataclasses import dataclass, field
 
 from service.backends.base import Backend
-from service.backends.factory import MODEL_ELSEWHERE, runs_on
+from service.backends.capabilities import capabilities_of
 from service.backends.health import BackendHealth
 from service.classifier import Classifier
 from service.errors import NotFound
@@ -110,7 +110,7 @@ class ServedVersion:
 
     @property
     def backend_name(self) -> str:
-        return self.running.backend.name if self.running is not None else self.spec.settings.backend
+        return self.running.backend.name if self.running is not None else capabilities_of(self.spec.settings).name
 
     @property
     def state(self) -> tuple[VersionState, str | None]:
@@ -131,7 +131,7 @@ class ServedVersion:
         far as the latest readiness check says (an unreachable one is not taken to hold it)."""
         if self.running is None:
             return False
-        return self.running.health.problem is None or runs_on(self.spec.settings) not in MODEL_ELSEWHERE
+        return self.running.health.problem is None or not capabilities_of(self.spec.settings).model_elsewhere
 
     @property
     def problem(self) -> str | None:

@@ -103,11 +103,12 @@ def _space(args: argparse.Namespace, triton: TritonModel | None) -> Space:
 
 
 def _triton(args: argparse.Namespace, settings: Settings) -> TritonModel | None:
+    from service.backends.capabilities import capabilities_of
     from service.triton.model_config import ReloadRefused, TritonModel
 
     if args.triton_repository is None:
         return None
-    if settings.backend != "triton":
+    if not capabilities_of(settings).on_triton:
         sys.exit("gateway tune: --triton-repository needs --backend triton (and --triton-url)")
     model = TritonModel(
         args.triton_repository, settings.triton_model or settings.model, settings.triton_url, settings.triton_protocol
@@ -146,6 +147,7 @@ def served_model_env(settings: Settings, name: str | None) -> tuple[str, dict[st
 
 def run(args: argparse.Namespace, settings: Settings) -> int:
     """Tune against the backend ``settings`` name; 0 when settings meeting the target were written."""
+    from service.backends.capabilities import capabilities_of
     from service.jobs.ingest import collect
     from service.tune.runner import GatewayMeasure
 
@@ -165,9 +167,10 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
     plan = Plan.make(args.quick, min(args.max_concurrency, settings.max_concurrent_requests))
     triton = _triton(args, settings)
     space = _space(args, triton)
+    capabilities = capabilities_of(settings)
     context = {
-        "backend": f"{settings.backend} ({settings.model})"
-        + (f" at {settings.triton_url} over {settings.triton_protocol}" if settings.backend == "triton" else ""),
+        "backend": f"{capabilities.name} ({settings.model})"
+        + (f" at {settings.triton_url} over {settings.triton_protocol}" if capabilities.on_triton else ""),
         **({"Triton repository": f"{triton.path} (rewritten per candidate)"} if triton else {}),
         "images": f"{len(images)} from {', '.join(str(p) for p in args.images)}",
         "client sweep": ", ".join(str(c) for c in plan.concurrency) + " concurrent clients (closed loop)",

@@ -106,7 +106,8 @@ async def test_a_request_cancelled_while_it_waits_for_the_load_leaves_nothing_co
         assert not entered.is_set()
         door.gate.set()
         async with asyncio.timeout(5), door.models.hold(door.a, None) as held:  # the load went on
-            assert held is door.a and held.running is not None
+            assert held is door.a
+            assert held.running is not None
             assert door.counted(door.a) == (1, 0, 1)
         assert door.counted(door.a) == (0, 0, 0)
 
@@ -115,10 +116,14 @@ async def test_a_request_cancelled_or_failing_while_it_holds_the_version_lets_go
     """The body of a hold raises, or is cancelled (a deadline, a client gone): the version is let go
     of (a drain waiting for it can go on) and the admission slot given back."""
     async with _door(tmp_path) as door:
-        with pytest.raises(ValueError, match="a bad batch"):
+
+        async def failing() -> None:
             async with door.models.hold(door.a, None):
                 assert door.counted(door.a) == (1, 0, 1)
                 raise ValueError("a bad batch")
+
+        with pytest.raises(ValueError, match="a bad batch"):
+            await failing()
         assert door.counted(door.a) == (0, 0, 0)
         inside = asyncio.Event()
 
