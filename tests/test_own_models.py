@@ -66,8 +66,7 @@ def _curl(url: str, command: str, folder: Path) -> dict[str, object]:
 def test_the_pages_commands_are_the_ones_run_here() -> None:
     commands = _page_commands()
     assert (
-        ".venv/bin/python examples/export_efficientnet_lite.py lite2 --out lite2.onnx --labels imagenet.txt"
-        in commands
+        ".venv/bin/python examples/export_efficientnet_lite.py lite2 --out lite2.onnx --labels imagenet.txt" in commands
     )
     assert f".venv/bin/gateway models check lite2.onnx {DECLARATION} --photo cat.jpg" in commands
     assert f".venv/bin/gateway serve --model-path lite2.onnx {DECLARATION}" in commands
