@@ -168,7 +168,8 @@ async def _admitted(
             return await submit(request, gateway, served, images, top_k, version)
     refuse_webhook_online(request)
     deadline = asyncio.get_running_loop().time() + gateway.settings.request_timeout
-    async with models.hold(served, deadline):  # loads it (within the deadline) if it is not, holds it loaded
+    # loads it (within the deadline) if it is not, holds it loaded; a version a reload replaced: its replacement
+    async with models.hold(served, deadline) as served:
         return await wants.answer(request, gateway, served, images, top_k, deadline)
 
 
@@ -194,7 +195,7 @@ async def online(
     models.check(served)
     spend_quota(request, gateway, len(images), served.model)
     deadline = asyncio.get_running_loop().time() + gateway.settings.request_timeout
-    async with models.hold(served, deadline):
+    async with models.hold(served, deadline) as served:  # a version a reload replaced: its replacement
         classifier = served.classifier
         if top_k is None:
             rows: list[np.ndarray] | list[Classification] = await classifier.scores(images, deadline=deadline)

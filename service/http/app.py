@@ -8,6 +8,7 @@ import gc
 import logging
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from functools import partial
 from pathlib import Path
 
 from fastapi import FastAPI, Request
@@ -40,6 +41,7 @@ from service.schemas import ModelInfo
 from service.serving.catalog import Catalog, load_catalog
 from service.serving.pipeline import open_models
 from service.serving.reload import stamp, watch_models_file
+from service.serving.served import ServedVersion
 from service.settings import Settings
 from service.ssrf import parse_allowlist
 from service.tracing import Tracing
@@ -118,19 +120,16 @@ def create_app(
                     settings=settings,
                     models=models,
                     metrics=metrics,
-                    answers={
-                        id(served): Answers(
-                            ModelInfo(name=served.model, version=served.version, random_weights=served.random_weights),
-                            served.spec.profile.labels,
-                        )
-                        for served in models.versions()
-                    },
+                    answers={id(served): _answers(served) for served in models.versions()},
                     jobs=jobs,
                     quotas=quotas,
                     fetcher=fetcher,
                     key_models={key.id: key.quota.models for key in keys if key.quota.models is not None},
                 )
                 app.state.gateway = gateway
+                # a version a reloaded models file adds has its renderer before a request can reach it
+                models.on_added.append(lambda served: gateway.answers.__setitem__(id(served), _answers(served)))
+                models.on_removed.append(partial(_forget, gateway.answers))
                 if models.bodies is not None:
                     bodies.serve(models.bodies, models.default.name)
                 unknown = {m for allowed in gateway.key_models.values() for m in allowed} - set(models.models)
@@ -156,8 +155,9 @@ def create_app(
                     yield
                 finally:
                     gateway.closing = True
-                    if watcher is not None:
+                    if watcher is not None:  # a reload under way stops here, before the models close
                         watcher.cancel()
+                        await asyncio.gather(watcher, return_exceptions=True)
                     if jobs is not None:
                         await jobs.aclose()
                     if fetcher is not None:
@@ -213,6 +213,16 @@ def create_app(
 
     app.edge = edge
     return app
+
+
+def _forget(answers: dict[int, Answers], served: ServedVersion) -> None:
+    answers.pop(id(served), None)
+
+
+def _answers(served: ServedVersion) -> Answers:
+    """What renders ``served``'s online answers."""
+    info = ModelInfo(name=served.model, version=served.version, random_weights=served.random_weights)
+    return Answers(info, served.spec.profile.labels)
 
 
 def app_from_environment() -> FastAPI:

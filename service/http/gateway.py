@@ -31,7 +31,8 @@ class Gateway:
     models: ServedModels
     metrics: Metrics
     answers: dict[int, Answers]
-    """Renders each model version's online answers, by ``id`` of its ``ServedVersion``."""
+    """Renders each model version's online answers, by ``id`` of its ``ServedVersion`` (kept current
+    by the registry's ``on_added``/``on_removed`` as a reloaded models file changes the versions)."""
     jobs: JobsClient | None = None
     quotas: Quotas | None = None
     fetcher: Fetcher | None = None

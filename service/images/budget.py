@@ -74,6 +74,14 @@ class ByteBudget:
             self._guarantee()
             self._changed.notify_all()
 
+    def drop(self, share: BudgetShare) -> None:
+        """Remove ``share`` (its model removed by a reload): the others' guarantees grow."""
+        with self._changed:
+            if share in self._shares:
+                self._shares.remove(share)
+            self._guarantee()
+            self._changed.notify_all()
+
     def _guarantee(self) -> None:
         total = sum(share.weight for share in self._shares)
         for share in self._shares:

@@ -63,7 +63,7 @@ class Admission:
         """Whether ``model`` may start one more request now (take ``amount`` more)."""
         if self.total + amount > self.limit:
             return False
-        if self.active[model] + amount <= self.guaranteed[model]:
+        if self.active.get(model, 0) + amount <= self.guaranteed.get(model, 0):  # a model removed: none
             return True
         kept = sum(
             min(max(0, guaranteed - self.active[name]), self.reserve[name])
@@ -77,12 +77,17 @@ class Admission:
             if self.total >= self.limit:
                 raise QueueFull(f"{self.limit} requests are already being handled; retry later")
             raise QueueFull(
-                f"model {model!r} has {self.active[model]} requests in progress, its share and all it may "
+                f"model {model!r} has {self.active.get(model, 0)} requests in progress, its share and all it may "
                 "borrow from the other models now; retry later"
             )
 
+    def forget(self, model: str) -> None:
+        """A model a reload removed, once its last request has left."""
+        if not self.active.get(model):
+            self.active.pop(model, None)
+
     def enter(self, model: str, amount: int = 1) -> None:
-        self.active[model] += amount
+        self.active[model] = self.active.get(model, 0) + amount
         self.total += amount
 
     def leave(self, model: str, amount: int = 1) -> None:
@@ -104,8 +109,20 @@ class FairPool:
 
     def lane(self, share: float) -> Lane:
         lane = Lane(self, share)
-        self._lanes.append(lane)
+        with self._lock:  # a reload adds lanes while the pool runs
+            self._lanes.append(lane)
         return lane
+
+    def drop(self, lane: Lane) -> None:
+        """Remove a lane (its model removed by a reload, its requests answered); a task left in it
+        is cancelled."""
+        with self._lock:
+            if lane in self._lanes:
+                self._lanes.remove(lane)
+            left = list(lane.tasks)
+            lane.tasks.clear()
+        for task in left:
+            task.future.cancel()
 
     def _enqueue(self, lane: Lane, task: _Task) -> None:
         with self._lock:

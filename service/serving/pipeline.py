@@ -33,7 +33,7 @@ from service.images.budget import Budget, BudgetShare, ByteBudget
 from service.images.preprocess import prepare
 from service.metrics import Metrics
 from service.models.checkpoints import real_weights_hint
-from service.serving.catalog import Catalog, load_catalog
+from service.serving.catalog import Catalog, ModelSpec, VersionSpec, load_catalog
 from service.serving.discovery import with_discovered
 from service.serving.fair import Admission, FairPool, Lane
 from service.serving.loading import Loader
@@ -72,56 +72,33 @@ async def open_models(
         logger.info("decoder: JPEGs on %s (%s), other images on the CPU (OpenCV)", settings.torch_device, kind.__name__)
     cv2.setNumThreads(1)  # parallelism comes from the preprocessing pool, one image per thread
     pool = ThreadPoolExecutor(max_workers=settings.preprocess_workers, thread_name_prefix="preprocess")
-    fair = FairPool(pool, settings.preprocess_workers) if len(catalog.models) > 1 and settings.fair_sharing else None
+    # a models file may gain models on reload: its gateway shares fairly from the start
+    several = len(catalog.models) > 1 or settings.models_file is not None
+    fair = FairPool(pool, settings.preprocess_workers) if several and settings.fair_sharing else None
     budget = ByteBudget(settings.max_decode_bytes_effective, on_wait=metrics.decode_budget_waits.inc)
     metrics.bind_decode_budget(budget)
     gpu = start_gpu_sampler(metrics.registry)
     metrics.gpus_visible = gpu.count if gpu is not None else 0
     lone = len(catalog.models) == 1 and len(catalog.models[0].versions) == 1
-    budgeted = settings.model_memory_budget > 0
-    every: list[ServedVersion] = []
-    loader: Loader | None = None
+    assembly = Assembly(settings, metrics, tracing, pool, fair, budget, decode, decode_many)
     sampler = asyncio.create_task(_sample(metrics), name="sampler")
-
-    memory: dict[str, BudgetShare] = {}
-    """Each model's share of the decoder memory budget, where sharing is fair."""
-
-    async def start(served: ServedVersion) -> Running:
-        reserve = memory.get(served.model, budget)
-        return await _start_version(served, metrics, tracing, backend if lone else None, reserve, decode, decode_many)
-
-    async def stop(running: Running) -> None:
-        await _stop_version(running, settings.request_timeout)
-
     try:
-        models: dict[str, ServedModel] = {}
-        for spec in catalog.models:
-            executor: Executor = fair.lane(spec.share) if fair is not None else pool
-            if fair is not None:
-                memory[spec.name] = budget.share(spec.share)
-            versions = {}
-            for version in spec.versions:
-                capabilities = capabilities_of(version.settings)
-                lazy = budgeted and capabilities.in_budget  # Triton holds its own models
-                label = backend.name if lone and backend is not None else capabilities.name
-                served_metrics = metrics.model(spec.name, version.version, label)
-                served = ServedVersion(spec.name, version, served_metrics, executor, lazy=lazy)
-                every.append(served)
-                versions[version.version] = served
-            lane = executor if isinstance(executor, Lane) else None
-            models[spec.name] = ServedModel(spec, versions, lane=lane, memory=memory.get(spec.name))
+        models = {spec.name: assembly.model(spec, backend if lone else None) for spec in catalog.models}
+        every = [served for model in models.values() for served in model.versions.values()]
         loader = (
-            Loader(settings.model_memory_budget, [v for v in every if v.lazy], start, stop, metrics)
-            if budgeted
+            Loader(settings.model_memory_budget, [v for v in every if v.lazy], assembly.start, assembly.stop, metrics)
+            if assembly.budgeted
             else None
         )
+        assembly.loader = loader
         shares = {spec.name: spec.share for spec in catalog.models}
         admission = Admission(settings.max_concurrent_requests, shares, fair=settings.fair_sharing)
         bodies = Admission(settings.max_buffered_body_bytes_effective, shares, fair=settings.fair_sharing)
         served_models = ServedModels(catalog, models, admission, loader, bodies)
+        served_models.assembly = assembly
         for served in every:
             if not served.lazy:
-                served.running = await start(served)
+                served.running = await assembly.start(served)
         if loader is not None:  # the default model's versions that take traffic, the heaviest first
             default = sorted(models[catalog.default].versions.values(), key=lambda v: -v.spec.traffic)
             for served in (v for v in default if v.lazy and v.spec.traffic > 0):
@@ -133,17 +110,100 @@ async def open_models(
                     break
         yield served_models
     finally:
-        if loader is not None:
-            await loader.aclose()  # the loads under way finish first: what they start is stopped below
+        if assembly.loader is not None:
+            await assembly.loader.aclose()  # the loads under way finish first: what they start is stopped below
         sampler.cancel()
         await asyncio.gather(sampler, return_exceptions=True)
         if gpu is not None:
             gpu.stop()
-        running = [served.running for served in every if served.running is not None]
-        await asyncio.gather(*(stop(r) for r in running), return_exceptions=True)
+        running = [served.running for served in assembly.versions.values() if served.running is not None]
+        await asyncio.gather(*(assembly.stop(r) for r in running), return_exceptions=True)
         if fair is not None:
             fair.close()
         pool.shutdown(wait=True, cancel_futures=True)
+
+
+class Assembly:
+    """What starts and stops model versions, kept for the process's life: the versions found at
+    start and those a reloaded models file adds (``service.serving.changes``) are made the same way,
+    each model with its lane of the decode pool and its share of the decoder memory where sharing is
+    fair, each version lazily loaded under a memory budget."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        metrics: Metrics,
+        tracing: Tracing | None,
+        pool: Executor,
+        fair: FairPool | None,
+        budget: ByteBudget,
+        decode: Prepare,
+        decode_many: PrepareMany | None,
+    ) -> None:
+        self.settings = settings
+        self.metrics = metrics
+        self.tracing = tracing
+        self.pool = pool
+        self.fair = fair
+        self.budget = budget
+        self.decode = decode
+        self.decode_many = decode_many
+        self.budgeted = settings.model_memory_budget > 0
+        self.loader: Loader | None = None
+        self.memory: dict[str, BudgetShare] = {}
+        """Each model's share of the decoder memory budget, where sharing is fair."""
+        self.versions: dict[int, ServedVersion] = {}
+        """Every version made and not yet stopped for good (by ``id``): what shutdown stops."""
+        self._backends: dict[int, Backend] = {}
+        """A backend given for a version (tests), by ``id`` of the version."""
+
+    def model(self, spec: ModelSpec, backend: Backend | None = None) -> ServedModel:
+        """A model's versions, not started (its lane and memory share made); ``backend`` (tests)
+        replaces its one version's backend."""
+        executor: Executor = self.fair.lane(spec.share) if self.fair is not None else self.pool
+        if self.fair is not None:
+            self.memory[spec.name] = self.budget.share(spec.share)
+        versions = {version.version: self.version(spec.name, version, executor, backend) for version in spec.versions}
+        lane = executor if isinstance(executor, Lane) else None
+        return ServedModel(spec, versions, lane=lane, memory=self.memory.get(spec.name))
+
+    def version(
+        self, model: str, spec: VersionSpec, executor: Executor, backend: Backend | None = None
+    ) -> ServedVersion:
+        """A version, not started: loaded on first use where the memory budget holds it."""
+        capabilities = capabilities_of(spec.settings)
+        label = backend.name if backend is not None else capabilities.name
+        served = ServedVersion(
+            model,
+            spec,
+            self.metrics.model(model, spec.version, label),
+            executor,
+            lazy=self.budgeted and capabilities.in_budget,  # Triton holds its own models
+        )
+        self.versions[id(served)] = served
+        if backend is not None:
+            self._backends[id(served)] = backend
+        return served
+
+    def drop_model(self, model: ServedModel) -> None:
+        """A removed model's lane and memory share, once its versions have stopped."""
+        if self.fair is not None and model.lane is not None:
+            self.fair.drop(model.lane)
+        if (share := self.memory.pop(model.name, None)) is not None:
+            self.budget.drop(share)
+
+    def forget(self, served: ServedVersion) -> None:
+        """A version stopped for good (a reload retired it)."""
+        self.versions.pop(id(served), None)
+        self._backends.pop(id(served), None)
+
+    async def start(self, served: ServedVersion) -> Running:
+        reserve = self.memory.get(served.model, self.budget)
+        backend = self._backends.get(id(served))
+        return await _start_version(served, self.metrics, self.tracing, backend, reserve, self.decode, self.decode_many)
+
+    async def stop(self, running: Running) -> None:
+        await _stop_version(running, self.settings.request_timeout)
 
 
 def _count_sent(metrics: Metrics, in_cells: int, copied: int) -> None:

@@ -9,18 +9,28 @@ a body, a quota); then, with no wait in between, ``hold`` admits it, holds the v
 cancelled request, a client gone), lets go of both in reverse order: a hand-written sequence that
 missed one ``release`` on one path kept a version from ever being drained, or a model's admission
 slot from ever being given back.
+
+A reloaded models file changes the models here (``service.serving.changes``): a version it removes
+or replaces is *retired*. A request that chose a retired version before the change is still served
+by it while it runs (``hold`` counts it, and the version stops only once none holds it); one that
+reaches ``hold`` after it stopped gets its replacement (``hold`` yields the version to use), or 404
+when its model or version is gone.
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager, contextmanager
+from typing import TYPE_CHECKING
 
 from service.errors import NotFound
 from service.serving.catalog import Catalog
 from service.serving.fair import Admission
 from service.serving.loading import Loader
 from service.serving.served import ServedModel, ServedVersion, quoted
+
+if TYPE_CHECKING:
+    from service.serving.pipeline import Assembly
 
 
 class ServedModels:
@@ -43,6 +53,12 @@ class ServedModels:
         """Bytes of the request bodies being received, shared by weight (``BodyLimitMiddleware``)."""
         self.loader = loader
         """Loads and unloads in-process versions within the memory budget (None: no budget, all loaded)."""
+        self.assembly: Assembly | None = None
+        """What starts the versions a reloaded models file adds (None: this registry cannot grow)."""
+        self.on_added: list[Callable[[ServedVersion], None]] = []
+        """Called for each version a reload adds, before any request can reach it (its answer renderer)."""
+        self.on_removed: list[Callable[[ServedVersion], None]] = []
+        """Called for each version a reload retired, once it has stopped."""
 
     def get(self, name: str) -> ServedModel:
         model = self.models.get(name)
@@ -63,10 +79,20 @@ class ServedModels:
             self.bodies.reshare(shares)
         self.catalog = catalog
 
+    def current(self, served: ServedVersion) -> ServedVersion:
+        """The version a request that chose ``served`` uses: ``served``, unless a reload retired it
+        and it no longer runs (then its replacement; ``NotFound`` when its model or version is gone)."""
+        if not served.retired or (served.running is not None and not served.stopping and not served.draining):
+            return served
+        model = self.models.get(served.model)
+        if model is None:
+            raise NotFound(f"model {served.model!r} was removed; this gateway serves {', '.join(self.models)}")
+        return model.version(served.version)
+
     def check(self, served: ServedVersion) -> None:
         """Refuse now (``QueueFull``, 429) when ``served``'s model has no room for one more request:
         before the request spends time or quota on what it could not run."""
-        self.admission.check(served.model)
+        self.admission.check(self.current(served).model)
 
     @contextmanager
     def admitted(self, served: ServedVersion) -> Iterator[None]:
@@ -87,19 +113,28 @@ class ServedModels:
         queue worker and the operator's loads are not requests in progress), then held by the
         memory budget's loader (loaded by ``deadline``, event-loop time, or ``ModelNotLoaded``; None:
         no limit). Both are let go in reverse order whatever ends the body, a cancellation included;
-        a request cancelled while it waits for the load leaves nothing counted."""
-        if admit:
-            self.check(served)
-            self.admission.enter(served.model)
+        a request cancelled while it waits for the load leaves nothing counted. The version to use is
+        yielded: ``served``, or its replacement where a reload retired it (``current``)."""
+        served = self.current(served)
+        served.held += 1
+        served.idle.clear()
         try:
-            loader = self.loader
-            if loader is not None:
-                await loader.acquire(served, deadline)
-            try:
-                yield served
-            finally:
-                if loader is not None:
-                    loader.release(served)
-        finally:
             if admit:
-                self.admission.leave(served.model)
+                self.check(served)
+                self.admission.enter(served.model)
+            try:
+                loader = self.loader
+                if loader is not None:
+                    await loader.acquire(served, deadline)
+                try:
+                    yield served
+                finally:
+                    if loader is not None:
+                        loader.release(served)
+            finally:
+                if admit:
+                    self.admission.leave(served.model)
+        finally:
+            served.held -= 1
+            if not served.held:
+                served.idle.set()

@@ -1,6 +1,8 @@
-"""Traffic weights changed without a restart: the models file is watched, and a change to its
-traffic weights, shares or sticky flags is applied to the running models (a change to anything
-else is refused and logged: new backends need a start). A Kubernetes ConfigMap's update (a
+"""The models file watched, and its changes applied without a restart: traffic weights, shares
+and sticky flags in place; models and versions added, removed or replaced as
+``service.serving.changes`` says (the new started beside the old, then switched to at once, the old
+stopped once their requests are answered). A file that cannot be read, parsed or started changes
+nothing: a warning says why, and the reload counts ``refused``. A Kubernetes ConfigMap's update (a
 symlink swapped under the mount) counts as a change: the file is compared by what ``stat`` sees
 through the link."""
 
@@ -13,8 +15,8 @@ from pathlib import Path
 from typing import Any
 
 from service.metrics import Metrics
-from service.models.profiles import ModelProfile
 from service.serving.catalog import Catalog, CatalogError, parse_catalog, read_models_file
+from service.serving.changes import apply, plan, replaced_files
 from service.serving.registry import ServedModels
 from service.settings import Settings
 
@@ -23,25 +25,13 @@ logger = logging.getLogger(__name__)
 POLL_SECONDS = 2.0
 
 
-def _served(catalog: Catalog) -> dict[str, list[tuple[str, ModelProfile, Settings, int | None]]]:
-    """What a catalog starts: per model, its versions' profiles, settings and memory in the budget
-    (what the loader counts: not their weights)."""
-    return {m.name: [(v.version, v.profile, v.settings, v.memory) for v in m.versions] for m in catalog.models}
-
-
-def reload_traffic(catalog: Catalog, table: dict[str, Any], settings: Settings, where: str) -> Catalog:
-    """``catalog`` with the traffic weights (and shares, sticky) of a reloaded models file; anything
-    else changed (a model, version, profile or setting added, removed or altered) is refused: that
-    needs a restart, which loads and warms the new backends."""
-    if catalog.discovered:  # the models found in Triton's index at start stay (the file's own win)
+def reread(catalog: Catalog, table: dict[str, Any], settings: Settings, where: str) -> Catalog:
+    """The catalog of a reloaded models file (checked as at start: a declared model's file is read
+    again), keeping what was found in Triton's index at start (the file's own models win)."""
+    if catalog.discovered:
         own = _object(table.get("models"))
         table = {**table, "models": {**own, **{k: v for k, v in catalog.discovered.items() if k not in own}}}
     fresh = parse_catalog(table, settings, where, base=catalog.base)
-    if _served(fresh) != _served(catalog) or fresh.default != catalog.default:
-        raise CatalogError(
-            f"{where}: only traffic, share and sticky change without a restart; models, versions and their "
-            "settings are as at start"
-        )
     return Catalog(fresh.models, fresh.default, fresh.discovery, fresh.table, catalog.discovered, catalog.base)
 
 
@@ -60,29 +50,35 @@ def stamp(path: Path) -> tuple[int, int, int] | None:
 
 
 async def reload_models(path: Path, models: ServedModels, settings: Settings, metrics: Metrics) -> bool:
-    """Read and check ``path`` (in a thread) and apply its traffic weights (on the event loop, where
-    requests pick versions); False (and a warning) when it cannot be."""
+    """Read and check ``path`` (in a thread), start what it adds, then switch to it (on the event
+    loop, where requests pick versions) and stop what it retired once its requests are answered;
+    False (and a warning) when it cannot be applied, with nothing changed."""
     try:
         table = await asyncio.to_thread(read_models_file, path)
         # in a thread too: a declared model's file is read again, a Triton model's metadata asked for
-        catalog = await asyncio.to_thread(reload_traffic, models.catalog, table, settings, str(path))
+        fresh = await asyncio.to_thread(reread, models.catalog, table, settings, str(path))
+        replaced = await asyncio.to_thread(replaced_files, models.catalog, fresh)
+        change = plan(models, fresh, replaced)
+        await apply(models, change, settings.request_timeout)
     except CatalogError as exc:
-        logger.warning("models file changed but not applied (the running weights stay): %s", exc)
+        logger.warning("models file changed but not applied (the running models stay): %s", exc)
         metrics.model_reloads.labels("refused").inc()
         return False
-    except Exception:  # whatever a file can do to the parser, the watcher goes on
-        logger.exception("models file changed but could not be read (the running weights stay)")
+    except Exception as exc:  # whatever a file or a backend's start can do, the watcher goes on
+        logger.warning("models file changed but not applied (the running models stay): %s", exc, exc_info=True)
         metrics.model_reloads.labels("refused").inc()
         return False
-    models.retarget(catalog)
+    catalog = models.catalog
     metrics.model_reloads.labels("applied").inc()
     logger.info(
-        "models file reloaded: %s",
+        "models file reloaded (%s): %s; default %s",
+        change,
         "; ".join(
             f"{spec.name} share {spec.share:g}: "
             + ", ".join(f"v{version.version} {version.traffic:g}" for version in spec.versions)
             for spec in catalog.models
         ),
+        catalog.default,
     )
     return True
 

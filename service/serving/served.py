@@ -65,11 +65,21 @@ class ServedVersion:
     """When it was last loaded (monotonic): it is drained for another only after a while (``Loader``)."""
     failed: tuple[float, str] | None = None
     """When its last load failed, and why (cleared by a load that succeeds)."""
+    held: int = 0
+    """Requests inside ``ServedModels.hold`` with it (loading it or holding it loaded): a version a
+    reload retires is stopped once none is."""
+    retired: bool = False
+    """A reload removed or replaced it: no new request picks it; those that chose it before are served."""
+    stopping: bool = False
+    """Retired and drained: it is being stopped, a request that chose it goes to its replacement."""
+    idle: asyncio.Event = field(default_factory=asyncio.Event, repr=False, compare=False)
+    """Set while no request holds it (``held`` 0): what a retired version's drain waits for."""
     random_weights: bool = field(init=False)
     """Its answers are meaningless: a profile with random weights and no weights file (found once,
     at start: its answers, readiness and jobs say it without a file lookup each)."""
 
     def __post_init__(self) -> None:
+        self.idle.set()
         profile = self.spec.profile
         self.random_weights = profile.random_without_weights and weights_for(self.spec.settings, profile.name) is None
 

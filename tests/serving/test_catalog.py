@@ -13,7 +13,7 @@ import pytest
 
 from service.serving.catalog import CatalogError, load_catalog, read_models_file
 from service.serving.discovery import with_discovered
-from service.serving.reload import reload_traffic
+from service.serving.reload import reread
 from service.settings import Settings
 
 TWO = """
@@ -133,33 +133,30 @@ def test_the_models_setting_names_each_model_once() -> None:
         load_catalog(Settings(models="trivial,trivial"))
 
 
-def test_a_reload_changes_weights_only(tmp_path: Path) -> None:
+def test_a_reload_reads_weights_and_settings(tmp_path: Path) -> None:
     settings = Settings(models_file=_file(tmp_path, TWO))
     catalog = load_catalog(settings)
     table = read_models_file(settings.models_file)  # type: ignore[arg-type]
     table["models"]["shop"]["versions"]["2"]["traffic"] = 50
     table["models"]["shop"]["share"] = 1
-    reloaded = reload_traffic(catalog, table, settings, "reload")
+    reloaded = reread(catalog, table, settings, "reload")
     assert [v.traffic for v in reloaded.models[0].versions] == [90.0, 50.0]
     assert reloaded.models[0].share == 1.0
     table["models"]["shop"]["max_batch_size"] = 8
-    with pytest.raises(CatalogError, match="only traffic, share and sticky change without a restart"):
-        reload_traffic(catalog, table, settings, "reload")
-    table["models"]["shop"]["max_batch_size"] = 32
-    del table["models"]["moderation"]
-    with pytest.raises(CatalogError, match="only traffic"):
-        reload_traffic(catalog, table, settings, "reload")
+    assert reread(catalog, table, settings, "reload").models[0].versions[0].settings.max_batch_size == 8
+    table["models"]["shop"]["max_batch_size"] = 0
+    with pytest.raises(CatalogError, match="max_batch_size"):
+        reread(catalog, table, settings, "reload")
 
 
-def test_a_reload_that_changes_a_versions_memory_is_refused_not_reported_applied(tmp_path: Path) -> None:
-    """The loader counts the memory it started with: a reload that changed it was reported applied
-    while the loader kept the old value (issue 45)."""
+def test_a_reload_that_changes_a_versions_memory_reads_it(tmp_path: Path) -> None:
+    """A version's memory is part of what it runs with: a reload that changes it replaces the
+    version (``service.serving.changes``), so that the loader counts the new value."""
     settings = Settings(models_file=_file(tmp_path, TWO))
     catalog = load_catalog(settings)
     table = read_models_file(settings.models_file)  # type: ignore[arg-type]
     table["models"]["shop"]["versions"]["2"]["memory"] = 64 << 20
-    with pytest.raises(CatalogError, match="only traffic, share and sticky change without a restart"):
-        reload_traffic(catalog, table, settings, "reload")
+    assert reread(catalog, table, settings, "reload").models[0].versions[1].memory == 64 << 20
 
 
 def test_gateway_serve_refuses_a_bad_models_file_by_name(tmp_path: Path) -> None:
@@ -240,7 +237,7 @@ def test_a_reload_may_reorder_the_models(tmp_path: Path) -> None:
     shop, moderation = TWO.split("[models.moderation]")
     head, shop = shop.split("\n[models.shop]")
     reordered = read_models_file(_file(tmp_path, f"{head}\n[models.moderation]{moderation}\n[models.shop]{shop}"))
-    assert [m.name for m in reload_traffic(catalog, reordered, settings, "reload").models] == ["moderation", "shop"]
+    assert [m.name for m in reread(catalog, reordered, settings, "reload").models] == ["moderation", "shop"]
 
 
 def test_models_found_in_tritons_index_join_the_files_own(tmp_path: Path) -> None:
@@ -288,5 +285,5 @@ def test_models_found_in_tritons_index_join_the_files_own(tmp_path: Path) -> Non
     assert "x" * 65 in skipped
     assert len([name for name in skipped if name.startswith("m")]) == 40 - 29
     table = read_models_file(settings.models_file)  # type: ignore[arg-type]
-    reloaded = reload_traffic(grown, table, settings, "reload")  # the found models stay
+    reloaded = reread(grown, table, settings, "reload")  # the found models stay
     assert [m.name for m in reloaded.models] == names

@@ -225,7 +225,7 @@ async def test_sticky_keys_keep_their_version_and_a_reload_moves_the_traffic(
 ) -> None:
     """With ``sticky``, every request of an API key reaches one version (and the keys spread over
     both); rewriting the file's weights to 0/100 moves every key to version 2 without a restart,
-    and a change of anything else is refused, leaving the weights as they were."""
+    and a change that cannot be applied is refused, leaving the weights as they were."""
     text = """
         [models.shop]
         profile = "trivial"
@@ -259,7 +259,7 @@ async def test_sticky_keys_keep_their_version_and_a_reload_moves_the_traffic(
                 await asyncio.sleep(0.2)
         assert {version for key in keys for version in await versions_of(key)} == {"2"}
 
-        _write(models, text.format(one=0, two=100).replace('backend = "fake"', 'backend = "embedded"'))
+        _write(models, text.format(one=0, two=100).replace("sticky = true", "sticky = true\nmax_batch_size = 0"))
         async with asyncio.timeout(15):
             refused = 'gateway_model_reloads_total{outcome="refused"} 1.0'
             while refused not in (await client.get("/metrics", headers={"x-api-key": keys[0]})).text:  # noqa: ASYNC110
