@@ -112,6 +112,9 @@ class ModelSource:
     """The model's image input, as its file (or Triton) names it; "" where Triton is asked at start."""
     output_name: str
     """The model's output the gateway reads (its first); "" where Triton is asked at start."""
+    sha256: str = ""
+    """The file's content as checked at start (``ModelContent.digest``; "": no file): a file
+    replaced since is refused when its model is derived, not served unchecked."""
 
     @property
     def path(self) -> Path:

@@ -4,8 +4,10 @@ it). What the declaration makes of them is ``service.models.reading``'s."""
 
 from __future__ import annotations
 
+import hashlib
 import os
 import stat
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -13,13 +15,17 @@ from typing import TYPE_CHECKING
 from service.models.declaration import Format
 
 if TYPE_CHECKING:
+    import numpy as np
     import onnx
+    import openvino as ov
 
 Shape = tuple[int | None, ...]
 """A tensor's dimensions, None where a dimension is dynamic (named, or not given)."""
 
 MAX_ONNX_BYTES = 2**31 - 1
 """Protobuf's limit: an ONNX file past it keeps its weights in external data files."""
+MAX_IR_WEIGHTS = 64 * 2**30
+"""Largest OpenVINO IR weights file read (an ONNX file's limit is protobuf's 2 GiB)."""
 MIN_OPSET = 7
 """The first ONNX operator set whose arithmetic broadcasts as NumPy does (2017)."""
 
@@ -60,14 +66,70 @@ class ModelFacts:
 
 def read_facts(path: Path) -> ModelFacts:
     """The facts of the model file at ``path`` (its kind by its suffix); ``ModelFileError`` if unreadable."""
+    return content_facts(read_content(path))
+
+
+@dataclass(frozen=True)
+class ModelContent:
+    """A model file read once: its bytes (an IR: its XML) and an IR's weights, mapped (a ``.bin``
+    of gigabytes is not copied into memory), with their SHA-256: what the facts are read from,
+    what the derived model is built from, and how a file replaced since start is told apart."""
+
+    path: Path
+    data: bytes
+    weights: np.ndarray | None = None
+    """An IR's ``.bin``, mapped copy-on-write (OpenVINO takes a writable buffer; the file is never written)."""
+    weights_sha256: str | None = None
+
+    @property
+    def sha256(self) -> str:
+        return hashlib.sha256(self.data).hexdigest()
+
+    @property
+    def digest(self) -> str:
+        """The file's content, its weights' included: the SHA-256 of each, space-separated."""
+        return self.sha256 if self.weights_sha256 is None else f"{self.sha256} {self.weights_sha256}"
+
+
+def read_content(path: Path) -> ModelContent:
+    """The content of the model file at ``path``, by its suffix; ``ModelFileError`` if unreadable."""
     suffix = path.suffix.lower()
     if suffix == ".onnx":
-        return onnx_facts(load_onnx(read_model_bytes(path)))
+        return ModelContent(path, read_model_bytes(path))
     if suffix == ".xml":
-        return openvino_facts(path)
+        weights, digest = _map_weights(ir_weights(path))
+        return ModelContent(path, read_model_bytes(path), weights, digest)
     if suffix == ".pt2":
         raise ModelFileError("is a torch .pt2 file: not served yet; export the model to ONNX with torch.onnx.export")
     raise ModelFileError("is not a model file: .onnx, an OpenVINO IR .xml or a torch .pt2")
+
+
+def content_facts(content: ModelContent) -> ModelFacts:
+    if content.weights is None:
+        return onnx_facts(load_onnx(content.data))
+    model = ir_model(content)
+    return ModelFacts("openvino", tuple(map(openvino_tensor, model.inputs)), tuple(map(openvino_tensor, model.outputs)))
+
+
+def _map_weights(path: Path) -> tuple[np.ndarray, str]:
+    """An IR's weights mapped, and their SHA-256, hashed streaming (a regular file, bounded)."""
+    import numpy as np
+
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as exc:
+        raise ModelFileError(f"cannot read its weights {path.name}: {exc.strerror}") from None
+    with os.fdopen(fd, "rb") as file:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise ModelFileError(f"has weights {path.name} that are not a regular file")
+        if info.st_size > MAX_IR_WEIGHTS:
+            raise ModelFileError(f"has weights {path.name} of {info.st_size / 2**30:.1f} GiB, over "
+                                 f"{MAX_IR_WEIGHTS / 2**30:.0f} GiB")  # fmt: skip
+        digest = hashlib.file_digest(file, "sha256").hexdigest()
+        if info.st_size == 0:
+            return np.empty(0, np.uint8), digest
+        return np.memmap(file, np.uint8, "c", shape=(info.st_size,)), digest
 
 
 def read_model_bytes(path: Path, limit: int = MAX_ONNX_BYTES) -> bytes:
@@ -110,7 +172,7 @@ def load_onnx(data: bytes) -> onnx.ModelProto:
         raise ModelFileError("is not an ONNX model (it does not parse: truncated, or another kind of file)") from None
     if model.ir_version <= 0 or not model.graph.node or not model.graph.output:
         raise ModelFileError("is not an ONNX model (no graph: empty, truncated, or another kind of file)")
-    if any(t.data_location == onnx.TensorProto.EXTERNAL for t in _tensors(model.graph)):
+    if any(t.data_location == onnx.TensorProto.EXTERNAL for t in _tensors(model)):
         raise ModelFileError("keeps weights in external data files (an ONNX model over 2 GiB): not served yet")
     opset = default_opset(model)
     if opset is None or opset < MIN_OPSET:
@@ -151,19 +213,33 @@ def _onnx_tensor(value: onnx.ValueInfoProto) -> TensorFacts:
     return TensorFacts(value.name, dtype, dims)
 
 
-def _tensors(graph: onnx.GraphProto) -> list[onnx.TensorProto]:
-    """Every tensor a graph holds, its subgraphs' and its Constant nodes' included."""
-    from onnx import AttributeProto
+def _tensors(model: onnx.ModelProto) -> Iterator[onnx.TensorProto]:
+    """Every tensor a model holds: its graph's initializers and sparse initializers, its Constant
+    nodes' (dense and sparse) and every other tensor attribute, in its subgraphs and in its local
+    functions too (any of them may name an external data file, which the runtime would read)."""
+    for function in model.functions:
+        for node in function.node:
+            yield from _node_tensors(node)
+    yield from _graph_tensors(model.graph)
 
-    found = list(graph.initializer) + [t.values for t in graph.sparse_initializer]
+
+def _graph_tensors(graph: onnx.GraphProto) -> Iterator[onnx.TensorProto]:
+    yield from graph.initializer
+    for sparse in graph.sparse_initializer:
+        yield from (sparse.values, sparse.indices)
     for node in graph.node:
-        for attr in node.attribute:
-            if attr.type == AttributeProto.TENSOR:
-                found.append(attr.t)
-            found.extend(attr.tensors)
-            for sub in ([attr.g] if attr.type == AttributeProto.GRAPH else []) + list(attr.graphs):
-                found.extend(_tensors(sub))
-    return found
+        yield from _node_tensors(node)
+
+
+def _node_tensors(node: onnx.NodeProto) -> Iterator[onnx.TensorProto]:
+    for attr in node.attribute:
+        if attr.HasField("t"):
+            yield attr.t
+        yield from attr.tensors
+        for sparse in [attr.sparse_tensor] * attr.HasField("sparse_tensor") + list(attr.sparse_tensors):
+            yield from (sparse.values, sparse.indices)
+        for sub in [attr.g] * attr.HasField("g") + list(attr.graphs):
+            yield from _graph_tensors(sub)
 
 
 def ir_weights(path: Path) -> Path:
@@ -175,16 +251,15 @@ def ir_weights(path: Path) -> Path:
     return weights
 
 
-def openvino_facts(path: Path) -> ModelFacts:
+def ir_model(content: ModelContent) -> ov.Model:
+    """The OpenVINO model of an IR's content (its XML and its mapped weights)."""
     import openvino as ov
 
-    ir_weights(path)
     try:
-        model = ov.Core().read_model(path)
+        return ov.Core().read_model(content.data, ov.Tensor(content.weights, shared_memory=True))
     except RuntimeError as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else "unreadable"
         raise ModelFileError(f"is not an OpenVINO IR: {first[:300]}") from None
-    return ModelFacts("openvino", tuple(map(openvino_tensor, model.inputs)), tuple(map(openvino_tensor, model.outputs)))
 
 
 def openvino_tensor(port: object) -> TensorFacts:

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any, NoReturn, cast, get_args
 
 from service.models.declaration import MAX_SIDE, Arithmetic, Declaration, InputDtype, Layout, ModelSource
-from service.models.facts import ModelFacts, ModelFileError, TensorFacts, flattens, read_facts
+from service.models.facts import ModelFacts, ModelFileError, TensorFacts, content_facts, flattens, read_content
 from service.models.profiles import CLASSIFYING, ModelProfile, OutputKind
 
 CHANNEL_AXIS: dict[Layout, int] = {"NCHW": 1, "NHWC": 3}
@@ -70,12 +70,14 @@ def complete(declaration: Declaration, *, name: str, version: str, max_batch_siz
     if d.path is None:
         raise d.error("path", 'a declared model needs its file (path = "model.onnx")')
     try:
-        facts = read_facts(d.path)
+        content = read_content(d.path)
+        facts = content_facts(content)
     except ModelFileError as exc:
         raise d.error("path", f"{d.path.name} {exc}") from None
+    who = f"model {name!r} version {version!r}: "
 
     def build(source: ModelSource, input_size: tuple[int, int], output: OutputKind) -> Callable[[Path | None], Any]:
-        return functools.partial(wrap.build, source, input_size, output)
+        return functools.partial(wrap.build, source, input_size, output, who=who)
 
     return complete_facts(
         d,
@@ -85,6 +87,7 @@ def complete(declaration: Declaration, *, name: str, version: str, max_batch_siz
         max_batch_size=max_batch_size,
         builder=build,
         revision=wrap.BUILDER_REVISION,
+        sha256=content.digest,
     )
 
 
@@ -98,10 +101,12 @@ def complete_facts(
     builder: Builder,
     revision: int,
     labels_elsewhere: str = "",
+    sha256: str = "",
 ) -> ModelProfile:
     """The profile of a declared model whose facts were read (from its file, or from Triton):
     ``examine``'s checks, then its labels against its output. ``labels_elsewhere``: where else a
-    classifier's labels could come from, for the error that asks for them."""
+    classifier's labels could come from, for the error that asks for them; ``sha256``: the file's
+    content as its facts were read (``ModelContent.digest``)."""
     found = examine(d, facts, max_batch_size)
     result, width = found.result, found.width
     output = d.output or "softmax"
@@ -117,7 +122,7 @@ def complete_facts(
     else:
         dimensions = width
     file = d.path if facts.format != "triton" else None
-    source = ModelSource(file, facts.format, found.arithmetic, found.image.name, result.name)
+    source = ModelSource(file, facts.format, found.arithmetic, found.image.name, result.name, sha256)
     return ModelProfile(
         name=name,
         version=version,

@@ -41,10 +41,6 @@ def _fingerprint(profile: ModelProfile, weights: Path | None) -> dict[str, objec
     return {"model": profile.name, "builder_revision": profile.builder_revision, "weights": source}
 
 
-MAX_IR_WEIGHTS = 64 * 2**30
-"""Largest OpenVINO IR weights file read (an ONNX file's limit is protobuf's 2 GiB)."""
-
-
 def model_path(models_dir: Path, profile: ModelProfile) -> Path:
     """The model file the backends load: an ONNX file, or an OpenVINO IR for a declared IR."""
     if profile.source is not None:
@@ -104,19 +100,19 @@ def _ensure_declared(models_dir: Path, profile: ModelProfile, *, force: bool) ->
     """A declared model's derived file, from the bytes its fingerprint hashed (a file replaced
     while it is read is built as it was hashed, or refused as changed)."""
     from service.models import wrap
-    from service.models.facts import ModelFileError, ir_weights, load_onnx, read_model_bytes
+    from service.models.facts import ModelFileError, load_onnx, read_content
 
     source = profile.source
     assert source is not None
     path = model_path(models_dir, profile)
     try:
-        data = read_model_bytes(source.path)
-        weights = read_model_bytes(ir_weights(source.path), MAX_IR_WEIGHTS) if source.format == "openvino" else b""
+        content = read_content(source.path)  # an IR's weights mapped and hashed streaming, not read whole
+        wrap.check_unchanged(content, source)
     except ModelFileError as exc:
         raise ModelFileError(f"model {profile.name!r} version {profile.version!r}: {source.path} {exc}") from None
-    file = {"name": source.path.name, "size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
-    if source.format == "openvino":
-        file["weights_sha256"] = hashlib.sha256(weights).hexdigest()
+    file = {"name": source.path.name, "size": len(content.data), "sha256": content.sha256}
+    if content.weights_sha256 is not None:
+        file["weights_sha256"] = content.weights_sha256
     declaration = {
         "arithmetic": asdict(source.arithmetic),
         "input_name": source.input_name,
@@ -140,14 +136,14 @@ def _ensure_declared(models_dir: Path, profile: ModelProfile, *, force: bool) ->
         if source.format == "openvino":
             import openvino as ov
 
-            model = wrap.derive_openvino(data, weights, source, profile.input_size, profile.output)
+            model = wrap.derive_openvino(content, source, profile.input_size, profile.output)
             with atomic_folder(path.parent) as tmp:
                 ov.save_model(model, str(tmp / path.name), compress_to_fp16=False)
                 built = (tmp / path.name).read_bytes() + (tmp / path.with_suffix(".bin").name).read_bytes()
                 meta = dict(fingerprint, sha256=hashlib.sha256(built).hexdigest())
                 (tmp / meta_path.name).write_text(json.dumps(meta, indent=2))
             return path
-        graph = wrap.derive(load_onnx(data), source, profile.input_size, profile.output)
+        graph = wrap.derive(load_onnx(content.data), source, profile.input_size, profile.output)
     except ModelFileError as exc:
         raise ModelFileError(f"model {profile.name!r} version {profile.version!r}: {source.path} {exc}") from None
     built = graph.SerializeToString()

@@ -24,7 +24,16 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from service.models.declaration import Arithmetic, ModelSource
-from service.models.facts import ModelFacts, ModelFileError, flattens, load_onnx, onnx_facts, read_model_bytes
+from service.models.facts import (
+    ModelContent,
+    ModelFacts,
+    ModelFileError,
+    flattens,
+    ir_model,
+    load_onnx,
+    onnx_facts,
+    read_content,
+)
 from service.models.profiles import OutputKind
 from service.models.tensors import INPUT_NAME, OUTPUT_NAME
 
@@ -41,18 +50,30 @@ HEADS: dict[OutputKind, str | None] = {"softmax": None, "logits": "Softmax", "si
 
 
 def build(
-    source: ModelSource, input_size: tuple[int, int], output: OutputKind, weights: Path | None
+    source: ModelSource, input_size: tuple[int, int], output: OutputKind, weights: Path | None, *, who: str = ""
 ) -> onnx.ModelProto:
     """The derived graph of a declared ONNX model (``ModelProfile.build``: a declared model is its
-    file, so it takes no weights file)."""
+    file, so it takes no weights file); ``who``: the model and version, for errors."""
     if weights is not None:
         raise ValueError(f"a declared model is its file ({source.path.name}); it takes no weights file ({weights})")
     if source.format != "onnx":
         raise ValueError(f"{source.path.name}: only an ONNX file is derived as an ONNX graph (this is {source.format})")
     try:
-        return derive(load_onnx(read_model_bytes(source.path)), source, input_size, output)
+        content = read_content(source.path)
+        check_unchanged(content, source)
+        return derive(load_onnx(content.data), source, input_size, output)
     except ModelFileError as exc:
-        raise ModelFileError(f"{source.path} {exc}") from None
+        raise ModelFileError(f"{who}{source.path} {exc}") from None
+
+
+def check_unchanged(content: ModelContent, source: ModelSource) -> None:
+    """The file is still the one ``complete`` checked at start (it may have been replaced since,
+    by a model of other inputs, outputs or weights): its content, by SHA-256."""
+    if source.sha256 and content.digest != source.sha256:
+        raise ModelFileError(
+            f"is no longer the model checked at start (SHA-256 {source.sha256[:16]}... then, "
+            f"{content.digest[:16]}... now): restart the gateway to check it again"
+        )
 
 
 def derive(
@@ -169,7 +190,8 @@ def _front(chain: _Chain, arithmetic: Arithmetic, input_size: tuple[int, int]) -
 
 
 def _check_unchanged(facts: ModelFacts, source: ModelSource) -> None:
-    """The file is still the one ``complete`` checked (it may have changed since the gateway started)."""
+    """What the model read says still fits ``source`` (a last check, after ``check_unchanged``'s of
+    its content: a source without a recorded content is checked by its facts alone)."""
     image = facts.inputs[0] if len(facts.inputs) == 1 else None
     ok = (
         image is not None
@@ -318,16 +340,16 @@ def _keep(field: Any, keep: Any) -> None:
 
 
 def derive_openvino(
-    xml: bytes, weights: bytes, source: ModelSource, input_size: tuple[int, int], output: OutputKind
+    content: ModelContent, source: ModelSource, input_size: tuple[int, int], output: OutputKind
 ) -> ov.Model:
     """An OpenVINO IR behind the gateway's wire, by OpenVINO's own pre- and post-processing: the same
-    steps as ``derive``'s, on a model read from the bytes given (the ones fingerprinted)."""
+    steps as ``derive``'s, on a model read from the content given (the one fingerprinted)."""
     import openvino as ov
     from openvino.preprocess import ColorFormat, PrePostProcessor
 
     from service.models.facts import openvino_tensor
 
-    model = ov.Core().read_model(xml, weights)
+    model = ir_model(content)
     facts = ModelFacts(
         "openvino", tuple(map(openvino_tensor, model.inputs)), tuple(map(openvino_tensor, model.outputs))
     )

@@ -252,7 +252,35 @@ def test_a_file_changed_since_start_is_refused_at_load(tmp_path: Path) -> None:
     with pytest.raises(ModelFileError, match=r"model 'cars' version '2': .*m\.onnx is no longer the model checked"):
         ensure_model(tmp_path / "models", profile)
     (tmp_path / "m.onnx").write_bytes(b"garbage")
-    with pytest.raises(ModelFileError, match=r"m\.onnx is not an ONNX model"):
+    with pytest.raises(ModelFileError, match=r"m\.onnx is no longer the model checked"):
+        ensure_model(tmp_path / "models", profile)
+
+
+def test_a_file_replaced_by_one_of_the_same_names_is_refused_at_load(tmp_path: Path) -> None:
+    """Replaced after start by a model whose input and output have the same names but another input
+    size and 1000 outputs for 10 labels: refused by its content, naming model, version and file,
+    whether derived by the store or by the profile's builder (``gateway models triton-repo``)."""
+    save(tmp_path, tiny_model(NCHW, outputs=10))
+    profile = declare(tmp_path, labels=LABELS)
+    save(tmp_path, tiny_model(["N", 3, 16, 16], outputs=1000))
+    changed = r"model 'cars' version '2': .*m\.onnx is no longer the model checked at start \(SHA-256"
+    with pytest.raises(ModelFileError, match=changed):
+        ensure_model(tmp_path / "models", profile)
+    with pytest.raises(ModelFileError, match=changed):
+        profile.build(None)
+    save(tmp_path, tiny_model(NCHW, outputs=10))  # the same content again: served
+    assert ensure_model(tmp_path / "models", profile).exists()
+
+
+def test_an_ir_whose_weights_change_after_start_is_refused_at_load(tmp_path: Path) -> None:
+    """An IR's .bin is part of its content: new weights after start are refused at load."""
+    save(tmp_path, tiny_model(NCHW))
+    ov.save_model(ov.convert_model(tmp_path / "m.onnx"), str(tmp_path / "m.xml"))
+    profile = declare(tmp_path, "m.xml", labels=LABELS)
+    weights = bytearray((tmp_path / "m.bin").read_bytes())
+    weights[-1] ^= 0xFF
+    (tmp_path / "m.bin").write_bytes(bytes(weights))
+    with pytest.raises(ModelFileError, match=r"model 'cars' version '2': .*m\.xml is no longer the model checked"):
         ensure_model(tmp_path / "models", profile)
 
 
