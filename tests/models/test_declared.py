@@ -308,3 +308,52 @@ def test_an_ir_is_derived_into_an_ir(tmp_path: Path) -> None:
     assert str(model.input(0).get_partial_shape()) == "[?,8,8,3]"
     with pytest.raises(ValueError, match="only an ONNX file"):
         profile.build(None)
+
+
+def _external(name: str, location: str) -> onnx.TensorProto:
+    from onnx import TensorProto, helper
+
+    tensor = helper.make_tensor(name, TensorProto.FLOAT, [3], [0.0, 0.0, 0.0])
+    tensor.ClearField("float_data")
+    tensor.data_location = TensorProto.EXTERNAL
+    for key, value in (("location", location), ("length", "12")):
+        entry = tensor.external_data.add()
+        entry.key, entry.value = key, value
+    return tensor
+
+
+def _sparse(location: str) -> onnx.SparseTensorProto:
+    indices = onnx.numpy_helper.from_array(np.array([0, 1, 2], np.int64), "si")
+    return onnx.helper.make_sparse_tensor(_external("sv", location), indices, [10])
+
+
+@pytest.mark.parametrize("where", ["constant sparse_value", "sparse_initializer", "local function", "subgraph"])
+def test_external_data_anywhere_in_the_model_is_refused(tmp_path: Path, where: str) -> None:
+    """A tensor naming an external file is refused wherever it sits (a sparse Constant, a sparse
+    initializer, a local function's Constant, a subgraph's): the runtime would read that file as
+    weights (the gateway's own build.json, /etc/passwd)."""
+    from onnx import helper
+
+    model = tiny_model(NCHW)
+    graph = model.graph
+    if where == "constant sparse_value":
+        graph.node.append(helper.make_node("Constant", [], ["spc"], sparse_value=_sparse("build.json")))
+    elif where == "sparse_initializer":
+        graph.sparse_initializer.append(_sparse("/etc/passwd"))
+    elif where == "local function":
+        node = helper.make_node("Constant", [], ["c"], value=_external("fc", "build.json"))
+        model.functions.append(helper.make_function("local", "f", [], ["c"], [node], [helper.make_opsetid("", 17)]))
+        model.opset_import.append(helper.make_opsetid("local", 1))
+    else:
+        inner = helper.make_graph(
+            [helper.make_node("Constant", [], ["b"], sparse_value=_sparse("build.json"))],
+            "inner",
+            [],
+            [helper.make_tensor_value_info("b", onnx.TensorProto.FLOAT, [10])],
+        )
+        cond = onnx.numpy_helper.from_array(np.array(True), "cond")
+        graph.initializer.append(cond)
+        graph.node.append(helper.make_node("If", ["cond"], ["z"], then_branch=inner, else_branch=inner))
+    (tmp_path / "build.json").write_text("{}")
+    onnx.save(model, tmp_path / "m.onnx")
+    refused(tmp_path, "path", "external data files", labels=LABELS)
