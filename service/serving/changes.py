@@ -2,7 +2,7 @@
 
 What the file adds is started first, beside what serves now: a model added, a version added, and
 a version replaced (its profile, declaration, ``path`` or settings changed, or its declared file
-replaced by another at the same path: its SHA-256 differs from the one its built model records).
+replaced by another at the same path: the SHA-256 its profile records, read again by the parse).
 Only once all of that has started (a backend that fails to start changes nothing: the error goes
 on and the reload is refused) does the registry switch, on the event loop and without a pause in
 between: the new versions' answer renderers exist, the models and versions the file no longer
@@ -20,13 +20,9 @@ serves the new ones offline), as do the job queues declared by the gateway at st
 from __future__ import annotations
 
 import asyncio
-import hashlib
-import json
 import logging
 from dataclasses import dataclass, field
 
-from service.models.facts import ir_weights
-from service.models.store import model_path
 from service.serving.catalog import Catalog, CatalogError, ModelSpec, VersionSpec
 from service.serving.registry import ServedModels
 from service.serving.served import ServedModel, ServedVersion
@@ -53,41 +49,13 @@ class Change:
         return "; ".join(parts) or "traffic only"
 
 
-def replaced_files(current: Catalog, fresh: Catalog) -> set[tuple[str, str]]:
-    """The declared versions, the same in both catalogs, whose file was replaced at the same path
-    since it was built: its SHA-256 now differs from the one its built model's ``build.json``
-    records (a version not built yet has nothing to replace). Reads files: call it in a thread."""
-    replaced = set()
-    for spec in fresh.models:
-        before = current.model(spec.name)
-        for version in spec.versions:
-            old = before.version(version.version) if before is not None else None
-            source = version.profile.source
-            if old is None or _running(old) != _running(version) or source is None or source.path is None:
-                continue
-            built = model_path(version.settings.models_dir, version.profile).with_name("build.json")
-            try:
-                recorded = json.loads(built.read_text()).get("file", {})
-            except (OSError, ValueError, AttributeError):
-                continue
-            files = [("sha256", source.path)]
-            if source.format == "openvino":
-                files.append(("weights_sha256", ir_weights(source.path)))
-            try:
-                now = {key: hashlib.sha256(path.read_bytes()).hexdigest() for key, path in files}
-            except OSError:
-                continue  # read again by the parse a moment ago: a file gone since is seen at the next reload
-            if any(recorded.get(key) != digest for key, digest in now.items()):
-                replaced.add((spec.name, version.version))
-    return replaced
-
-
 def _running(spec: VersionSpec) -> tuple[object, ...]:
-    """What a running version is made of (its traffic aside: that changes in place)."""
+    """What a running version is made of (its traffic aside: that changes in place); a declared
+    profile holds its file's SHA-256, so a file replaced at the same path compares unequal."""
     return spec.profile, spec.settings, spec.memory
 
 
-def plan(models: ServedModels, fresh: Catalog, replaced: set[tuple[str, str]]) -> Change:
+def plan(models: ServedModels, fresh: Catalog) -> Change:
     """What ``fresh`` changes in ``models``; ``CatalogError`` if it drops the default model without
     naming another."""
     current = models.catalog
@@ -106,9 +74,7 @@ def plan(models: ServedModels, fresh: Catalog, replaced: set[tuple[str, str]]) -
         started = [
             version
             for version in spec.versions
-            if (old := model.versions.get(version.version)) is None
-            or _running(old.spec) != _running(version)
-            or (spec.name, version.version) in replaced
+            if (old := model.versions.get(version.version)) is None or _running(old.spec) != _running(version)
         ]
         if started:
             change.started[spec.name] = started

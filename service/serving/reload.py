@@ -16,7 +16,7 @@ from typing import Any
 
 from service.metrics import Metrics
 from service.serving.catalog import Catalog, CatalogError, parse_catalog, read_models_file
-from service.serving.changes import apply, plan, replaced_files
+from service.serving.changes import apply, plan
 from service.serving.registry import ServedModels
 from service.settings import Settings
 
@@ -57,8 +57,7 @@ async def reload_models(path: Path, models: ServedModels, settings: Settings, me
         table = await asyncio.to_thread(read_models_file, path)
         # in a thread too: a declared model's file is read again, a Triton model's metadata asked for
         fresh = await asyncio.to_thread(reread, models.catalog, table, settings, str(path))
-        replaced = await asyncio.to_thread(replaced_files, models.catalog, fresh)
-        change = plan(models, fresh, replaced)
+        change = plan(models, fresh)
         await apply(models, change, settings.request_timeout)
     except CatalogError as exc:
         logger.warning("models file changed but not applied (the running models stay): %s", exc)

@@ -175,8 +175,9 @@ class ServingFields(_Fields):
     first is the default (``/classify``). Empty: ``model`` alone. See docs/routing.md."""
     models_file: Path | None = None
     """A TOML file naming the models served, each with its profile, versions, traffic weights, share
-    and its own backend and batcher settings (see docs/routing.md); overrides ``models``. Traffic
-    weights and shares are re-read when the file changes."""
+    and its own backend and batcher settings (see docs/routing.md); overrides ``models``. A change to
+    the file takes effect without a restart: models and versions added, removed or replaced, and
+    traffic weights and shares."""
     model_memory_budget: int = Field(0, ge=0)
     """Bytes the in-process models (embedded, openvino, torch) may hold at once: with a budget, the
     default model loads at start and the others on first use, and the least recently used idle one
