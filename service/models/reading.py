@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn, cast, get_args
 
-from service.models.declaration import MAX_SIDE, Arithmetic, Declaration, InputDtype, Layout, ModelSource
+from service.models.declaration import MAX_LABELS, MAX_SIDE, Arithmetic, Declaration, InputDtype, Layout, ModelSource
 from service.models.facts import ModelFacts, ModelFileError, TensorFacts, content_facts, flattens, read_content
 from service.models.profiles import CLASSIFYING, ModelProfile, OutputKind
 
@@ -28,6 +28,13 @@ MAX_CHANNELS = 4
 """Past this, a fixed axis of an image input is a side, not channels (grey, RGB, RGBA)."""
 FLOAT_OUTPUTS = frozenset({"float32", "float16", "float64"})
 """Output element types the derived graph casts to float32."""
+MAX_BATCH_BYTES = 2 * 2**30
+"""Largest batch the model's input may take, as float32 (``max_batch_size x H x W x 3 x 4``): its
+activations are many times that (an image of 4096 x 4096 took 470 MB of them in ONNX Runtime)."""
+MAX_EMBEDDING = 65_536
+"""Longest embedding a model may give (numbers per image); a classifier's width is bounded by ``MAX_LABELS``."""
+FLOAT16_MAX = 65504.0
+"""Largest finite float16: past it a float16 model's input is inf, its answers NaN."""
 
 
 @dataclass(frozen=True)
@@ -53,6 +60,7 @@ def examine(d: Declaration, facts: ModelFacts, max_batch_size: int) -> ImageMode
     input_size = _input_size(d, image, layout)
     arithmetic = _arithmetic(d, image, layout)
     _batch(d, image, max_batch_size)
+    _batch_bytes(d, input_size, max_batch_size)
     result = facts.outputs[0]
     return ImageModel(image, layout, input_size, arithmetic, result, _output_width(d, result))
 
@@ -229,13 +237,56 @@ def _arithmetic(d: Declaration, image: TensorFacts, layout: Layout) -> Arithmeti
                 given[0], f"the model's input {image} takes uint8, the pixels as they are: no scale, mean or std"
             )
         return Arithmetic(color, layout, dtype, 1.0)
-    return Arithmetic(
+    arithmetic = Arithmetic(
         color,
         layout,
         dtype,
         d.scale if d.scale is not None else 1 / 255,
         d.mean if d.mean is not None else (0.0, 0.0, 0.0),
         d.std if d.std is not None else (1.0, 1.0, 1.0),
+    )
+    _arithmetic_range(d, arithmetic)
+    return arithmetic
+
+
+def _arithmetic_range(d: Declaration, a: Arithmetic) -> None:
+    """``(x * scale - mean) / std`` for the pixels' extremes (0 and 255), per channel, as the derived
+    graph computes it (float32: ``x * (scale / std) + (-mean / std)``), must be finite, and within
+    float16's range for a float16 input: else every answer is inf or NaN."""
+    import numpy as np
+
+    std = np.asarray(a.std, np.float64)
+    with np.errstate(all="ignore"):
+        factor = (a.scale / std).astype(np.float32)
+        offset = (-np.asarray(a.mean, np.float64) / std).astype(np.float32)
+        ends = np.array([[0.0], [255.0]], np.float32) * factor + offset
+    bound = FLOAT16_MAX if a.dtype == "float16" else float(np.finfo(np.float32).max)
+    if np.all(np.isfinite(ends)) and np.all(np.isfinite(factor)) and float(np.abs(ends).max()) <= bound:
+        return
+    key = next((k for k in ("std", "scale", "mean") if getattr(d, k) is not None), "std")
+    shown = f"scale {a.scale:g}, mean {list(a.mean)}, std {list(a.std)}"
+    low, high = float(np.min(ends)), float(np.max(ends))
+    limit = f"float16's range (+-{FLOAT16_MAX:g})" if a.dtype == "float16" else "float32's range"
+    raise d.error(
+        key,
+        f"{shown} take the pixels 0 to 255 to {low:g} to {high:g}, outside {limit}: the model's "
+        "input would be inf or NaN (check the values: a std is usually about 0.2 to 128, a scale 1/255 or 1)",
+    )
+
+
+def _batch_bytes(d: Declaration, input_size: tuple[int, int], max_batch_size: int) -> None:
+    """A batch of ``max_batch_size`` images as float32 must fit ``MAX_BATCH_BYTES`` (the model's
+    activations are many times that)."""
+    height, width = input_size
+    size = max_batch_size * height * width * 3 * 4
+    if size <= MAX_BATCH_BYTES:
+        return
+    fits = MAX_BATCH_BYTES // (height * width * 3 * 4)
+    lower = f"max_batch_size to at most {fits}, or input_size" if fits >= 1 else "input_size"
+    raise d.error(
+        "input_size",
+        f"{height} x {width} with max_batch_size {max_batch_size}: a batch is {size / 2**30:.1f} GiB as float32 "
+        f"(max_batch_size x {height} x {width} x 3 x 4 bytes), over {MAX_BATCH_BYTES / 2**30:g} GiB: lower {lower}",
     )
 
 
@@ -265,4 +316,10 @@ def _output_width(d: Declaration, output: TensorFacts) -> int | None:
         raise d.error("output", f"the model's output {output} is not rows of scores: [N, D] (or [N, D, 1, 1])")
     if output.dtype not in FLOAT_OUTPUTS:
         raise d.error("output", f"the model's output {output} is {output.dtype}; the gateway reads floating point")
-    return output.shape[1]
+    width = output.shape[1]
+    kind = d.output or "softmax"
+    most = MAX_LABELS if kind in CLASSIFYING else MAX_EMBEDDING
+    if width is not None and width > most:
+        what = "scores (one per label)" if kind in CLASSIFYING else "numbers in an embedding"
+        raise d.error("output", f"the model's output {output} gives {width} numbers per image; at most {most} {what}")
+    return width

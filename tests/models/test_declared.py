@@ -357,3 +357,43 @@ def test_external_data_anywhere_in_the_model_is_refused(tmp_path: Path, where: s
     (tmp_path / "build.json").write_text("{}")
     onnx.save(model, tmp_path / "m.onnx")
     refused(tmp_path, "path", "external data files", labels=LABELS)
+
+
+def test_a_batch_too_large_for_memory_is_refused(tmp_path: Path) -> None:
+    """input_size 4096 with max_batch_size 64 is a 12 GiB float32 batch: refused at start naming
+    both and what to lower; the same size one image at a time fits."""
+    save(tmp_path, tiny_model(["N", 3, "H", "W"]))
+    refused(
+        tmp_path, "input_size", "4096 x 4096 with max_batch_size 64", "12.0 GiB", "max_batch_size to at most 10",
+        labels=LABELS, input_size=4096, max_batch_size=64,
+    )  # fmt: skip
+    assert declare(tmp_path, labels=LABELS, input_size=4096, max_batch_size=1).input_size == (4096, 4096)
+
+
+@pytest.mark.parametrize(
+    ("dtype", "keys", "key", "fragment"),
+    [
+        ("float16", {"scale": 1000}, "scale", "float16's range"),
+        ("float32", {"std": 1e-38, "scale": 1}, "std", "float32's range"),
+        ("float16", {"std": 0.001, "scale": 1}, "std", "255000"),
+    ],
+)
+def test_arithmetic_that_overflows_the_input_type_is_refused(
+    tmp_path: Path, dtype: str, keys: dict[str, float], key: str, fragment: str
+) -> None:
+    """(x * scale - mean) / std past float16's 65504 (a float16 model) or float32's range gives inf
+    inputs and NaN answers: refused at start naming scale, mean, std and the range they give."""
+    save(tmp_path, tiny_model(NCHW, dtype=dtype))
+    refused(tmp_path, key, "scale", "mean", "std", fragment, labels=LABELS, **keys)
+    assert declare(tmp_path, labels=LABELS, scale=1, mean=127, std=128).source is not None  # the usual is fine
+
+
+@pytest.mark.parametrize(
+    ("keys", "width", "most"),
+    [({"output": "sigmoid", "labels": LABELS}, 100_001, "100000"), ({"output": "embedding"}, 65_537, "65536")],
+)
+def test_an_output_too_wide_is_refused(tmp_path: Path, keys: dict[str, Any], width: int, most: str) -> None:
+    """A file saying its output is wider than any label list (``MAX_LABELS``) or embedding the gateway
+    serves is refused by its width, before its labels are counted."""
+    save(tmp_path, tiny_model(NCHW, outputs=4, out_shape=["N", width]))
+    refused(tmp_path, "output", f"gives {width} numbers per image", f"at most {most}", **keys)
