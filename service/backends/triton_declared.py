@@ -18,6 +18,7 @@ does the declared arithmetic in NumPy (``service.backends.arithmetic``).
 from __future__ import annotations
 
 import functools
+import re
 from collections.abc import Mapping
 from dataclasses import replace
 from pathlib import Path
@@ -38,6 +39,10 @@ BUILDER_REVISION = 1
 MAX_TENSORS = 64
 """Inputs or outputs read from Triton's metadata (a model with more is refused all the same)."""
 MAX_RANK = 8
+DIM_TEXT = re.compile(r"-?[0-9]{1,19}")
+MAX_DIM = 2**31 - 1
+"""Largest dimension taken from Triton's metadata (its protocol's are int64; a model's sides and widths
+are bounded far below by the declaration's checks)."""
 
 
 class MetadataError(ValueError):
@@ -63,16 +68,25 @@ def _tensors(metadata: Mapping[str, Any], key: str) -> tuple[TensorFacts, ...]:
         )
         if not isinstance(name, str) or not isinstance(datatype, str) or not isinstance(shape, list):
             raise MetadataError(f"the model metadata's {key} hold a tensor without a name, datatype and shape")
-        try:
-            dims = tuple(int(d) for d in shape)
-        except (TypeError, ValueError):
-            raise MetadataError(f"tensor {name[:64]!r}'s shape {str(shape)[:64]} is not whole numbers") from None
-        if len(dims) > MAX_RANK or any(d < -1 for d in dims):
-            raise MetadataError(f"tensor {name[:64]!r}'s shape {list(dims)} is not a shape")
+        dims = tuple(map(_dim, shape))
+        if None in dims:
+            raise MetadataError(f"tensor {name[:64]!r}'s shape {str(shape)[:64]} is not whole numbers")
+        if len(dims) > MAX_RANK or any(d < -1 or d > MAX_DIM for d in dims):
+            raise MetadataError(f"tensor {name[:64]!r}'s shape {str(shape)[:64]} is not a shape")
         tensors.append(
             TensorFacts(name, TRITON_TYPES.get(datatype, datatype), tuple(d if d >= 0 else None for d in dims))
         )
     return tuple(tensors)
+
+
+def _dim(value: object) -> Any:
+    """A dimension as Triton's JSON gives it: a whole number (HTTP), or one as a decimal string
+    (gRPC's JSON writes int64 so); None for anything else (not ``int()``: 3.9 is not 3, True not 1)."""
+    if type(value) is int:
+        return value
+    if type(value) is str and DIM_TEXT.fullmatch(value):
+        return int(value)
+    return None
 
 
 def answers_itself(d: Declaration) -> bool:

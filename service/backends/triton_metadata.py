@@ -196,7 +196,7 @@ def _labels(answer: Any, width: int, error: Any) -> list[str]:
         if len(parts) == 3 and 0 <= index < width:
             found[index] = parts[2]
     if len(found) != width:
-        missing = sorted(set(range(width)) - set(found))
+        missing = [next(i for i in range(width) if i not in found)]  # the first, found without a set of width
         raise error(
             f"its label_filename gives labels for {len(found)} of its {width} outputs (none for output "
             f"{missing[0]}): one line per output"
