@@ -166,6 +166,8 @@ def parse_declaration(entry: Mapping[str, Any], where: str, *, base: Path, root:
     path = _file(entry["path"], "path", base, root, fail) if "path" in entry else None
     if path is not None and path.suffix.lower() not in FORMATS:
         raise fail("path", f"{path.name}: a model file is .onnx, an OpenVINO IR .xml or a torch .pt2")
+    if path is not None and path.suffix.lower() == ".xml" and os.path.lexists(path.with_suffix(".bin")):
+        _file(str(path.with_suffix(".bin")), "path", base, root, fail)  # its weights: read too, so confined too
     labels = _labels(entry["labels"], base, root, fail) if "labels" in entry else None
     input_size = _size(entry["input_size"], fail) if "input_size" in entry else None
     resize: Resize | None = _choice(entry, "resize", get_args(Resize), fail)

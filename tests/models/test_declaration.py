@@ -159,6 +159,29 @@ def test_files_outside_the_models_root_are_refused_symlinks_followed(tmp_path: P
         _parse(root, root=root, path="inside.onnx", labels="../elsewhere/labels.txt")
 
 
+@pytest.mark.parametrize("weights", ["link", "dangling", "fifo"])
+def test_an_ir_whose_weights_are_outside_the_models_root_or_not_a_file_is_refused(tmp_path: Path, weights: str) -> None:
+    """An OpenVINO IR's .bin is read too: a symlink out of the models root (even to nowhere) or a
+    FIFO is refused by the same rule as ``path``."""
+    root, outside = tmp_path / "models", tmp_path / "elsewhere"
+    root.mkdir()
+    outside.mkdir()
+    (outside / "secret.bin").write_bytes(b"x")
+    (root / "m.xml").write_text("<net/>")
+    if weights == "link":
+        os.symlink(outside / "secret.bin", root / "m.bin")
+    elif weights == "dangling":
+        os.symlink(outside / "gone.bin", root / "m.bin")
+    else:
+        os.mkfifo(root / "m.bin")
+    problem = "is outside the models root" if weights != "fifo" else "is not a file"
+    with pytest.raises(DeclarationError, match=f"^{WHERE}: path: .*m\\.bin.* {problem}"):
+        _parse(root, root=root, path="m.xml")
+    (root / "m.bin").unlink()
+    (root / "m.bin").write_bytes(b"")
+    assert _parse(root, root=root, path="m.xml").path == (root / "m.xml").resolve()
+
+
 @pytest.mark.parametrize(
     ("path", "message"),
     [
