@@ -12,7 +12,7 @@ from typing import Annotated, Literal
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, SecretStr
 
 from service.host.cpus import available_cpus
-from service.settings.values import host_port
+from service.settings.values import host_port, triton_model_name
 
 
 def _default_models_dir() -> Path:
@@ -206,7 +206,7 @@ class ServingFields(_Fields):
     HTTP port (8000)."""
     triton_protocol: Literal["grpc", "http"] = "grpc"
     """How the gateway talks to Triton: asynchronous gRPC (the default) or asynchronous HTTP."""
-    triton_model: str | None = None
+    triton_model: Annotated[str | None, AfterValidator(triton_model_name)] = None
     """Model name in Triton's repository (default: the ``model`` setting)."""
     triton_model_version: str = ""
     """Model version to ask Triton for ("" lets Triton pick by its version policy)."""

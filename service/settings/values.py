@@ -52,6 +52,17 @@ TORCH_DEVICE = re.compile(r"cpu|cuda(:[0-9]{1,2})?")
 """A torch device the gateway takes."""
 MODEL_NAME = re.compile(r"[a-z0-9][a-z0-9_.-]{0,63}")
 """A model's name (as ``service.serving.catalog`` checks it)."""
+TRITON_MODEL_NAME = re.compile(r"[A-Za-z0-9_.-]{1,255}")
+"""A model's name in Triton's repository: a folder's name there (not ``.`` or ``..``)."""
+
+
+def triton_model_name(value: str | None) -> str | None:
+    """A Triton model's name: letters, digits, ``_.-``, 1 to 255 characters, not ``.`` or ``..``
+    (it is a folder of the repository: ``../x`` or ``/x`` would be written elsewhere)."""
+    if value is not None and (not TRITON_MODEL_NAME.fullmatch(value) or value in (".", "..")):
+        shown = repr(value) if len(value) <= 64 else "this value"
+        raise ValueError(f"{shown} is not a Triton model name (letters, digits, _ . -, 1 to 255 characters)")
+    return value
 
 
 def read_regular_file(path: Path, limit: int, what: str) -> str:

@@ -222,6 +222,21 @@ def _place(source: Path, target: Path) -> None:
         shutil.copyfile(source, target)
 
 
+def _inside(folder: Path, name: str) -> Path:
+    """``folder / name``, a folder directly in ``folder`` (a model's or a version's): a name that
+    leaves it (``..``, an absolute path, a separator, a symlink out of it) is refused, never
+    written elsewhere."""
+    inside = folder / name
+    if (
+        not name
+        or name in (".", "..")
+        or any(c in name for c in "/\\\0")
+        or not inside.resolve().is_relative_to(folder.resolve())
+    ):
+        raise ValueError(f"{name[:64]!r} is not a folder in the Triton repository {folder}")
+    return inside
+
+
 def write_model(
     repository: Path,
     profile: ModelProfile,
@@ -239,12 +254,12 @@ def write_model(
     config serves (default: the latest). A declared classifier's labels are written beside its
     config (``labels.txt``)."""
     name = name or profile.name
-    model_dir = repository / name
+    model_dir = _inside(repository, name)
+    version_dir = _inside(model_dir, version or profile.version)
     model_dir.mkdir(parents=True, exist_ok=True)
     (model_dir / "config.pbtxt").write_text(render_config(name, profile, options, versions))
     if profile.source is not None and profile.classifies:
         (model_dir / LABELS_FILE).write_text("".join(f"{label}\n" for label in profile.labels))
-    version_dir = model_dir / (version or profile.version)
     if options.variant == "tensorrt":
         script = model_dir / "build_plan.sh"
         script.write_text(render_build_script(profile, options, version))

@@ -137,3 +137,37 @@ def test_the_command_writes_a_models_files_models(
     assert session_input.type.tensor_type.elem_type == onnx.TensorProto.UINT8
     assert main([*common, "--all"]) == 2
     assert "--all writes the built-in profiles" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name", ["../escape", "/tmp/escape", ".", "..", "a/b", "", "x" * 256, "a b"])
+def test_a_triton_model_name_that_is_not_a_folder_name_is_refused(
+    folder: Path, monkeypatch: pytest.MonkeyPatch, name: str
+) -> None:
+    """``triton_model = "../escape"`` (or absolute, or with a separator) is refused as a setting,
+    by name, and nothing is written outside --out."""
+    monkeypatch.chdir(folder)
+    (folder / "models.toml").write_text(f'[models.cars]\npath = "a.onnx"\nlabels = "a.txt"\ntriton_model = "{name}"\n')
+    common = ["models", "triton-repo", "--models-file", "models.toml", "--models-dir", "built", "--out", "repo"]
+    with pytest.raises(SystemExit, match="model 'cars' version '1': triton_model: .*is not a Triton model name"):
+        main([*common, "--variant", "onnxruntime"])
+    assert not (folder / "escape").exists()
+    with pytest.raises(ValueError, match="is not a Triton model name"):
+        Settings(triton_model=name)
+
+
+def test_a_model_folder_that_resolves_outside_the_repository_is_refused(folder: Path) -> None:
+    """The repository's writer refuses a model or version folder outside it, a symlink out of it included."""
+    from service.models.profiles import get_profile
+    from service.triton.repository import write_model
+
+    repo, outside = folder / "repo", folder / "outside"
+    repo.mkdir()
+    outside.mkdir()
+    (repo / "linked").symlink_to(outside)
+    options = TritonOptions(variant="python", max_batch_size=4)
+    profile = get_profile("trivial")
+    for name, version in (("../escape", None), ("linked", None), ("ok", "../../escape"), (str(outside), None)):
+        with pytest.raises(ValueError, match="is not a folder in the Triton repository"):
+            write_model(repo, profile, options, None, name, version=version)
+    assert list(outside.iterdir()) == []
+    assert not (folder / "escape").exists()
