@@ -22,7 +22,7 @@ import numpy as np
 from opentelemetry.trace import SpanContext, StatusCode
 
 from service.batching.batcher import DynamicBatcher
-from service.errors import DeadlineExceeded, GatewayError
+from service.errors import BackendError, DeadlineExceeded, GatewayError
 from service.images.budget import Budget
 from service.images.imageinfo import probe
 from service.images.preprocess import PreprocessConfig, check_limits, prepare
@@ -62,6 +62,25 @@ def _naming_the_image(exc: BaseException, index: int, images: list[ImageInput]) 
         name = f" ({images[index].filename})" if images[index].filename else ""
         exc.detail = f"image {index + 1} of {len(images)}{name}: {exc.detail}"
     return exc
+
+
+class UnexpectedOutput(BackendError):
+    """The model gave rows of another width than the one checked at start (a width dynamic in its
+    file): refused as the backend's failure, never an IndexError from the labels."""
+
+    status_code = 502
+
+
+def check_width(profile: ModelProfile, rows: Sequence[np.ndarray], model: str, version: str) -> None:
+    """Every row is ``profile.outputs`` numbers long, or ``UnexpectedOutput`` naming both widths."""
+    for row in rows:
+        if row.shape != (profile.outputs,):
+            what = f"its {len(profile.labels)} labels" if profile.classifies else "its embedding's length"
+            raise UnexpectedOutput(
+                f"model {model!r} version {version} gave {row.size} numbers for an image; it was checked at "
+                f"start for {profile.outputs} ({what}): its output's width is dynamic in its file and the "
+                "declaration does not match what it gives"
+            )
 
 
 class NotAClassifier(GatewayError):
@@ -275,6 +294,7 @@ class Classifier:
         info = self.model_info
         require_labels(self.profile, info.name, info.version)
         rows = await self._rows(images, deadline)
+        check_width(self.profile, [_scores(row) for row in rows], info.name, info.version)
         started = time.perf_counter()
         labels = self.profile.labels
         threshold = self._threshold if thresholded else None
@@ -292,4 +312,6 @@ class Classifier:
         and backend as ``classify``. 400 for a model that gives labels, before anything is decoded."""
         info = self.model_info
         require_embedding(self.profile, info.name, info.version)
-        return [_scores(row) for row in await self._rows(images, deadline)]
+        vectors = [_scores(row) for row in await self._rows(images, deadline)]
+        check_width(self.profile, vectors, info.name, info.version)
+        return vectors

@@ -132,3 +132,57 @@ def test_check_notes_softmax_scores_that_are_not_probabilities(folder: Path) -> 
     )
     assert "note:" not in logits.stdout
     assert "red.jpg: red 1.000" in logits.stdout
+
+
+def test_photos_are_read_bounded_one_error_line_each(folder: Path) -> None:
+    """A FIFO (never opened for reading: it would hang), a device (/dev/zero: unbounded) and a
+    sparse file larger than max_body_bytes (never read whole) each get an error line; the good
+    photo after them still answers; the status is 1."""
+    import os
+
+    os.mkfifo(folder / "fifo.jpg")
+    with (folder / "huge.jpg").open("wb") as f:
+        f.truncate(3 * 2**30)
+    photos = ["fifo.jpg", "/dev/zero", "huge.jpg", "missing.jpg", "red.jpg"]
+    result = _check(folder, "means.onnx", "--labels", "labels.txt", *(a for p in photos for a in ("--photo", p)))
+    assert result.returncode == 1, result.stderr
+    lines = dict(line.split(": ", 1) for line in result.stdout.splitlines() if line.split(": ")[0] in photos)
+    assert lines["fifo.jpg"] == "fifo.jpg is not a regular file"
+    assert lines["/dev/zero"] == "/dev/zero is not a regular file"
+    assert lines["huge.jpg"] == f"huge.jpg is over {16 * 1024 * 1024} bytes"
+    assert lines["missing.jpg"].startswith("No such file or directory")
+    assert lines["red.jpg"].startswith("red 0.98")
+
+
+def test_a_width_other_than_the_labels_and_scores_not_finite_are_said(folder: Path) -> None:
+    """A model whose output width is dynamic in its file gives 4 numbers for 3 labels: an error line
+    naming both widths (not an IndexError); a model whose scores are inf: a note that says so."""
+    nodes = [
+        helper.make_node("ReduceMean", ["x"], ["m"], axes=[2, 3], keepdims=0),
+        helper.make_node("Concat", ["m", "m"], ["wide"], axis=1),
+        helper.make_node("Slice", ["wide", "starts", "ends", "axes"], ["y"]),
+    ]
+    inits = [
+        onnx.numpy_helper.from_array(np.array([v], np.int64), n) for n, v in (("starts", 0), ("ends", 4), ("axes", 1))
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "wide",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 3, 32, 48])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", "D"])],
+        inits,
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    onnx.save(model, folder / "wide.onnx")
+    result = _check(folder, "wide.onnx", "--labels", "labels.txt", "--photo", "red.jpg")
+    assert result.returncode == 1, result.stderr
+    assert "red.jpg: the model gave 4 numbers for this image; it was checked for 3 (3 labels)" in result.stdout
+    assert "IndexError" not in result.stdout + result.stderr
+
+    model.graph.node[2].CopyFrom(helper.make_node("Div", ["m", "zero"], ["y"]))
+    del model.graph.initializer[:]
+    model.graph.initializer.append(onnx.numpy_helper.from_array(np.zeros(1, np.float32), "zero"))
+    onnx.save(model, folder / "inf.onnx")
+    result = _check(folder, "inf.onnx", "--labels", "labels.txt", "--output", "logits", "--photo", "red.jpg")
+    assert "note: 3 of the 3 scores are not finite (inf or NaN)" in result.stdout, result.stdout + result.stderr

@@ -22,6 +22,7 @@ from service.models.declaration import Declaration, parse_declaration
 from service.models.profiles import ModelProfile
 from service.serving.catalog import load_catalog
 from service.settings import Settings
+from service.settings.values import read_regular_bytes
 
 SHOWN_LABELS = 5
 
@@ -105,13 +106,17 @@ async def _run_photos(settings: Settings, profile: ModelProfile, photos: list[Pa
             return 1
         failed = 0
         for photo in photos:
-            try:
-                image = prepare(photo.read_bytes(), config)
-            except (OSError, GatewayError) as exc:  # unreadable, or not an image the gateway takes
-                print(f"{photo}: {exc}")
+            try:  # bounded as a request's body is: a FIFO, a device or a huge file is refused, not read
+                image = prepare(read_regular_bytes(photo, settings.max_body_bytes, "photo"), config)
+            except (ValueError, GatewayError) as exc:  # unreadable, or not an image the gateway takes
+                print(f"{photo}: {str(exc).removeprefix('photo: ')}")
                 failed += 1
                 continue
             row = (await backend.infer(np.asarray(image)[None]))[0]
+            if row.shape != (profile.outputs,):
+                print(f"{photo}: {_width_problem(profile, row)}")
+                failed += 1
+                continue
             print(f"{photo}: {_answer(profile, row, k)}")
             if (doubt := _doubt(profile, row)) is not None:
                 print(f"  note: {doubt}")
@@ -120,8 +125,23 @@ async def _run_photos(settings: Settings, profile: ModelProfile, photos: list[Pa
         await backend.aclose()
 
 
+def _width_problem(profile: ModelProfile, row: np.ndarray) -> str:
+    what = f"{len(profile.labels)} labels" if profile.classifies else "an embedding of that length"
+    return (
+        f"the model gave {row.size} numbers for this image; it was checked for {profile.outputs} ({what}): its "
+        "output's width is dynamic in the file, declare labels (or re-export the model) to match what it gives"
+    )
+
+
 def _doubt(profile: ModelProfile, row: np.ndarray) -> str | None:
-    """A sign that ``output`` is declared wrong: "softmax" scores that are not probabilities."""
+    """A sign that the declaration is wrong: scores that are not finite (the arithmetic, or the
+    model, overflows), or "softmax" scores that are not probabilities."""
+    if not np.all(np.isfinite(row)):
+        bad = int(np.count_nonzero(~np.isfinite(row)))
+        return (
+            f"{bad} of the {row.size} scores are not finite (inf or NaN): check scale, mean and std, and "
+            "input_dtype (a float16 model overflows past 65504)"
+        )
     if profile.output != "softmax":
         return None
     total, low, high = float(row.sum()), float(row.min()), float(row.max())

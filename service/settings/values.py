@@ -68,22 +68,32 @@ def triton_model_name(value: str | None) -> str | None:
 def read_regular_file(path: Path, limit: int, what: str) -> str:
     """The UTF-8 text of a regular file of at most ``limit`` bytes, named ``what`` in the errors:
     a FIFO, a device or a directory is refused without blocking (a FIFO's open does not wait)."""
+    data = read_regular_bytes(path, limit, what)
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{what}: {path} is not UTF-8 (byte {exc.start})") from None
+
+
+def read_regular_bytes(path: Path, limit: int, what: str) -> bytes:
+    """The bytes of a regular file of at most ``limit`` bytes, named ``what`` in the errors: a FIFO,
+    a device or a directory is refused without blocking, a larger file without reading it."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError as exc:
         raise ValueError(f"{what}: {exc.strerror}: {path}") from None
     try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
             raise ValueError(f"{what}: {path} is not a regular file")
+        if info.st_size > limit:
+            raise ValueError(f"{what}: {path} is over {limit} bytes")
         data = _read_at_most(fd, limit + 1)
     finally:
         os.close(fd)
     if len(data) > limit:
         raise ValueError(f"{what}: {path} is over {limit} bytes")
-    try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise ValueError(f"{what}: {path} is not UTF-8 (byte {exc.start})") from None
+    return data
 
 
 def _read_at_most(fd: int, limit: int) -> bytes:
