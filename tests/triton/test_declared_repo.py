@@ -148,7 +148,7 @@ def test_a_triton_model_name_that_is_not_a_folder_name_is_refused(
     monkeypatch.chdir(folder)
     (folder / "models.toml").write_text(f'[models.cars]\npath = "a.onnx"\nlabels = "a.txt"\ntriton_model = "{name}"\n')
     common = ["models", "triton-repo", "--models-file", "models.toml", "--models-dir", "built", "--out", "repo"]
-    with pytest.raises(SystemExit, match="model 'cars' version '1': triton_model: .*is not a Triton model name"):
+    with pytest.raises(SystemExit, match=r"model 'cars' version '1': triton_model: .*is not a Triton model name"):
         main([*common, "--variant", "onnxruntime"])
     assert not (folder / "escape").exists()
     with pytest.raises(ValueError, match="is not a Triton model name"):
