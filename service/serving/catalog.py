@@ -10,7 +10,7 @@ gives each its own backend and batcher settings, versions and shares::
     [models.products]
     profile = "efficientnet-lite0"    # the graph: efficientnet-lite0, resnet50, trivial
     share = 3                         # weight in the fair sharing of admission and decoding
-    max_batch_size = 32               # any per-model setting (PER_MODEL_SETTINGS)
+    max_batch_size = 32               # any per-model setting (ModelSettings)
 
     [models.products.versions.1]
     traffic = 90                      # weighted routing between versions (canaries)
@@ -18,9 +18,11 @@ gives each its own backend and batcher settings, versions and shares::
     profile = "resnet50"
     traffic = 10
 
-Every value is checked at start with the setting's own rules, and an error names the model, the
-version and the key. A reload (``service.serving.reload``) may change traffic weights, shares and sticky
-flags, and nothing else.
+A version's per-model settings are one ``ModelSettings`` (``service.settings.model``): its table's
+keys over its model's, over the gateway's values, checked at start as one class with the settings'
+own rules, and an error names the model, the version and the key. What the whole process shares
+(decode pool, budgets, timeouts) stays in the gateway's one ``Settings``. A reload
+(``service.serving.reload``) may change traffic weights, shares and sticky flags, and nothing else.
 """
 
 from __future__ import annotations
@@ -29,15 +31,17 @@ import re
 import tomllib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Any, Literal
 
-from pydantic import ConfigDict, TypeAdapter, ValidationError
+from pydantic import ValidationError
 
 from service.backends.capabilities import budget_problem, capabilities_of, run_problem, shares_engine
 from service.models.declaration import DECLARED_KEYS, DeclarationError, parse_declaration
 from service.models.profiles import ModelProfile, get_profile
 from service.settings import Settings
+from service.settings.model import ModelSettings
 from service.settings.values import MAX_INT, MODEL_NAME, read_regular_file, setting_name
 
 NAME = MODEL_NAME
@@ -52,31 +56,10 @@ MAX_FILE_BYTES = 1024 * 1024
 MIN_SHARE = 0.001
 """Smallest share: a share's inverse is how far its lane's virtual time moves per decode."""
 
-PER_MODEL_SETTINGS = (
-    "backend",
-    "model_weights",
-    "fake_delay",
-    "openvino_precision",
-    "torch_device",
-    "torch_precision",
-    "triton_url",
-    "triton_protocol",
-    "triton_model",
-    "triton_model_version",
-    "triton_shared_memory",
-    "max_batch_size",
-    "max_delay",
-    "batch_policy",
-    "max_inflight_batches",
-    "max_queue_size",
-    "embedded_threads",
-    "breaker_threshold",
-    "breaker_cooldown",
-)
-"""Settings a model or a version may set for itself; the rest (decode pool, byte budget, admission,
-timeouts) belong to the whole gateway."""
-MODEL_KEYS = {"profile", "share", "sticky", "versions", "memory", *PER_MODEL_SETTINGS, *DECLARED_KEYS}
-VERSION_KEYS = {"profile", "traffic", "memory", *PER_MODEL_SETTINGS, *DECLARED_KEYS}
+MODEL_KEYS = {"profile", "share", "sticky", "versions", "memory", *ModelSettings.model_fields, *DECLARED_KEYS}
+VERSION_KEYS = {"profile", "traffic", "memory", *ModelSettings.model_fields, *DECLARED_KEYS}
+"""A model's and a version's keys: the catalog's own, the per-model settings (the rest, decode pool,
+budgets, admission, timeouts, belong to the whole gateway) and a declared model's."""
 DECLARED_VERSION = "1"
 """A declared model's version where the file gives none."""
 
@@ -85,12 +68,20 @@ DECLARED_VERSION = "1"
 class VersionSpec:
     version: str
     profile: ModelProfile
-    settings: Settings
-    """The gateway's settings with this version's own (backend, batcher...) applied."""
+    own: ModelSettings
+    """Its per-model settings (backend, batcher, breaker): its table's, its model's, else the gateway's."""
+    gateway: Settings
+    """The gateway's one settings: what the whole process shares."""
     traffic: float
     """Relative weight of this version in its model's unversioned requests (0: only by its version's route)."""
     memory: int | None = None
     """Bytes it takes in ``model_memory_budget`` when loaded (None: estimated from its model file)."""
+
+    @cached_property
+    def settings(self) -> Settings:
+        """The gateway's settings with this version's own applied: what a backend's and a batcher's
+        builders read, which take one ``Settings``."""
+        return applied(self.gateway, self.own, self.profile.name)
 
 
 @dataclass(frozen=True)
@@ -249,7 +240,7 @@ def _model(name: str, entry: Any, settings: Settings, where: str, inherit: bool,
     sticky = entry.get("sticky", False)
     if not isinstance(sticky, bool):
         raise CatalogError(f"{here}: sticky must be true or false")
-    common = {key: entry[key] for key in PER_MODEL_SETTINGS if key in entry}
+    common = {key: entry[key] for key in ModelSettings.model_fields if key in entry}
     declared = {key: entry[key] for key in DECLARED_KEYS if key in entry}
     profile_name = entry.get("profile", name)
     versions_table = entry.get("versions")
@@ -268,7 +259,7 @@ def _model(name: str, entry: Any, settings: Settings, where: str, inherit: bool,
         if not isinstance(version_entry, dict):
             raise CatalogError(f"{there}: expected a table")
         _known(version_entry, VERSION_KEYS, there)
-        own = {key: version_entry[key] for key in PER_MODEL_SETTINGS if key in version_entry}
+        own = {key: version_entry[key] for key in ModelSettings.model_fields if key in version_entry}
         keys = declared | {key: version_entry[key] for key in DECLARED_KEYS if key in version_entry}
         if keys and ("profile" in entry or "profile" in version_entry):
             raise CatalogError(
@@ -281,18 +272,19 @@ def _model(name: str, entry: Any, settings: Settings, where: str, inherit: bool,
             if inherit
             else {"model_weights": None, "triton_model": name, "triton_model_version": version if explicit else ""}
         )
+        model_settings = _model_settings(settings, defaults | common | own, there)
         if keys:
-            merged = _settings(settings, name, defaults | common | own, there)
+            merged = applied(settings, model_settings, name)
             profile = _declared(keys, name, version, merged, there, base)
         else:
             profile = get_profile_named(version_entry.get("profile", profile_name), there)
-            merged = _settings(settings, profile.name, defaults | common | own, there)
+            merged = applied(settings, model_settings, profile.name)
         _check_backend(merged, profile, "backend" in own or "backend" in common, there)
         memory = version_entry.get("memory", entry.get("memory"))
         if memory is not None and (type(memory) is not int or not 0 < memory <= MAX_INT):
             raise CatalogError(f"{there}: memory must be a whole number of bytes above 0")
         _check_budget(merged, memory, there)
-        versions.append(VersionSpec(version, profile, merged, traffic, memory))
+        versions.append(VersionSpec(version, profile, model_settings, settings, traffic, memory))
     if not any(v.traffic > 0 for v in versions):
         raise CatalogError(f"{here}: every version has traffic 0; at least one must take requests")
     return ModelSpec(name, tuple(sorted(versions, key=lambda v: int(v.version))), share, sticky)
@@ -364,25 +356,30 @@ def _number(value: Any, where: str, *, least: float) -> float:
     return float(value)
 
 
-def _settings(settings: Settings, model: str, own: dict[str, Any], where: str) -> Settings:
-    """The gateway's settings with a version's own, each checked as the setting itself is (its
-    type, bounds, no inf or nan, within 64 bits) and the cross-checks that concern it."""
-    checked: dict[str, Any] = {"model": model}
-    for key, value in own.items():
-        try:
-            checked[key] = _adapter(key).validate_python(value) if value is not None else None
-        except ValidationError as exc:
-            problem = "; ".join(error["msg"].removeprefix("Value error, ") for error in exc.errors())
-            raise CatalogError(f"{where}: {key}: {problem}") from None
-        number = checked[key]
-        if isinstance(number, int) and not isinstance(number, bool) and abs(number) > MAX_INT:
-            raise CatalogError(f"{where}: {key}: {number} is too large (at most 2**63 - 1)")
-    merged = settings.model_copy(update=checked)
-    if merged.max_queue_size < merged.max_images_per_request:
+def _model_settings(settings: Settings, given: dict[str, Any], where: str) -> ModelSettings:
+    """A version's own settings: what its tables give over the gateway's values, checked as one
+    ``ModelSettings`` (each value by the setting's own rules: its type, bounds, no inf or nan, within
+    64 bits), and the cross-checks with the gateway's settings that concern them."""
+    try:
+        own = ModelSettings.model_validate(ModelSettings.of(settings).model_dump() | given)
+    except ValidationError as exc:
+        problems: dict[str, list[str]] = {}
+        for error in exc.errors(include_url=False, include_input=False):
+            key = str(error["loc"][0]) if error["loc"] else "?"
+            problems.setdefault(key, []).append(error["msg"].removeprefix("Value error, "))
+        said = "; ".join(f"{key}: {'; '.join(messages)}" for key, messages in problems.items())
+        raise CatalogError(f"{where}: {said}") from None
+    if own.max_queue_size < settings.max_images_per_request:
         raise CatalogError(f"{where}: max_queue_size must be at least max_images_per_request")
-    if merged.worker_prefetch > merged.max_queue_size:
+    if settings.worker_prefetch > own.max_queue_size:
         raise CatalogError(f"{where}: max_queue_size must be at least worker_prefetch (a worker's batcher holds them)")
-    return merged
+    return own
+
+
+def applied(settings: Settings, own: ModelSettings, model: str) -> Settings:
+    """The gateway's ``settings`` with a version's ``own`` applied, serving ``model`` (its profile's
+    name): what the builders of a backend and a batcher read."""
+    return settings.model_copy(update={"model": model, **dict(own)})
 
 
 def _check_backend(settings: Settings, profile: ModelProfile, own: bool, where: str) -> None:
@@ -390,15 +387,3 @@ def _check_backend(settings: Settings, profile: ModelProfile, own: bool, where: 
     which = f"{where}: backend:" if own else f"{where}:"  # the file's, or the gateway's setting
     if (problem := run_problem(settings, profile, own=own)) is not None:
         raise CatalogError(f"{which} {problem}")
-
-
-_ADAPTERS: dict[str, TypeAdapter[Any]] = {}
-
-
-def _adapter(key: str) -> TypeAdapter[Any]:
-    if key not in _ADAPTERS:
-        field = Settings.model_fields[key]
-        kind = Annotated[field.annotation, *field.metadata] if field.metadata else field.annotation
-        config = ConfigDict(allow_inf_nan=False)  # as the settings refuse them
-        _ADAPTERS[key] = TypeAdapter(kind, config=config)  # type: ignore[arg-type]
-    return _ADAPTERS[key]

@@ -1,6 +1,7 @@
 """Gateway settings: environment variables with the ``GATEWAY_`` prefix, overridden by CLI flags.
 
-The fields live by concern in ``service.settings.fields``; ``Settings`` combines them, checks the
+The fields live by concern in ``service.settings.fields``, those one model may set for itself in
+``service.settings.model``; ``Settings`` combines them, checks the
 rules that span them and derives the values computed from several. Names and value parsers are in
 ``values``, API keys in ``keys``, the reference and the explanation of refusals in ``reference``."""
 
@@ -18,10 +19,10 @@ from service.schemas import MAX_URL_LENGTH
 from service.settings.declared import DeclaredModelFields
 from service.settings.fields import LimitsFields, OfflineFields, ServerFields, ServingFields
 from service.settings.keys import ApiKey, Quota, parse_keys, read_keys_file
+from service.settings.model import ModelFields
 from service.settings.values import (
     ENV_PREFIX,
     MAX_INT,
-    TORCH_DEVICE,
     parse_delays,
     parse_secret,
     setting_name,
@@ -41,7 +42,9 @@ RENAMED = {
 """Settings of earlier versions: still set, they would be ignored without a word."""
 
 
-class Settings(LimitsFields, OfflineFields, DeclaredModelFields, ServingFields, ServerFields, BaseSettings):
+class Settings(
+    LimitsFields, OfflineFields, DeclaredModelFields, ServingFields, ModelFields, ServerFields, BaseSettings
+):
     """Every setting of a gateway process. The groups are listed last-first: pydantic takes the
     fields of the last base first, so the settings keep their documented order."""
 
@@ -112,14 +115,6 @@ class Settings(LimitsFields, OfflineFields, DeclaredModelFields, ServingFields, 
         variable must not publish the gateway; say 0.0.0.0 or :: to mean it."""
         if not value.strip() or value != value.strip():
             raise ValueError(f"{value!r} is not an address or a host name (0.0.0.0 or :: for every interface)")
-        return value
-
-    @field_validator("torch_device", mode="after")
-    @classmethod
-    def _a_device(cls, value: str) -> str:
-        """A device PyTorch would refuse only once the model loads is refused here."""
-        if not TORCH_DEVICE.fullmatch(value):
-            raise ValueError(f"{value!r} is not cpu, cuda or cuda:N")
         return value
 
     @field_validator("broker_url", mode="after")

@@ -1,18 +1,18 @@
 """The settings' fields, by concern: each group a model of its own, combined by ``Settings``
-(``service.settings``), which reads them from ``GATEWAY_*`` variables and checks the rules that
-span groups. A field's docstring is its documentation (docs/settings.md, ``gateway settings``)."""
+(``service.settings``) with the per-model group (``service.settings.model``), which reads them
+from ``GATEWAY_*`` variables and checks the rules that span groups. A field's docstring is its
+documentation (docs/settings.md, ``gateway settings``)."""
 
 from __future__ import annotations
 
 import os
 import tempfile
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, SecretStr
+from pydantic import BaseModel, ConfigDict, Field, SecretStr
 
 from service.host.cpus import available_cpus
-from service.settings.values import host_port, triton_model_name
 
 
 def _default_models_dir() -> Path:
@@ -87,26 +87,9 @@ class ServerFields(_Fields):
 
 
 class ServingFields(_Fields):
-    """Backends, models and Triton: what serves the images and how."""
+    """The backends' process-wide options and the models served (what one model may set for itself
+    is in ``service.settings.model``)."""
 
-    backend: Literal["embedded", "openvino", "torch", "triton", "fake"] = "embedded"
-    """Where batches run: ``embedded`` (ONNX Runtime in this process, on CPU), ``openvino`` (the
-    model converted by OpenVINO for this CPU, in this process; see ``openvino_precision``;
-    ``pip install '.[openvino]'``, which ``scripts/bootstrap test`` does; in the image:
-    ``docker build --build-arg EXTRAS=openvino``), ``torch`` (ResNet-50
-    in PyTorch in this process, on a CUDA GPU; see ``torch_device``; ``pip install '.[torch]'``),
-    ``triton`` (NVIDIA Triton Inference Server, see the ``triton_*`` settings) or ``fake`` (a
-    deterministic stand-in with no model, for testing the gateway itself)."""
-    openvino_precision: Literal["fp32", "bf16", "int8"] = "bf16"
-    """Precision of the ``openvino`` backend: ``bf16`` (where the CPU has bfloat16 kernels, else
-    fp32, said in /readyz's ``runtime`` check), ``fp32``, or ``int8`` (quantised on ``calibration_dir``'s
-    photos, or a model built by ``gateway models quantize``). See docs/performance/precision.md."""
-    torch_device: str = "cuda"
-    """Device of the ``torch`` backend: ``cuda``, ``cuda:N``, or ``cpu`` (for trying it without a GPU; always
-    fp32 there)."""
-    torch_precision: Literal["fp16", "fp32"] = "fp16"
-    """Precision of the ``torch`` backend on a GPU: ``fp16`` (BatchNorms folded, channels-last) or ``fp32``
-    (on the CPU it always runs fp32)."""
     torch_cuda_graphs: bool = True
     """Run the ``torch`` backend's batches as CUDA graphs captured at start (one per batch bucket and
     backend thread): one launch per batch instead of one per layer. Off: eager PyTorch. A failed capture
@@ -156,13 +139,6 @@ class ServingFields(_Fields):
     """Photos like the traffic (at least 32) that calibrate the INT8 model; it is built once, on first
     start, into the models directory, and refused if its top-1 answers agree with FP32 on under 99 % of
     the held-out quarter. ``gateway models quantize --photos DIR`` builds it ahead."""
-    fake_delay: float = Field(0.0, ge=0.0)
-    """Seconds the ``fake`` backend takes per batch (to simulate a slow model in tests and drills)."""
-    breaker_threshold: int = Field(5, ge=0)
-    """Consecutive failed batches that open the backend's circuit breaker (0: no breaker)."""
-    breaker_cooldown: float = Field(5.0, gt=0.0)
-    """Seconds an open circuit refuses work (503) before letting one trial batch through; the
-    readiness check sends that trial itself when the backend says it is ready."""
     readiness_interval: float = Field(2.0, gt=0.0, le=60.0)
     """Seconds between background readiness checks of the backend; /readyz answers from the
     latest one, so probes cost the backend nothing."""
@@ -191,28 +167,8 @@ class ServingFields(_Fields):
     """With several models, share ``max_concurrent_requests``, the decode threads, the request body
     bytes and the decoder memory between them by their ``share`` (a flooded model cannot starve the
     others; see docs/routing.md). Off: first come, first served across models (for comparison)."""
-    model_weights: Path | None = None
-    """Weights file for the model (a PyTorch state_dict, legacy or zip format); default: the checkpoint
-    ``gateway models fetch`` kept in ``models_dir``, else the packaged weights for EfficientNet-Lite0
-    and random He-initialised weights for ResNet-50 (flagged ``random_weights`` in every answer)."""
     models_dir: Path = Field(default_factory=_default_models_dir)
     """Directory where built ONNX models are cached."""
-    embedded_threads: int = Field(0, ge=0)
-    """Threads per batch of the in-process backends, ``embedded`` and ``openvino`` (0: the cores shared out
-    among the in-flight batches, so that batches running together do not oversubscribe the CPU)."""
-
-    triton_url: Annotated[str, AfterValidator(host_port)] = "127.0.0.1:8001"
-    """Triton's address, host:port: its gRPC port (8001) or, with ``triton_protocol=http``, its
-    HTTP port (8000)."""
-    triton_protocol: Literal["grpc", "http"] = "grpc"
-    """How the gateway talks to Triton: asynchronous gRPC (the default) or asynchronous HTTP."""
-    triton_model: Annotated[str | None, AfterValidator(triton_model_name)] = None
-    """Model name in Triton's repository (default: the ``model`` setting)."""
-    triton_model_version: str = ""
-    """Model version to ask Triton for ("" lets Triton pick by its version policy)."""
-    triton_shared_memory: bool = False
-    """Pass tensors through system shared memory instead of the socket; only when the gateway and
-    Triton share a host (and, in containers, an IPC namespace)."""
 
 
 class OfflineFields(_Fields):
@@ -306,23 +262,8 @@ class OfflineFields(_Fields):
 
 
 class LimitsFields(_Fields):
-    """Batching, and the bounds on requests, bodies, connections and decoding."""
-
-    max_batch_size: int = Field(16, ge=1, le=1024)
-    """Most images the batcher puts in one backend call."""
-    max_delay: float = Field(0.005, ge=0.0, le=10.0)
-    """Seconds the batcher waits for a batch to fill while another batch is in the backend; an idle
-    backend gets a lone request at once. With the adaptive policy, the most it may wait."""
-    batch_policy: Literal["fixed", "adaptive"] = "fixed"
-    """How long a batch waits to fill while the backend is busy: ``fixed`` waits for
-    ``max_batch_size`` images or ``max_delay``; ``adaptive`` learns the backend's batch time
-    (``a * n + b``) and the arrival rate, waits only for the smallest batch that keeps up, and
-    refuses at once (429 ``deadline_unmeetable``) a request the queue ahead would make miss its
-    deadline (see docs/tuning.md)."""
-    max_inflight_batches: int = Field(2, ge=1, le=64)
-    """Batches in the backend at once: more than one lets the next batch form while one runs."""
-    max_queue_size: int = Field(256, ge=1)
-    """Images waiting for a batch; beyond it requests are rejected with 429."""
+    """The bounds on requests, bodies, connections and decoding (a model's batcher is in
+    ``service.settings.model``)."""
 
     request_timeout: float = Field(10.0, gt=0.0)
     """Seconds a /classify request may take from the end of its body (decoding, queueing,

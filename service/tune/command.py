@@ -124,7 +124,8 @@ def served_model_env(settings: Settings, name: str | None) -> tuple[str, dict[st
     """With several models: the model to tune (``name``, or the default) and the environment that
     serves it alone, as its version taking the most traffic runs (its profile, backend and own
     settings, but those the search chooses); None with one model."""
-    from service.serving.catalog import PER_MODEL_SETTINGS, CatalogError, load_catalog
+    from service.serving.catalog import CatalogError, load_catalog
+    from service.settings.model import ModelSettings
 
     if settings.models_file is None and not settings.models.strip():
         return None
@@ -137,9 +138,9 @@ def served_model_env(settings: Settings, name: str | None) -> tuple[str, dict[st
         sys.exit(f"gateway tune: no model {name!r}; served: {', '.join(m.name for m in catalog.models)}")
     version = max(spec.versions, key=lambda v: v.traffic)
     env = {"GATEWAY_MODELS_FILE": "", "GATEWAY_MODELS": "", "GATEWAY_MODEL": version.profile.name}
-    for key in PER_MODEL_SETTINGS:
-        value = getattr(version.settings, key)
-        if key in TUNED or value is None or value == Settings.model_fields[key].default:
+    for key, field in ModelSettings.model_fields.items():
+        value = getattr(version.own, key)
+        if key in TUNED or value is None or value == field.default:
             continue
         env[f"GATEWAY_{key.upper()}"] = str(value).lower() if isinstance(value, bool) else str(value)
     return spec.name, env

@@ -19,6 +19,7 @@ from service.models.profiles import ModelProfile
 from service.models.tensors import INPUT_NAME, OUTPUT_NAME
 from service.serving.catalog import Catalog, ModelSpec, VersionSpec
 from service.settings import Settings
+from service.settings.model import ModelSettings
 from tests.conftest import png_bytes, running_gateway
 
 SIDE = 32
@@ -97,7 +98,9 @@ def settings_for(models_dir: Path, **overrides: object) -> Settings:
 def catalog_of(settings: Settings, *models: tuple[str, ModelProfile]) -> Catalog:
     """One version ("1") of each model, the first the default."""
     specs = tuple(
-        ModelSpec(name, (VersionSpec("1", profile, settings, 1.0),), share=1.0, sticky=False)
+        ModelSpec(
+            name, (VersionSpec("1", profile, ModelSettings.of(settings), settings, 1.0),), share=1.0, sticky=False
+        )
         for name, profile in models
     )
     return Catalog(specs, default=specs[0].name)

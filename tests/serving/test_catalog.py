@@ -10,11 +10,14 @@ import sys
 from pathlib import Path
 
 import pytest
+from pydantic import ValidationError
 
+from service.models.declaration import DECLARED_KEYS
 from service.serving.catalog import CatalogError, load_catalog, read_models_file
 from service.serving.discovery import with_discovered
 from service.serving.reload import reread
 from service.settings import Settings
+from service.settings.model import ModelSettings
 
 TWO = """
 default = "shop"
@@ -287,3 +290,50 @@ def test_models_found_in_tritons_index_join_the_files_own(tmp_path: Path) -> Non
     table = read_models_file(settings.models_file)  # type: ignore[arg-type]
     reloaded = reread(grown, table, settings, "reload")  # the found models stay
     assert [m.name for m in reloaded.models] == names
+
+
+def test_a_versions_settings_are_checked_as_one_model_settings(tmp_path: Path) -> None:
+    """A version's per-model keys, its model's under them, are validated together as one
+    ``ModelSettings`` with the settings' own rules (``torch_device`` too, which a per-key check
+    skipped): the error names model and version and every bad key, in the settings' order."""
+    text = f"{SHOP}max_batch_size = 0\n[models.shop.versions.3]\ntorch_device = 'tpu'\nmax_delay = -1\n"
+    with pytest.raises(CatalogError) as caught:
+        load_catalog(Settings(models_file=_file(tmp_path, text)))
+    assert str(caught.value) == (
+        f"{tmp_path / 'models.toml'}: model 'shop' version '3': torch_device: 'tpu' is not cpu, cuda or cuda:N; "
+        "max_batch_size: Input should be greater than or equal to 1; "
+        "max_delay: Input should be greater than or equal to 0"
+    )
+
+
+def test_an_unknown_key_lists_the_model_settings_fields(tmp_path: Path) -> None:
+    """The per-model keys a table may hold are ``ModelSettings``' fields, named when a key is not one."""
+    with pytest.raises(CatalogError, match=r"unknown key\(s\) \['request_timeout'\]; allowed: ") as caught:
+        load_catalog(Settings(models_file=_file(tmp_path, f"{SHOP}request_timeout = 1\n")))
+    allowed = set(str(caught.value).partition("allowed: ")[2].split(", "))
+    assert set(ModelSettings.model_fields) <= allowed
+    gateway_wide = set(Settings.model_fields) - set(ModelSettings.model_fields) - set(DECLARED_KEYS)
+    assert "request_timeout" in gateway_wide
+    assert not allowed & gateway_wide
+
+
+def test_a_version_holds_its_model_settings_and_reads_the_rest_from_the_gateway(tmp_path: Path) -> None:
+    """``VersionSpec.own`` is the version's ``ModelSettings`` (its table over its model's over the
+    gateway's), declared once with the gateway's fields; what the whole process shares is the
+    gateway's ``Settings``, which a ``ModelSettings`` refuses to hold."""
+    settings = Settings(models_file=_file(tmp_path, TWO), max_delay=0.01, request_timeout=3.0)
+    two = load_catalog(settings).models[0].versions[1]
+    assert isinstance(two.own, ModelSettings)
+    assert (two.own.max_batch_size, two.own.max_delay, two.own.triton_model, two.gateway) == (
+        32,
+        0.002,
+        "shop",
+        settings,
+    )
+    assert (two.settings.model, two.settings.max_batch_size, two.settings.request_timeout) == ("resnet50", 32, 3.0)
+    for name, field in ModelSettings.model_fields.items():
+        assert field.description
+        assert Settings.model_fields[name].description == field.description
+        assert Settings.model_fields[name].metadata == field.metadata
+    with pytest.raises(ValidationError, match="request_timeout"):
+        ModelSettings(request_timeout=1.0)  # type: ignore[call-arg]
