@@ -37,24 +37,12 @@ from typing import Any, Literal, get_args
 
 from service.images.geometry import Resize
 from service.models.profiles import OutputKind
+from service.settings.declared import DECLARING
 from service.settings.values import read_regular_file
 
-DECLARED_KEYS = (
-    "path",
-    "labels",
-    "input_size",
-    "resize",
-    "crop_fraction",
-    "color",
-    "layout",
-    "input_dtype",
-    "scale",
-    "mean",
-    "std",
-    "output",
-    "threshold",
-)
-"""The keys that declare a model (a model's table or a version's; a version's own win)."""
+DECLARED_KEYS = ("path", *DECLARING)
+"""The keys that declare a model (a model's table or a version's; a version's own win): the file and
+what the ``--model-path`` settings of the same names declare."""
 
 Color = Literal["RGB", "BGR"]
 Layout = Literal["NCHW", "NHWC"]

@@ -1,6 +1,5 @@
-"""A user's model behind the gateway's wire: the derived ONNX graph that takes uint8 RGB NHWC
-images (``images``, ``[N, H, W, 3]``) and gives float32 rows (``scores``, ``[N, D]``), so that every
-backend runs a user's model exactly as it runs a built-in one.
+"""A user's model behind the gateway's wire: the derived ONNX graph that takes uint8 RGB NHWC images
+(``images``, ``[N, H, W, 3]``) and gives float32 rows (``scores``, ``[N, D]``), as a built-in does.
 
 In front of the user's graph: the channel swap for a BGR model and the transpose for an NCHW one
 (both on uint8, a quarter of the bytes float32 moves), then the cast and the arithmetic of its

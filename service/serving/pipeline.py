@@ -11,7 +11,7 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import Executor, ThreadPoolExecutor
-from contextlib import asynccontextmanager
+from contextlib import AsyncExitStack, asynccontextmanager
 from functools import partial
 
 import cv2
@@ -221,101 +221,88 @@ async def _start_version(
     decode_many: PrepareMany | None,
 ) -> Running:
     """One model version's backend (started), batcher, readiness check and classifier. If a step
-    fails (the backend's start, most often), what the earlier ones opened is closed before the
-    error goes on: a load that fails leaves no backend threads or connections behind."""
-    opened: list[Callable[[], Awaitable[None]]] = []
+    fails (the backend's start, most often), what the earlier ones opened is closed, in reverse
+    order, before the error goes on: a load that fails leaves no backend threads or connections."""
+    async with AsyncExitStack() as opened:
+        name, spec = served.model, served.spec
+        settings, profile = spec.settings, spec.profile
+        chosen = backend if backend is not None else await build_backend(settings, profile)
+        if decode is prepare:  # OpenCV decodes into the backend's memory where it has some (the engine's cells)
+            decode = partial(prepare, into=chosen.allocate_image)
+        if isinstance(chosen, EngineClient):
+            chosen.on_sent = partial(_count_sent, metrics)
+        if settings.breaker_threshold:
+            probe = np.zeros((1, *profile.input_size, 3), np.uint8)
+            chosen = CircuitBreaker(
+                chosen, threshold=settings.breaker_threshold, cooldown=settings.breaker_cooldown, probe=probe
+            )
+        opened.push_async_callback(_quietly, served, chosen.aclose)  # a failed start may have opened threads
+        await chosen.start()
+        batcher = DynamicBatcher(
+            chosen.infer,
+            max_batch_size=settings.max_batch_size,
+            max_delay=settings.max_delay,
+            max_queue_size=settings.max_queue_size,
+            max_inflight_batches=settings.max_inflight_batches,
+            on_batch=served.metrics.observe_batch,
+            tracing=tracing,
+            backend_name=chosen.name,
+            policy=settings.batch_policy,
+            rank=rank_for(profile),  # once per batch, not once per image on the event loop
+            on_abandon=metrics.abandoned_images.inc,
+        )
+        served.metrics.bind(batcher)
+        batcher.start()
+        opened.push_async_callback(_quietly, served, partial(batcher.aclose, drain_timeout=0))
+        health = BackendHealth(chosen, served.metrics, settings.readiness_interval, name=f"{name}/{spec.version}")
+        if (problem := await health.refresh()) is None:
+            logger.info(
+                "model %s version %s ready: %s on the %s backend", name, spec.version, profile.name, chosen.name
+            )
+        else:  # served once its backend can, without a restart: not ready, and not said to be
+            logger.warning(
+                "model %s version %s unavailable: %s on the %s backend: %s",
+                name,
+                spec.version,
+                profile.name,
+                chosen.name,
+                problem,
+            )
+        random_weights = served.random_weights
+        if random_weights:
+            logger.warning(
+                "model %s version %s (%s) has RANDOM weights: its answers are meaningless (every answer says "
+                "random_weights: true); %s",
+                name,
+                spec.version,
+                profile.name,
+                real_weights_hint(profile.name),
+            )
+        classifier = Classifier(
+            profile,
+            batcher,
+            served.executor,
+            metrics,
+            served.config,
+            budget,
+            tracing,
+            random_weights=random_weights,
+            decode=decode,
+            decode_many=decode_many,
+            name=name,
+            version=spec.version,
+        )
+        watcher = asyncio.create_task(health.run(), name=f"readiness {name}/{spec.version}")
+        opened.pop_all()  # started: from here on its owner stops it (_stop_version)
+        return Running(classifier, chosen, health, watcher)
+
+
+async def _quietly(served: ServedVersion, close: Callable[[], Awaitable[None]]) -> None:
+    """Close what a failed start opened; a failure to close is logged, and the start's error goes on."""
     try:
-        return await _assemble_version(served, metrics, tracing, backend, budget, decode, decode_many, opened)
-    except BaseException:
-        for close in reversed(opened):
-            try:
-                await close()
-            except Exception as exc:  # the error that stopped the start is the one that goes on
-                logger.warning(
-                    "model %s version %s: closing after a failed start: %s", served.model, served.version, exc
-                )
-        raise
-
-
-async def _assemble_version(
-    served: ServedVersion,
-    metrics: Metrics,
-    tracing: Tracing | None,
-    backend: Backend | None,
-    budget: Budget,
-    decode: Prepare,
-    decode_many: PrepareMany | None,
-    opened: list[Callable[[], Awaitable[None]]],
-) -> Running:
-    """``_start_version``'s steps; each thing it opens is added to ``opened`` (its close) first."""
-    name, spec = served.model, served.spec
-    settings, profile = spec.settings, spec.profile
-    chosen = backend if backend is not None else await build_backend(settings, profile)
-    if decode is prepare:  # OpenCV decodes into the backend's memory where it has some (the engine's cells)
-        decode = partial(prepare, into=chosen.allocate_image)
-    if isinstance(chosen, EngineClient):
-        chosen.on_sent = partial(_count_sent, metrics)
-    if settings.breaker_threshold:
-        probe = np.zeros((1, *profile.input_size, 3), np.uint8)
-        chosen = CircuitBreaker(
-            chosen, threshold=settings.breaker_threshold, cooldown=settings.breaker_cooldown, probe=probe
-        )
-    opened.append(chosen.aclose)  # a start that fails may have opened threads or connections
-    await chosen.start()
-    batcher = DynamicBatcher(
-        chosen.infer,
-        max_batch_size=settings.max_batch_size,
-        max_delay=settings.max_delay,
-        max_queue_size=settings.max_queue_size,
-        max_inflight_batches=settings.max_inflight_batches,
-        on_batch=served.metrics.observe_batch,
-        tracing=tracing,
-        backend_name=chosen.name,
-        policy=settings.batch_policy,
-        rank=rank_for(profile),  # once per batch, not once per image on the event loop
-        on_abandon=metrics.abandoned_images.inc,
-    )
-    served.metrics.bind(batcher)
-    batcher.start()
-    opened.append(partial(batcher.aclose, drain_timeout=0))
-    health = BackendHealth(chosen, served.metrics, settings.readiness_interval, name=f"{name}/{spec.version}")
-    if (problem := await health.refresh()) is None:
-        logger.info("model %s version %s ready: %s on the %s backend", name, spec.version, profile.name, chosen.name)
-    else:  # served once its backend can, without a restart: not ready, and not said to be
-        logger.warning(
-            "model %s version %s unavailable: %s on the %s backend: %s",
-            name,
-            spec.version,
-            profile.name,
-            chosen.name,
-            problem,
-        )
-    random_weights = served.random_weights
-    if random_weights:
-        logger.warning(
-            "model %s version %s (%s) has RANDOM weights: its answers are meaningless (every answer says "
-            "random_weights: true); %s",
-            name,
-            spec.version,
-            profile.name,
-            real_weights_hint(profile.name),
-        )
-    classifier = Classifier(
-        profile,
-        batcher,
-        served.executor,
-        metrics,
-        served.config,
-        budget,
-        tracing,
-        random_weights=random_weights,
-        decode=decode,
-        decode_many=decode_many,
-        name=name,
-        version=spec.version,
-    )
-    watcher = asyncio.create_task(health.run(), name=f"readiness {name}/{spec.version}")
-    return Running(classifier, chosen, health, watcher)
+        await close()
+    except Exception as exc:
+        logger.warning("model %s version %s: closing after a failed start: %s", served.model, served.version, exc)
 
 
 async def _stop_version(running: Running, drain_timeout: float) -> None:
