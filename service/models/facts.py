@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import hashlib
 import os
-import stat
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from service.models.declaration import Format
+from service.settings.values import NotRegularFile, open_regular, read_at_most
 
 if TYPE_CHECKING:
     import numpy as np
@@ -116,13 +116,12 @@ def _map_weights(path: Path) -> tuple[np.ndarray, str]:
     import numpy as np
 
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        fd, info = open_regular(path)
+    except NotRegularFile:
+        raise ModelFileError(f"has weights {path.name} that are not a regular file") from None
     except OSError as exc:
         raise ModelFileError(f"cannot read its weights {path.name}: {exc.strerror}") from None
     with os.fdopen(fd, "rb") as file:
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode):
-            raise ModelFileError(f"has weights {path.name} that are not a regular file")
         if info.st_size > MAX_IR_WEIGHTS:
             raise ModelFileError(f"has weights {path.name} of {info.st_size / 2**30:.1f} GiB, over "
                                  f"{MAX_IR_WEIGHTS / 2**30:.0f} GiB")  # fmt: skip
@@ -136,28 +135,24 @@ def read_model_bytes(path: Path, limit: int = MAX_ONNX_BYTES) -> bytes:
     """A model file's bytes: a regular file of at most ``limit`` bytes (a FIFO is refused, not waited on;
     past ``MAX_ONNX_BYTES``, protobuf's limit, an ONNX file keeps its weights in external data)."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        fd, info = open_regular(path)
+    except NotRegularFile:
+        raise ModelFileError("is not a regular file") from None
     except OSError as exc:
         raise ModelFileError(f"cannot be read: {exc.strerror}") from None
     try:
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode):
-            raise ModelFileError("is not a regular file")
         if info.st_size > limit:
             hint = "an ONNX model that large keeps its weights in external data files, not served yet"
             raise ModelFileError(
                 f"is {info.st_size / 2**30:.1f} GiB, over {limit / 2**30:.0f} GiB"
                 + (f" ({hint})" if limit == MAX_ONNX_BYTES else "")
             )
-        chunks, left = [], limit + 1
-        while left > 0 and (chunk := os.read(fd, min(left, 1 << 24))):
-            chunks.append(chunk)
-            left -= len(chunk)
+        data = read_at_most(fd, limit + 1)
     finally:
         os.close(fd)
-    if left <= 0:
+    if len(data) > limit:
         raise ModelFileError(f"grew past {limit / 2**30:.0f} GiB while it was read")
-    return b"".join(chunks)
+    return data
 
 
 def load_onnx(data: bytes) -> onnx.ModelProto:

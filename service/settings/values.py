@@ -79,16 +79,15 @@ def read_regular_bytes(path: Path, limit: int, what: str) -> bytes:
     """The bytes of a regular file of at most ``limit`` bytes, named ``what`` in the errors: a FIFO,
     a device or a directory is refused without blocking, a larger file without reading it."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        fd, info = open_regular(path)
+    except NotRegularFile:
+        raise ValueError(f"{what}: {path} is not a regular file") from None
     except OSError as exc:
         raise ValueError(f"{what}: {exc.strerror}: {path}") from None
     try:
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode):
-            raise ValueError(f"{what}: {path} is not a regular file")
         if info.st_size > limit:
             raise ValueError(f"{what}: {path} is over {limit} bytes")
-        data = _read_at_most(fd, limit + 1)
+        data = read_at_most(fd, limit + 1)
     finally:
         os.close(fd)
     if len(data) > limit:
@@ -96,9 +95,29 @@ def read_regular_bytes(path: Path, limit: int, what: str) -> bytes:
     return data
 
 
-def _read_at_most(fd: int, limit: int) -> bytes:
+class NotRegularFile(ValueError):
+    """A FIFO, a device, a directory or a socket where a file was named."""
+
+
+def open_regular(path: Path) -> tuple[int, os.stat_result]:
+    """A read-only descriptor of ``path`` and its ``fstat``, if it is a regular file: opened without
+    blocking (a FIFO's open does not wait) and checked on the descriptor, so what was checked is
+    what is read. ``OSError`` if it cannot be opened, ``NotRegularFile`` if it is not a file."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise NotRegularFile(f"{path} is not a regular file")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, info
+
+
+def read_at_most(fd: int, limit: int) -> bytes:
+    """Up to ``limit`` bytes of ``fd`` (fewer at its end), read in chunks of at most 16 MiB."""
     chunks = []
-    while limit > 0 and (chunk := os.read(fd, min(limit, 1 << 20))):
+    while limit > 0 and (chunk := os.read(fd, min(limit, 1 << 24))):
         chunks.append(chunk)
         limit -= len(chunk)
     return b"".join(chunks)
