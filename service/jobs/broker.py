@@ -77,13 +77,17 @@ class Broker:
         self.channel: AbstractRobustChannel | None = None
         self.topology: Topology | None = None
         self._connector: asyncio.Task[None] | None = None
-        self._publisher: AbstractChannel | None = None
-        """The channel publishes go on (opened on first use, replaced once it nacks)."""
+        self._publishers: dict[str, AbstractChannel] = {}
+        """The channel each exchange's publishes go on, by exchange name ("": the default exchange):
+        opened on first use, replaced once it nacks or the broker closes it. One per exchange, because
+        the broker closes a channel that publishes to a missing exchange, and every publish awaiting
+        its confirm there fails with it, routed or not (a worker's result, run again for it)."""
         self._publisher_lock = asyncio.Lock()
         self._retired: set[asyncio.Task[None]] = set()
-        self._retired_at = float("-inf")
+        self._retired_at: dict[str, float] = {}
         self.publishers_opened = 0
-        """Publisher channels opened: the first, and one after each nack (for tests and logs)."""
+        """Publisher channels opened: the first of each exchange, and one after each nack (for tests
+        and logs)."""
         self.connected = asyncio.Event()
 
     @property
@@ -185,7 +189,7 @@ class Broker:
         channel = None
         try:
             async with asyncio.timeout(self.publish_timeout):
-                channel = await self._publisher_channel()
+                channel = await self._publisher_channel(exchange_name)
                 exchange = await channel.get_exchange(exchange_name, ensure=False) if exchange_name else None
                 await (exchange or channel.default_exchange).publish(message, routing_key, mandatory=True)
         # The queue's name and the broker's words (which name queues) are for the log only
@@ -193,39 +197,43 @@ class Broker:
             logger.warning("broker: a message to %r was returned unroutable: %s", routing_key, exc)
             raise BackendUnavailable("the broker could not route the message to its queue") from exc
         except aio_pika.exceptions.DeliveryError as exc:  # nacked: a queue refused it (full, stale, ...)
-            self._retire(channel)
+            self._retire(exchange_name, channel)
             logger.warning("broker: a message to %r was refused: %s", routing_key, exc)
             raise BackendUnavailable("the broker refused the message (its queue is full or gone)") from exc
         except (TimeoutError, aio_pika.exceptions.AMQPError, ConnectionError, RuntimeError) as exc:
             logger.warning("broker: a message to %r was not confirmed: %s: %s", routing_key, type(exc).__name__, exc)
             raise BackendUnavailable(f"the broker did not confirm the message ({type(exc).__name__})") from exc
 
-    async def _publisher_channel(self) -> AbstractChannel:
-        """The channel publishes go on; opened (with confirms, unroutable messages raising) when
-        there is none or it was retired. A robust channel: restored with the connection."""
+    async def _publisher_channel(self, exchange: str) -> AbstractChannel:
+        """The channel ``exchange``'s publishes go on; opened (with confirms, unroutable messages
+        raising) when there is none or it was retired. A robust channel: restored with the
+        connection."""
         async with self._publisher_lock:
-            if self._publisher is not None and self._publisher.is_closed:
+            channel = self._publishers.get(exchange)
+            if channel is not None and channel.is_closed:
                 # closed by the server (a channel error): closed for good here too, or the robust
                 # channel would reopen itself beside its replacement and stay open unused
-                self._close_later(self._publisher, 0.0)
-                self._publisher = None
-            if self._publisher is None:
+                self._close_later(channel, 0.0)
+                channel = None
+            if channel is None:
                 assert self.connection is not None
-                self._publisher = await self.connection.channel(publisher_confirms=True, on_return_raises=True)
+                channel = await self.connection.channel(publisher_confirms=True, on_return_raises=True)
+                self._publishers[exchange] = channel
                 self.publishers_opened += 1
-            return self._publisher
+            return channel
 
-    def _retire(self, channel: AbstractChannel | None) -> None:
-        """A channel nacked a publish: the next publish opens another (at most one retirement per
-        ``RETIRE_INTERVAL``, so a queue that refuses everything cannot make a channel per nack). It
-        is closed once the publishes still awaiting its confirms had time to get them."""
-        if channel is None or channel is not self._publisher:
+    def _retire(self, exchange: str, channel: AbstractChannel | None) -> None:
+        """A channel nacked a publish: the next publish to ``exchange`` opens another (at most one
+        retirement per ``RETIRE_INTERVAL``, so a queue that refuses everything cannot make a
+        channel per nack). It is closed once the publishes still awaiting its confirms had time to
+        get them."""
+        if channel is None or channel is not self._publishers.get(exchange):
             return  # already retired by another nack
         now = asyncio.get_running_loop().time()
-        if now - self._retired_at < RETIRE_INTERVAL:
+        if now - self._retired_at.get(exchange, float("-inf")) < RETIRE_INTERVAL:
             return
-        self._retired_at = now
-        self._publisher = None
+        self._retired_at[exchange] = now
+        del self._publishers[exchange]
         logger.info("broker: a publish was nacked; later publishes go on a new channel")
         self._close_later(channel, self.publish_timeout)
 

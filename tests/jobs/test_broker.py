@@ -61,9 +61,9 @@ async def test_a_nacked_publish_retires_its_channel_and_the_next_goes_on_a_new_o
         with pytest.raises(BackendUnavailable, match="refused"):
             await broker.publish("queue", aio_pika.Message(b"refused"), full)
         assert broker.publishers_opened == 1
-        await broker.publish("requests", aio_pika.Message(b"job", delivery_mode=2), REQUEST_KEY)
+        await broker.publish("queue", aio_pika.Message(b"job", delivery_mode=2), names.work)
         assert broker.publishers_opened == 2  # the nacking channel was replaced
-        await broker.publish("requests", aio_pika.Message(b"job", delivery_mode=2), REQUEST_KEY)
+        await broker.publish("queue", aio_pika.Message(b"job", delivery_mode=2), names.work)
         assert broker.publishers_opened == 2  # a confirmed publish keeps its channel
         assert broker.channel is consumers
         assert not consumers.is_closed
@@ -81,3 +81,29 @@ async def test_a_nacked_publish_retires_its_channel_and_the_next_goes_on_a_new_o
         assert await queue_depth(names.work) == 3
     finally:
         await broker.aclose()  # the prefix fixture deletes the queues
+
+
+async def test_a_publish_to_a_deleted_exchange_costs_no_other_publish_its_confirm(prefix: str) -> None:
+    """An exchange deleted under a running gateway (by an operator, or a cleanup): the broker closes
+    the channel that a publish to it went on, and every publish still awaiting its confirm on that
+    channel failed with it, routed or not. A worker's result was one (the job was requeued and run
+    again: its result arrived twice). Each exchange's publishes go on a channel of their own."""
+    names = Names(prefix)
+    broker = Broker(BROKER_URL, names, publish_timeout=5)
+    await broker.connect(timeout=10)
+    try:
+        connection = await aio_pika.connect(BROKER_URL)
+        async with connection:
+            await (await connection.channel()).exchange_delete(names.notices)
+        for _ in range(20):
+            job, notice = await asyncio.gather(
+                broker.publish("requests", aio_pika.Message(b"job", delivery_mode=2), REQUEST_KEY),
+                broker.publish("notices", aio_pika.Message(b"notice"), "notice"),
+                return_exceptions=True,
+            )
+            assert job is None
+            assert isinstance(notice, BackendUnavailable)
+        assert broker.is_open
+        assert await queue_depth(names.work) == 20
+    finally:
+        await broker.aclose()
