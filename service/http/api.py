@@ -14,15 +14,14 @@ import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
-import numpy as np
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
-from service.classifier import Classification, ImageInput, require_embedding, require_labels
+from service.classifier import ImageInput, require_embedding, require_labels
 from service.errors import BackendUnavailable, NotFound, UnsupportedMediaType
 from service.http.answers import BINARY, embedding_rows, wants_binary
 from service.http.gateway import CANCEL_ON_DISCONNECT as CANCEL_ON_DISCONNECT  # the fast path's import
-from service.http.gateway import CHECKED_QUERY, choose, gateway_of, spend_quota
+from service.http.gateway import CHECKED_QUERY, choose, gateway_of, key_of, spend_quota
 from service.http.gateway import Gateway as Gateway  # the composition root's import
 from service.http.image_request import MODE_DOC, TOP_K_DOC, media_type, query, read_images
 from service.http.json_body import read_urls
@@ -132,13 +131,13 @@ async def handle_images(request: Request, model: str | None, version: str | None
     top_k, mode = query(request, wants.params)
     request.scope[CANCEL_ON_DISCONNECT] = mode == "online"
     gateway = gateway_of(request)
-    served = choose(request, gateway, model, version)
+    served = choose(gateway, key_of(request), model, version)
     wants.require(served.spec.profile, served.model, served.version)  # before the body: it cannot help
     models = gateway.models
     models.check(served)  # full now: refuse before spending time on the body
     if media_type(request.headers.get("content-type")) == "application/json":
         urls = await _read_urls(request, gateway)
-        spend_quota(request, gateway, len(urls), served.model)  # before fetching: the fetches are the cost
+        spend_quota(gateway, key_of(request), len(urls), served.model)  # before fetching: the fetches are the cost
         assert gateway.fetcher is not None  # _read_urls refuses URLs where fetching is off
         async with gateway.fetcher.images(urls) as fetched:
             models.check(served)
@@ -147,7 +146,7 @@ async def handle_images(request: Request, model: str | None, version: str | None
     # GATEWAY_BODY_TIMEOUT, its memory by the body budget in BodyLimitMiddleware).
     images = await read_images(request, gateway.settings.max_images_per_request)
     models.check(served)
-    spend_quota(request, gateway, len(images), served.model)
+    spend_quota(gateway, key_of(request), len(images), served.model)
     return await _admitted(request, gateway, served, images, top_k, mode, version, wants)
 
 
@@ -178,31 +177,6 @@ async def _read_urls(request: Request, gateway: Gateway) -> list[str]:
         raise UnsupportedMediaType("images by URL are turned off here (GATEWAY_URL_INPUTS); upload the images")
     settings = gateway.settings
     return await read_urls(request, settings.max_json_body_bytes_effective, settings.max_images_per_request)
-
-
-async def online(
-    request: Request, served: ServedVersion, images: list[ImageInput], top_k: int | None
-) -> list[np.ndarray] | list[Classification]:
-    """An online request of another protocol for ``served``, admitted as ``/classify`` admits one
-    (room, the API key's quota, the deadline): the ``top_k`` classes of every image, ranked with
-    its batch as ``/classify``'s are (a sigmoid model's too, whatever their score: a protocol's
-    tensor has ``top_k`` of them in every row), or with ``top_k`` None its score rows (an embedding
-    model's vectors). Classes asked of an embedding model are refused before anything is spent."""
-    gateway = gateway_of(request)
-    if top_k is not None:
-        require_labels(served.spec.profile, served.model, served.version)
-    models = gateway.models
-    models.check(served)
-    spend_quota(request, gateway, len(images), served.model)
-    deadline = asyncio.get_running_loop().time() + gateway.settings.request_timeout
-    async with models.hold(served, deadline) as served:  # a version a reload replaced: its replacement
-        classifier = served.classifier
-        if top_k is None:
-            rows: list[np.ndarray] | list[Classification] = await classifier.scores(images, deadline=deadline)
-        else:
-            rows = await classifier.classify(images, k=top_k, deadline=deadline, thresholded=False)
-    served.metrics.images_online.inc(len(rows))
-    return rows
 
 
 @router.get(

@@ -36,8 +36,7 @@ from starlette.responses import JSONResponse, Response
 from service import __version__
 from service.classifier import Classification
 from service.errors import GatewayError
-from service.http.api import online
-from service.http.gateway import CANCEL_ON_DISCONNECT, choose, gateway_of, reject_unknown_query
+from service.http.gateway import CANCEL_ON_DISCONNECT, choose, gateway_of, key_of, online, reject_unknown_query
 from service.http.inference_request import HEADER_LENGTH, INPUT, OUTPUT, read_request
 from service.serving.served import ServedModel, ServedVersion
 
@@ -57,7 +56,8 @@ def _model(request: Request, name: str) -> ServedModel:
 
 def _version(request: Request, name: str, version: str | None) -> ServedVersion:
     """The named version, or (none named) the one the model's traffic weights pick for this request."""
-    return choose(request, gateway_of(request), name, version)
+    gateway = gateway_of(request)
+    return choose(gateway, key_of(request), name, version)
 
 
 def _serving(request: Request) -> bool:
@@ -157,7 +157,7 @@ async def handle_infer(request: Request, name: str, version: str | None = None) 
         gateway.settings.max_images_per_request,
         served.spec.profile.outputs,
     )
-    rows = await online(request, served, asked.images, asked.k)
+    rows = await online(gateway, key_of(request), served, asked.images, asked.k)
     return _answer(asked.id, served, rows, asked.binary_output)
 
 

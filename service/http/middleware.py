@@ -6,6 +6,7 @@ import hmac
 import random
 import re
 import time
+from collections.abc import Iterable
 
 from opentelemetry import context as otel_context
 from opentelemetry.trace import Span, StatusCode
@@ -242,6 +243,28 @@ API_KEY = "gateway.api_key"
 """Scope key holding the id of the request's API key (``ApiKey.id``), when keys are configured."""
 
 
+def presented_key(headers: Iterable[tuple[bytes, bytes]]) -> bytes:
+    """The API key a request presents (``Authorization: Bearer <key>`` or ``X-API-Key: <key>``,
+    lower-case names: HTTP's scope and gRPC's metadata), or b""."""
+    presented = b""
+    for name, value in headers:
+        if name == b"authorization" and value[:7].lower() == b"bearer ":
+            presented = value[7:].strip()
+        elif name == b"x-api-key":
+            presented = value.strip()
+    return presented
+
+
+def match_key(keys: list[ApiKey], presented: bytes) -> ApiKey | None:
+    """The configured key ``presented`` is, compared in constant time against every one (no early
+    exit); None for none, and for an empty one."""
+    matched = None
+    for key in keys:
+        if hmac.compare_digest(presented, key.secret):
+            matched = key
+    return matched if presented else None
+
+
 class ApiKeyMiddleware:
     """Optional API keys: ``Authorization: Bearer <key>`` or ``X-API-Key: <key>``, and each key's
     concurrency quota (its rate is spent where the images are counted, in ``api.handle_classify``).
@@ -264,25 +287,12 @@ class ApiKeyMiddleware:
         self.metrics = metrics
         self.quotas = quotas
 
-    def _match(self, presented: bytes) -> ApiKey | None:
-        matched = None
-        for key in self.keys:
-            if hmac.compare_digest(presented, key.secret):
-                matched = key
-        return matched
-
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or not self.keys:
             scope[AUTHENTICATED] = True
             await self.app(scope, receive, send)
             return
-        presented = b""
-        for name, value in scope["headers"]:
-            if name == b"authorization" and value[:7].lower() == b"bearer ":
-                presented = value[7:].strip()
-            elif name == b"x-api-key":
-                presented = value.strip()
-        key = self._match(presented) if presented else None
+        key = match_key(self.keys, presented_key(scope["headers"]))
         scope[AUTHENTICATED] = key is not None
         if key is None:
             if scope["path"] in self.open_paths:
