@@ -3,7 +3,16 @@ and KServe speak, so their clients (``tritonclient.http``, the KServe SDK) work 
 
 * ``GET /v2`` (server metadata), ``GET /v2/health/live``, ``GET /v2/health/ready``;
 * ``GET /v2/models/{name}[/versions/{version}]`` (metadata) and ``.../ready``;
-* ``POST /v2/models/{name}[/versions/{version}]/infer``.
+* ``POST /v2/models/{name}[/versions/{version}]/infer``;
+* ``GET /v2/models/{name}[/versions/{version}]/config`` (model configuration extension);
+* ``GET /v2/models[/{name}[/versions/{version}]]/stats`` (statistics extension);
+* ``POST /v2/repository/index`` and ``POST /v2/repository/models/{name}/load|unload`` (model
+  repository extension; load and unload behind the admin key, ``X-Admin-Key``).
+
+What the protocol defines and the gateway does not serve (shared memory, trace and log settings),
+and any other path under ``/v2`` or method of these, answers in the protocol's error shape (400,
+404 or 405), never a bare 404 page. The answers' shapes come from ``service.http.inference_shapes``,
+which the gRPC front shares.
 
 The model takes encoded images, not pixels: one input, ``IMAGE``, a ``BYTES`` tensor of shape
 ``[N]`` or ``[N, 1]``, each element one encoded image (JPEG, PNG, WebP...). Its elements travel in
@@ -26,23 +35,38 @@ deadline and error status codes; errors have the protocol's shape, ``{"error": "
 from __future__ import annotations
 
 import json
+import re
 import struct
 from typing import Any, cast
 
 import numpy as np
 from fastapi import APIRouter, Request
 from starlette.responses import JSONResponse, Response
+from starlette.routing import BaseRoute, Match
 
-from service import __version__
 from service.classifier import Classification
-from service.errors import GatewayError
+from service.errors import BadRequest, GatewayError, NotFound, PayloadTooLarge
+from service.http import inference_shapes, strict_json
 from service.http.gateway import CANCEL_ON_DISCONNECT, choose, gateway_of, key_of, online, reject_unknown_query
-from service.http.inference_request import HEADER_LENGTH, INPUT, OUTPUT, read_request
-from service.serving.served import ServedModel, ServedVersion
+from service.http.inference_request import HEADER_LENGTH, OUTPUT, read_request
+from service.http.model_routes import check_admin, set_loaded
+from service.serving.served import ServedModel, ServedVersion, quoted
 
-EXTENSIONS = ["classification", "binary_tensor_data"]
+router = APIRouter(include_in_schema=False)  # specified by the protocol, documented in docs/api.md
 
-router = APIRouter(include_in_schema=False)  # specified by the protocol, documented in docs/models.md
+REPOSITORY_BODY_BYTES = 16 * 1024
+"""Largest body of a repository request (``{"ready": true}``, an unload's ``unload_dependents``):
+the gateway takes no configuration or files with a load, so this is room enough."""
+REPOSITORY_BODY_VALUES = 64
+"""JSON values a repository request's body may hold, counted before it is parsed."""
+METHODS = ["GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS"]
+
+
+class MethodNotAllowed(GatewayError):
+    """A path of the protocol asked with a method it does not take."""
+
+    status_code = 405
+    error = "method_not_allowed"
 
 
 def protocol_error(exc: GatewayError) -> JSONResponse:
@@ -70,7 +94,7 @@ def _serving(request: Request) -> bool:
 
 @router.get("/v2")
 async def server_metadata() -> dict[str, Any]:
-    return {"name": "inference-gateway", "version": __version__, "extensions": EXTENSIONS}
+    return inference_shapes.server_metadata()
 
 
 @router.get("/v2/health/live")
@@ -84,6 +108,12 @@ async def ready(request: Request) -> JSONResponse:
     return JSONResponse({"ready": is_ready}, status_code=200 if is_ready else 503)
 
 
+@router.get("/v2/models/stats")
+async def all_statistics(request: Request) -> Response:
+    """Every version's statistics. Before ``/v2/models/{name}``, which would take ``stats`` for a name."""
+    return JSONResponse(inference_shapes.model_statistics(gateway_of(request), None, None))
+
+
 @router.get("/v2/models/{name}")
 @router.get("/v2/models/{name}/versions/{version}")
 async def model_metadata(request: Request, name: str, version: str | None = None) -> Response:
@@ -92,23 +122,131 @@ async def model_metadata(request: Request, name: str, version: str | None = None
         versions = list(model.versions.values()) if version is None else [model.version(version)]
     except GatewayError as exc:
         return protocol_error(exc)
-    first = versions[0]  # a model's versions may differ in backend, not in what they take and give
-    profile = first.spec.profile
-    return JSONResponse(
-        {
-            "name": model.name,
-            "versions": [served.version for served in versions],
-            "platform": f"inference-gateway/{first.backend_name}",
-            "inputs": [{"name": INPUT, "datatype": "BYTES", "shape": [-1]}],
-            "outputs": [{"name": OUTPUT, "datatype": "FP32", "shape": [-1, profile.outputs]}],
-            "parameters": {
-                "image_size": profile.height,
-                "input_size": [profile.height, profile.width],
-                "output": profile.output,
-                "max_images_per_request": gateway_of(request).settings.max_images_per_request,
-            },
-        }
-    )
+    return JSONResponse(inference_shapes.model_metadata(gateway_of(request), model, versions))
+
+
+@router.get("/v2/models/{name}/config")
+@router.get("/v2/models/{name}/versions/{version}/config")
+async def model_config(request: Request, name: str, version: str | None = None) -> Response:
+    """The version's configuration (without one, the model's first version: its versions may
+    differ in backend and batching, not in what they take and give)."""
+    try:
+        model = _model(request, name)
+        served = next(iter(model.versions.values())) if version is None else model.version(version)
+    except GatewayError as exc:
+        return protocol_error(exc)
+    return JSONResponse(inference_shapes.model_config(gateway_of(request), served))
+
+
+@router.get("/v2/models/{name}/stats")
+@router.get("/v2/models/{name}/versions/{version}/stats")
+async def model_statistics(request: Request, name: str, version: str | None = None) -> Response:
+    try:
+        return JSONResponse(inference_shapes.model_statistics(gateway_of(request), name, version))
+    except GatewayError as exc:
+        return protocol_error(exc)
+
+
+@router.post("/v2/repository/index")
+async def repository_index(request: Request) -> Response:
+    """Every version and its state; with ``{"ready": true}``, those ready. ``tritonclient`` sends no body."""
+    try:
+        body = await _repository_body(request, "repository index request")
+        ready_only = body.pop("ready", False)
+        if not isinstance(ready_only, bool):
+            raise BadRequest(f"repository index request: ready must be true or false, not {_kind(ready_only)}")
+        _no_other_keys(body, "repository index request", "ready")
+    except GatewayError as exc:
+        return protocol_error(exc)
+    return JSONResponse(inference_shapes.repository_index(gateway_of(request), ready_only))
+
+
+@router.post("/v2/repository/models/{name}/load")
+async def repository_load(request: Request, name: str) -> Response:
+    """Load every version of a model (admin key): what ``POST /v1/models/{name}/load`` does.
+    Triton's load may bring a configuration or files; the gateway loads what its models file
+    declares, so those are refused."""
+    return await _control(request, name, load=True)
+
+
+@router.post("/v2/repository/models/{name}/unload")
+async def repository_unload(request: Request, name: str) -> Response:
+    """Unload every version of a model (admin key); ``unload_dependents`` is taken and changes
+    nothing (the gateway has no ensembles)."""
+    return await _control(request, name, load=False)
+
+
+async def _control(request: Request, name: str, load: bool) -> Response:
+    """The admin key first (nothing of the body is said to a caller without it), then the body,
+    then the load or unload. Triton answers an empty 200."""
+    what = f"repository {'load' if load else 'unload'} request"
+    try:
+        check_admin(request)
+        body = await _repository_body(request, what)
+        parameters = body.pop("parameters", {})
+        _no_other_keys(body, what, "parameters")
+        if not isinstance(parameters, dict):
+            raise BadRequest(f"{what}: parameters must be an object, not {_kind(parameters)}")
+        if load:
+            if parameters:
+                shown = ", ".join(quoted(key, 64, "key") for key in list(parameters)[:5])
+                raise BadRequest(
+                    f"{what}: parameters ({shown}) are not supported: the gateway loads a model as its models "
+                    "file declares it, without a configuration or files sent with the load"
+                )
+        else:
+            dependents = parameters.pop("unload_dependents", False)
+            if not isinstance(dependents, bool):
+                raise BadRequest(f"{what}: unload_dependents must be true or false, not {_kind(dependents)}")
+            _no_other_keys(parameters, f"{what}'s parameters", "unload_dependents")
+        await set_loaded(gateway_of(request), name, load)
+    except GatewayError as exc:
+        return protocol_error(exc)
+    return Response(status_code=200)
+
+
+async def _repository_body(request: Request, what: str) -> dict[str, Any]:
+    """A repository request's JSON object ({} for an empty body), read within
+    ``REPOSITORY_BODY_BYTES`` and ``REPOSITORY_BODY_VALUES`` before it is parsed, strictly."""
+    declared = request.headers.get("content-length", "")
+    too_large = PayloadTooLarge(f"{what}: a body over {REPOSITORY_BODY_BYTES} bytes")
+    if declared.isascii() and declared.isdigit() and int(declared) > REPOSITORY_BODY_BYTES:
+        raise too_large
+    chunks = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > REPOSITORY_BODY_BYTES:
+            raise too_large
+        chunks.append(chunk)
+    data = b"".join(chunks)
+    if not data.strip():
+        return {}
+    if not strict_json.values_at_most(data, REPOSITORY_BODY_VALUES):
+        raise BadRequest(f"{what}: holds over {REPOSITORY_BODY_VALUES} JSON values")
+    value = strict_json.loads(strict_json.utf8(data, what), what)
+    if not isinstance(value, dict):
+        raise BadRequest(f"{what}: must be a JSON object, not {_kind(value)}")
+    return value
+
+
+def _no_other_keys(body: dict[str, Any], what: str, known: str) -> None:
+    if body:
+        shown = ", ".join(quoted(key, 64, "key") for key in list(body)[:5])
+        raise BadRequest(f"{what}: unknown key(s) {shown}; it takes {known}")
+
+
+def _kind(value: Any) -> str:
+    """A JSON value's kind, for an error (never the value: it may be large)."""
+    kinds = {
+        bool: "a boolean",
+        int: "a number",
+        float: "a number",
+        str: "a string",
+        list: "an array",
+        dict: "an object",
+    }
+    return kinds.get(type(value), "null")
 
 
 @router.get("/v2/models/{name}/ready")
@@ -187,3 +325,46 @@ def _answer(
     tensor["parameters"] = {"binary_data_size": len(raw)}
     head = json.dumps(answer, separators=(",", ":")).encode()
     return Response(head + raw, media_type="application/octet-stream", headers={HEADER_LENGTH: str(len(head))})
+
+
+UNSUPPORTED: tuple[tuple[re.Pattern[str], str], ...] = (
+    (
+        re.compile(r"/v2/(?:system|cuda)sharedmemory(?:/.*)?"),
+        "shared memory (system or CUDA) is not supported by this gateway: send the tensors in the request's "
+        "body (the binary tensor data extension)",
+    ),
+    (
+        re.compile(r"/v2(?:/models/[^/]+(?:/versions/[^/]+)?)?/trace/setting"),
+        "trace settings are not supported by this gateway (it sends OpenTelemetry traces: GATEWAY_TRACING_ENDPOINT)",
+    ),
+    (re.compile(r"/v2/logging"), "log settings are not supported by this gateway"),
+)
+"""Extensions of the protocol the gateway does not serve: a 400 saying so, whatever the method."""
+
+
+@router.api_route("/v2", methods=METHODS)
+@router.api_route("/v2/{rest:path}", methods=METHODS)
+async def unsupported(request: Request, rest: str = "") -> Response:
+    """Registered last: any other path under ``/v2``, or a method a path of the protocol does not
+    take, answers in the protocol's error shape (a 405 with ``Allow`` for the latter), not with
+    the framework's 404 page."""
+    path, method = request.scope["path"], request.method
+    shown = repr(path) if len(path) <= 200 else f"(a path of {len(path)} characters)"
+    for pattern, why in UNSUPPORTED:
+        if pattern.fullmatch(path):
+            return protocol_error(BadRequest(why))
+    allowed = sorted({taken for route in router.routes for taken in _methods(route, request)})
+    if allowed:
+        exc = MethodNotAllowed(f"{method} {shown} is not supported: it takes {', '.join(allowed)}")
+        exc.headers["Allow"] = ", ".join(allowed)
+        return protocol_error(exc)
+    return protocol_error(NotFound(f"{method} {shown} is not supported: no route of the Open Inference Protocol here"))
+
+
+def _methods(route: BaseRoute, request: Request) -> set[str]:
+    """The methods ``route`` takes when its path is ``request``'s (none when it is not, and none of
+    ``unsupported``'s own)."""
+    if getattr(route, "endpoint", None) is unsupported:
+        return set()
+    match, _ = route.matches({**request.scope, "method": ""})
+    return set(getattr(route, "methods", None) or ()) if match is not Match.NONE else set()

@@ -18,7 +18,7 @@ from service.backends.triton_repository import TritonRepository
 from service.errors import Conflict, Forbidden, NotFound
 from service.http.answers import BINARY
 from service.http.api import EMBED_QUERY_DOC, QUERY_DOC, handle_classify, handle_embed
-from service.http.gateway import CHECKED_QUERY, gateway_of
+from service.http.gateway import CHECKED_QUERY, Gateway, gateway_of
 from service.http.offline_submit import ACCEPTED_DOC
 from service.http.openapi import CLASSIFY_BODY, ERRORS
 from service.schemas import (
@@ -161,20 +161,31 @@ ADMIN_RESPONSES: dict[int | str, dict[str, Any]] = {
 }
 
 
-def _check_admin(request: Request) -> None:
-    key = gateway_of(request).settings.admin_key
+def check_admin_key(gateway: Gateway, sent: str | None) -> None:
+    """404 where the admin routes are off (no admin key set), 403 for a missing or wrong key
+    (``sent``: what the caller presented, from any front)."""
+    key = gateway.settings.admin_key
     if key is None:
         raise NotFound("the models' admin routes are off here (no GATEWAY_ADMIN_KEY)")
-    sent = request.headers.get(ADMIN_KEY, "").encode("latin-1", "replace")
-    if not hmac.compare_digest(sent, key.get_secret_value().encode()):
+    if not hmac.compare_digest((sent or "").encode("latin-1", "replace"), key.get_secret_value().encode()):
         raise Forbidden(f"{ADMIN_KEY} is missing or wrong")
 
 
-async def _control(request: Request, name: str, load: bool) -> ModelSummary:
+def check_admin(request: Request) -> None:
+    """``check_admin_key`` for the request's ``X-Admin-Key``."""
+    check_admin_key(gateway_of(request), request.headers.get(ADMIN_KEY))
+
+
+async def control(request: Request, name: str, load: bool) -> ModelSummary:
+    """``set_loaded`` behind the admin key, answered with the model's summary."""
+    check_admin(request)
+    return _summary(request, await set_loaded(gateway_of(request), name, load))
+
+
+async def set_loaded(gateway: Gateway, name: str, load: bool) -> ServedModel:
     """Load or unload every version of a model: on Triton (explicit model control mode), or an
-    in-process version under the memory budget. What was asked is logged."""
-    _check_admin(request)
-    gateway = gateway_of(request)
+    in-process version under the memory budget. What was asked is logged. The caller checks the
+    admin key (``check_admin_key``): the v1 routes here, the protocol's repository routes."""
     model = gateway.models.get(name)
     loader = gateway.models.loader
     asked = set()
@@ -201,7 +212,7 @@ async def _control(request: Request, name: str, load: bool) -> ModelSummary:
                 "and unloads only under GATEWAY_MODEL_MEMORY_BUDGET"
             )
     logger.info("models: %s %s, as asked", "loaded" if load else "unloaded", name)
-    return _summary(request, model)
+    return model
 
 
 @router.post(
@@ -211,7 +222,7 @@ async def _control(request: Request, name: str, load: bool) -> ModelSummary:
     summary="Load a model (admin key): on Triton in explicit mode, or in this process under the memory budget",
 )
 async def load_model(request: Request, name: str) -> ModelSummary:
-    return await _control(request, name, load=True)
+    return await control(request, name, load=True)
 
 
 @router.post(
@@ -221,7 +232,7 @@ async def load_model(request: Request, name: str) -> ModelSummary:
     summary="Unload a model (admin key): on Triton in explicit mode, or from this process under the memory budget",
 )
 async def unload_model(request: Request, name: str) -> ModelSummary:
-    return await _control(request, name, load=False)
+    return await control(request, name, load=False)
 
 
 @router.post(

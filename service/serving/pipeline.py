@@ -39,6 +39,7 @@ from service.serving.fair import Admission, FairPool, Lane
 from service.serving.loading import Loader
 from service.serving.registry import ServedModels
 from service.serving.served import Running, ServedModel, ServedVersion
+from service.serving.statistics import both
 from service.settings import Settings
 from service.tracing import Tracing
 
@@ -244,7 +245,7 @@ async def _start_version(
             max_delay=settings.max_delay,
             max_queue_size=settings.max_queue_size,
             max_inflight_batches=settings.max_inflight_batches,
-            on_batch=served.metrics.observe_batch,
+            on_batch=both(served.metrics.observe_batch, served.statistics.observe_batch),
             tracing=tracing,
             backend_name=chosen.name,
             policy=settings.batch_policy,

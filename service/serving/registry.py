@@ -19,6 +19,7 @@ when its model or version is gone.
 
 from __future__ import annotations
 
+import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager, contextmanager
 from typing import TYPE_CHECKING
@@ -114,10 +115,13 @@ class ServedModels:
         memory budget's loader (loaded by ``deadline``, event-loop time, or ``ModelNotLoaded``; None:
         no limit). Both are let go in reverse order whatever ends the body, a cancellation included;
         a request cancelled while it waits for the load leaves nothing counted. The version to use is
-        yielded: ``served``, or its replacement where a reload retired it (``current``)."""
+        yielded: ``served``, or its replacement where a reload retired it (``current``). An admitted
+        request is counted in the version's statistics, answered or failed, with its time here."""
         served = self.current(served)
         served.held += 1
         served.idle.clear()
+        started = time.perf_counter_ns()
+        answered = False
         try:
             if admit:
                 self.check(served)
@@ -128,6 +132,7 @@ class ServedModels:
                     await loader.acquire(served, deadline)
                 try:
                     yield served
+                    answered = True
                 finally:
                     if loader is not None:
                         loader.release(served)
@@ -138,3 +143,5 @@ class ServedModels:
             served.held -= 1
             if not served.held:
                 served.idle.set()
+            if admit:  # a request (not the worker's job, nor a load): the protocol's statistics count it
+                served.statistics.request(answered, time.perf_counter_ns() - started)

@@ -25,6 +25,7 @@ from service.models.checkpoints import weights_for
 from service.schemas import VersionState
 from service.serving.catalog import ModelSpec, VersionSpec
 from service.serving.fair import Lane
+from service.serving.statistics import VersionStatistics
 
 FAILED_LOAD_BACKOFF = 30.0
 """Seconds a version whose load failed is refused at once (its failure said) before a load is tried again."""
@@ -74,6 +75,8 @@ class ServedVersion:
     """Retired and drained: it is being stopped, a request that chose it goes to its replacement."""
     idle: asyncio.Event = field(default_factory=asyncio.Event, repr=False, compare=False)
     """Set while no request holds it (``held`` 0): what a retired version's drain waits for."""
+    statistics: VersionStatistics = field(default_factory=VersionStatistics, repr=False, compare=False)
+    """Its requests and batches, counted for the protocol's statistics (``service.serving.statistics``)."""
     random_weights: bool = field(init=False)
     """Its answers are meaningless: a profile with random weights and no weights file (found once,
     at start: its answers, readiness and jobs say it without a file lookup each)."""

@@ -75,7 +75,7 @@ async def test_tritonclient_classifies_real_photos_in_binary_and_json(
         assert await ask(url, "is_model_ready", "efficientnet-lite0")
         assert not await ask(url, "is_model_ready", "resnet50")
         metadata = await ask(url, "get_model_metadata", "efficientnet-lite0")
-        assert metadata["inputs"] == [{"name": "IMAGE", "datatype": "BYTES", "shape": [-1]}]
+        assert metadata["inputs"] == [{"name": "IMAGE", "datatype": "BYTES", "shape": [-1, 1]}]
         assert metadata["outputs"] == [{"name": "PROBABILITIES", "datatype": "FP32", "shape": [-1, 1000]}]
 
         for binary in (True, False):
@@ -402,4 +402,10 @@ async def test_unknown_models_queries_and_limits(gateway_factory: MakeSettings) 
         )
         assert big.status_code == 413
         server = (await gateway.get("/v2", headers=keyed)).json()
-        assert server["extensions"] == ["classification", "binary_tensor_data"]
+        assert server["extensions"] == [
+            "classification",
+            "binary_tensor_data",
+            "model_repository",
+            "model_configuration",
+            "statistics",
+        ]
