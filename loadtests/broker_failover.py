@@ -65,6 +65,7 @@ def gateway(urls: list[str], work: Path, cwd: Path | None) -> Iterator[tuple[str
         "GATEWAY_BACKEND": "fake",
         "GATEWAY_MODELS_DIR": str(work / "models"),
         "GATEWAY_LOG_LEVEL": "info",
+        "GATEWAY_GRPC_PORT": "0",
     }
     with log.open("wb") as out:
         proc = subprocess.Popen(

@@ -110,7 +110,7 @@ def granian_server(workers: int, models_dir: Path) -> AbstractContextManager[tup
         "GATEWAY_LOG_LEVEL": "warning",
     }
     command = [str(granian), "--interface", "asgi", "--factory", "--workers", str(workers), "--host", "127.0.0.1"]
-    command += ["--port", str(port), "--loop", "uvloop", "--no-access-log", "service.http.app:app_from_environment"]
+    command += ["--port", str(port), "--loop", "uvloop", "--no-access-log", "service.server:app_from_environment"]
     return _server(command, port, "/readyz", "the gateway under Granian", env)
 
 

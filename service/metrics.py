@@ -52,6 +52,19 @@ class Metrics:
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
+        self.grpc_requests = Counter(
+            "gateway_grpc_requests_total",
+            "gRPC calls answered (a streamed inference: each of its requests), by method and status code.",
+            ["method", "code"],
+            registry=r,
+        )
+        self.grpc_duration = Histogram(
+            "gateway_grpc_request_duration_seconds",
+            "Whole gRPC call latency (a streamed inference: each of its requests), by method and status code.",
+            ["method", "code"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
         self.images = Counter(
             "gateway_images_classified_total",
             "Images classified, by mode (online: HTTP; offline: queue worker), model and version.",

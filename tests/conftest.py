@@ -19,6 +19,7 @@ from fastapi import FastAPI
 from skimage import data as skdata
 
 from service.backends.base import Backend
+from service.grpc.server import grpc_front
 from service.http.app import create_app
 from service.http.protocol import http_protocol
 from service.models.profiles import get_profile
@@ -30,6 +31,9 @@ from tests.triton_server import triton, triton_install, triton_repository  # noq
 
 # tests/image checks a built image: scripts/image-test builds it and names it in GATEWAY_TEST_IMAGE.
 collect_ignore = [] if os.environ.get("GATEWAY_TEST_IMAGE") else ["image"]
+# Gateways the tests start (in this process and as `gateway serve`) leave gRPC off unless a test asks
+# for it on a free port: several at once cannot all have the default one.
+os.environ["GATEWAY_GRPC_PORT"] = "0"
 
 CAT_CLASSES = {281, 282, 283, 284, 285, 286, 287}  # tabby, tiger cat, Persian, Siamese, Egyptian, cougar, lynx
 ESPRESSO = 967
@@ -126,20 +130,27 @@ class GatewayClient(httpx.AsyncClient):
     wait on the gateway's own state instead of guessing a delay."""
 
     app: FastAPI
+    grpc_url: str
+    """host:port of its gRPC front (``running_gateway(..., grpc=True)``)."""
 
 
 @asynccontextmanager
 async def running_gateway(
-    settings: Settings, backend: Backend | None = None, catalog: Catalog | None = None
+    settings: Settings, backend: Backend | None = None, catalog: Catalog | None = None, *, grpc: bool = False
 ) -> AsyncIterator[GatewayClient]:
     """A real uvicorn server on a free loopback port, in this event loop; yields a client for it
-    (``catalog``: its models, by default the settings').
+    (``catalog``: its models, by default the settings'). With ``grpc``, the gRPC front too, on
+    another free port (``client.grpc_url``).
 
     The socket is bound before the server starts, so requests wait in its backlog until the
     lifespan has finished: no polling for readiness."""
     sock = _bound_socket()
     port = sock.getsockname()[1]
-    app = create_app(settings, backend=backend, catalog=catalog)
+    fronts = []
+    if grpc:
+        settings = settings.model_copy(update={"grpc_port": free_port()})
+        fronts.append(grpc_front(settings))
+    app = create_app(settings, backend=backend, catalog=catalog, fronts=fronts)
     protocol = http_protocol(settings.header_timeout, settings.body_timeout, settings.max_body_bytes)
     config = uvicorn.Config(
         app, log_level="warning", lifespan="on", http=protocol, limit_concurrency=settings.max_connections
@@ -149,6 +160,9 @@ async def running_gateway(
     try:
         async with GatewayClient(base_url=f"http://127.0.0.1:{port}", timeout=30) as client:
             client.app = app
+            client.grpc_url = f"127.0.0.1:{settings.grpc_port}"
+            if grpc:  # answered once the lifespan, which starts the gRPC front, is done
+                await client.get("/healthz")
             yield client
     finally:
         server.should_exit = True

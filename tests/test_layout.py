@@ -38,8 +38,10 @@ RANKS: dict[str, int] = {
     "triton": 9,
     "http": 10,
     "tune": 10,
-    "cli": 11,
-    "__main__": 12,
+    "grpc": 11,
+    "server": 12,
+    "cli": 13,
+    "__main__": 14,
 }
 """Each root module and folder of ``service/`` and its layer: a module imports only from its own
 folder or from a lower layer (the folders of one layer do not import each other)."""

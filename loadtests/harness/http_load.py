@@ -75,7 +75,13 @@ def start_gateway(
     ``cwd`` runs the ``service`` package of another checkout (a baseline to compare with), ``cpus``
     pins it (and its decode threads, which it sizes by its affinity) to those CPUs."""
     port = free_port()
-    env = {**os.environ, "GATEWAY_MODELS_DIR": str(models_dir), "GATEWAY_LOG_LEVEL": "warning", **(env or {})}
+    env = {
+        **os.environ,
+        "GATEWAY_MODELS_DIR": str(models_dir),
+        "GATEWAY_LOG_LEVEL": "warning",
+        "GATEWAY_GRPC_PORT": "0",  # several gateways at once; a benchmark of gRPC gives it a port
+        **(env or {}),
+    }
     proc = subprocess.Popen(
         [sys.executable, "-m", "service", "serve", "--port", str(port), *args],
         env=env,

@@ -116,7 +116,7 @@ def serve(args: argparse.Namespace) -> int:
     import uvicorn
     from uvicorn.supervisors import Multiprocess
 
-    from service.http.listeners import ListenError, addresses, listen
+    from service.http.listeners import ListenError, addresses, listen, probe
     from service.http.protocol import http_protocol
 
     settings = load_settings(args, serves=True)
@@ -135,20 +135,23 @@ def serve(args: argparse.Namespace) -> int:
         sockets = listen(settings.host, settings.port)
     except ListenError as exc:
         sys.exit(f"gateway: {exc} ({setting_name('host')}, {setting_name('port')})")
+    if settings.grpc_port:  # found now, not after the models load; the workers bind it themselves
+        try:
+            probe(settings.host, settings.grpc_port)
+        except ListenError as exc:
+            sys.exit(f"gateway: {exc} for gRPC ({setting_name('host')}, {setting_name('grpc_port')})")
     logging.getLogger("service.cli").info("listening on %s; answering once the models are loaded", addresses(sockets))
     if settings.workers > 1:
         prepare_multiprocess(args)
-        config = uvicorn.Config(
-            "service.http.app:app_from_environment", factory=True, workers=settings.workers, **common
-        )
+        config = uvicorn.Config("service.server:app_from_environment", factory=True, workers=settings.workers, **common)
         with shared_engine(settings) as engine:
             Multiprocess(config, sockets=sockets).run()
         if engine is not None and engine.gave_up:
             sys.exit(f"gateway: the shared engine failed {settings.engine_start_attempts} starts in a row")
         return 0
-    from service.http.app import create_app
+    from service.server import create_server
 
-    server = uvicorn.Server(uvicorn.Config(create_app(settings), **common))
+    server = uvicorn.Server(uvicorn.Config(create_server(settings), **common))
     with contextlib.suppress(KeyboardInterrupt):  # as uvicorn.run: Ctrl-C is a shutdown, not an error
         server.run(sockets=sockets)
     return 0 if server.started else STARTUP_FAILURE

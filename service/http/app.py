@@ -6,8 +6,8 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
-from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import AbstractAsyncContextManager, AsyncExitStack, asynccontextmanager
 from functools import partial
 from pathlib import Path
 
@@ -48,6 +48,9 @@ from service.tracing import Tracing
 
 logger = logging.getLogger(__name__)
 
+Front = Callable[[Gateway], AbstractAsyncContextManager[None]]
+"""A server beside the HTTP app over the same gateway (its state, models, limits)."""
+
 
 class GatewayApp(FastAPI):
     """FastAPI with the gateway's own layers (metrics, keys, body bounds, the /classify fast path)
@@ -67,9 +70,12 @@ def create_app(
     backend: Backend | None = None,
     registry: CollectorRegistry | None = None,
     catalog: Catalog | None = None,
+    fronts: Sequence[Front] = (),
 ) -> FastAPI:
     """Build the gateway. ``backend``, ``registry`` and ``catalog`` may be injected (tests); by
-    default the backend and the models come from the settings and the registry is new."""
+    default the backend and the models come from the settings and the registry is new. ``fronts``
+    run beside the HTTP app over the same ``Gateway`` (the gRPC server: ``service.server``), from
+    the models' start to the shutdown, which stops them first."""
     seen = stamp(settings.models_file) if settings.models_file is not None else None
     catalog = catalog if catalog is not None else load_catalog(settings)
     metrics = Metrics(registry)
@@ -125,6 +131,8 @@ def create_app(
                     quotas=quotas,
                     fetcher=fetcher,
                     key_models={key.id: key.quota.models for key in keys if key.quota.models is not None},
+                    keys=keys,
+                    tracing=tracing,
                 )
                 app.state.gateway = gateway
                 # a version a reloaded models file adds has its renderer before a request can reach it
@@ -152,7 +160,13 @@ def create_app(
                 else:  # as /readyz says: listening, but no model can answer yet
                     logger.warning("gateway not ready, no model can answer: %s", served)
                 try:
-                    yield
+                    async with AsyncExitStack() as running:
+                        for front in fronts:
+                            await running.enter_async_context(front(gateway))
+                        try:
+                            yield
+                        finally:
+                            gateway.closing = True  # not ready, while the fronts finish their calls
                 finally:
                     gateway.closing = True
                     if watcher is not None:  # a reload under way stops here, before the models close
@@ -223,8 +237,3 @@ def _answers(served: ServedVersion) -> Answers:
     """What renders ``served``'s online answers."""
     info = ModelInfo(name=served.model, version=served.version, random_weights=served.random_weights)
     return Answers(info, served.spec.profile.labels)
-
-
-def app_from_environment() -> FastAPI:
-    """uvicorn factory for several worker processes: each reads its settings from GATEWAY_*."""
-    return create_app(Settings(**{}))  # every value from GATEWAY_* variables

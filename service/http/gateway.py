@@ -21,6 +21,8 @@ from service.metrics import Metrics
 from service.serving.registry import ServedModels
 from service.serving.served import ServedVersion
 from service.settings import Settings
+from service.settings.keys import ApiKey
+from service.tracing import Tracing
 
 CANCEL_ON_DISCONNECT = "gateway.cancel_on_disconnect"
 """Scope key: True when the request's work may be cancelled if its client leaves (online: nobody
@@ -43,6 +45,9 @@ class Gateway:
     """Fetches images given by URL (None: URL inputs are off)."""
     key_models: dict[str, frozenset[str]] = field(default_factory=dict)
     """The models each API key may use, for the keys that are limited to some (``models=``)."""
+    keys: list[ApiKey] = field(default_factory=list)
+    """The API keys (none: keys are off), for the fronts that check them outside the HTTP stack."""
+    tracing: Tracing | None = None
     closing: bool = False
 
 

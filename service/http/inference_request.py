@@ -140,7 +140,7 @@ def _images(header: dict[str, Any], binary: memoryview, most: int) -> list[Image
             )
         if "data" in tensor:
             raise BadRequest(f"input {INPUT!r} has both data and binary_data_size")
-        elements = _bytes_elements(binary, count)
+        elements = bytes_elements(binary, count)
     else:
         if len(binary):
             raise BadRequest("bytes after the JSON header, but no input gives a binary_data_size")
@@ -150,7 +150,7 @@ def _images(header: dict[str, Any], binary: memoryview, most: int) -> list[Image
     return [ImageInput(data, f"{INPUT}[{i}]") for i, data in enumerate(elements)]
 
 
-def _bytes_elements(binary: memoryview, count: int) -> list[bytes]:
+def bytes_elements(binary: memoryview, count: int) -> list[bytes]:
     """The protocol's BYTES serialization: each element a 4-byte little-endian length, then it; at
     most ``count`` of them are read (more is an error, found without reading the rest)."""
     elements: list[bytes] = []

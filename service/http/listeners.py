@@ -58,6 +58,13 @@ def listen(host: str, port: int, backlog: int = BACKLOG) -> list[socket.socket]:
     return sockets
 
 
+def probe(host: str, port: int) -> None:
+    """``ListenError`` unless ``host``:``port`` can be listened on now (a server that binds it later
+    itself, such as the gRPC one, is told of a port in use before the models load)."""
+    for sock in listen(host, port, backlog=1):
+        sock.close()
+
+
 def addresses(sockets: list[socket.socket]) -> str:
     """Where ``sockets`` listen, as URLs (``http://127.0.0.1:8000``)."""
     return ", ".join(f"http://{_shown(sock.family, sock.getsockname())}" for sock in sockets)

@@ -137,6 +137,11 @@ CLIENT_CLOSED_REQUEST = 499
 """The status recorded for such a request (nginx's "client closed request"); none is sent."""
 
 
+def client_request_id(value: bytes) -> str | None:
+    """The client's ``X-Request-ID`` (HTTP header or gRPC metadata) when it is a sane token."""
+    return value.decode() if _CLIENT_ID.fullmatch(value) else None
+
+
 def new_request_id() -> str:
     """16 random hex digits. Not ``os.urandom``: its system call releases the GIL, and under load
     taking it back cost the event loop a tenth of its time (py-spy). ``random`` is reseeded in
@@ -188,8 +193,7 @@ class RequestMiddleware:
         carrier: dict[str, str] = {}
         for name, value in scope["headers"]:
             if name == REQUEST_ID_HEADER:
-                if _CLIENT_ID.fullmatch(value):
-                    request_id = value.decode()
+                request_id = client_request_id(value) or request_id
             elif name in _TRACE_HEADERS:
                 carrier[name.decode()] = value.decode("latin-1")
         if request_id is None:

@@ -36,6 +36,14 @@ class ServerFields(_Fields):
     refused, not read as every interface)."""
     port: int = Field(8000, ge=0, le=65535)
     """TCP port of the HTTP server (0 picks a free one)."""
+    grpc_port: int = Field(8001, ge=0, le=65535)
+    """TCP port of the gRPC server, on ``host``: the Open Inference Protocol's
+    ``inference.GRPCInferenceService``, as Triton serves it, so ``tritonclient.grpc`` and
+    ``perf_analyzer`` work here unchanged (0: off). Every worker process serves it on the same port
+    (``SO_REUSEPORT``: the kernel spreads the connections)."""
+    grpc_max_concurrent_streams: int = Field(100, ge=1, le=100_000)
+    """Calls one gRPC (HTTP/2) connection may have in progress at once; a client's further calls wait
+    for its connection to free a stream (more connections do not pass the gateway's own limits)."""
     workers: int = Field(1, ge=1, le=64)
     """uvicorn worker processes. Each has its own batcher; with more than one, metrics are kept in
     Prometheus multiprocess mode and /metrics sums them over all workers."""

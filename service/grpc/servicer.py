@@ -1,0 +1,211 @@
+"""``inference.GRPCInferenceService``: each method answers as Triton's does, from the same state
+and through the same door as the REST front (``service.http.gateway.online``), so a gRPC client
+gets the gateway's admission, quotas, fair sharing, deadlines and cancellation. The answers' shapes
+are built once for both protocols (``service.http.inference_shapes``) and parsed into the protos
+here. What the gateway does not do (shared memory, trace and log settings) is UNIMPLEMENTED with a
+message that says so."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import Any, TypeAlias
+
+import grpc
+from google.protobuf import json_format
+from tritonclient.grpc import model_config_pb2, service_pb2, service_pb2_grpc
+
+from service.errors import BadRequest, GatewayError
+from service.grpc.calls import Caller, Calls
+from service.grpc.methods import Malformed
+from service.grpc.status import code_of
+from service.grpc.tensors import infer_response, read_infer
+from service.http import inference_shapes
+from service.http.gateway import choose, online
+
+Context: TypeAlias = Any
+"""``grpc.aio.ServicerContext`` (grpcio ships no type hints)."""
+logger = logging.getLogger(__name__)
+
+STREAM_IN_FLIGHT = 64
+"""Requests of one stream being answered at once; the stream's next request is read when one
+finishes (its client's writes wait in the HTTP/2 window meanwhile)."""
+
+
+class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):  # type: ignore[misc]
+    def __init__(self, calls: Calls) -> None:
+        self.calls = calls
+        self.gateway = calls.gateway
+
+    def _serving(self) -> bool:
+        models = self.gateway.models.models.values()
+        return not self.gateway.closing and any(model.problem is None for model in models)
+
+    async def ServerLive(self, request: Any, context: Context) -> Any:
+        async with self.calls.call("ServerLive", context):
+            return service_pb2.ServerLiveResponse(live=True)
+
+    async def ServerReady(self, request: Any, context: Context) -> Any:
+        async with self.calls.call("ServerReady", context):
+            return service_pb2.ServerReadyResponse(ready=self._serving())
+
+    async def ServerMetadata(self, request: Any, context: Context) -> Any:
+        async with self.calls.call("ServerMetadata", context):
+            return json_format.ParseDict(inference_shapes.server_metadata(), service_pb2.ServerMetadataResponse())
+
+    async def ModelReady(self, request: Any, context: Context) -> Any:
+        async with self.calls.call("ModelReady", context):
+            model = self.gateway.models.get(_name(request.name))
+            problem = model.problem if not request.version else model.version(request.version).problem
+            return service_pb2.ModelReadyResponse(ready=problem is None and not self.gateway.closing)
+
+    async def ModelMetadata(self, request: Any, context: Context) -> Any:
+        async with self.calls.call("ModelMetadata", context):
+            model = self.gateway.models.get(_name(request.name))
+            versions = list(model.versions.values()) if not request.version else [model.version(request.version)]
+            shape = inference_shapes.model_metadata(self.gateway, model, versions)
+            return json_format.ParseDict(shape, service_pb2.ModelMetadataResponse(), ignore_unknown_fields=True)
+
+    async def ModelConfig(self, request: Any, context: Context) -> Any:
+        async with self.calls.call("ModelConfig", context) as caller:
+            served = self._version(caller, request.name, request.version)
+            config = json_format.ParseDict(
+                inference_shapes.model_config(self.gateway, served), model_config_pb2.ModelConfig()
+            )
+            return service_pb2.ModelConfigResponse(config=config)
+
+    async def ModelStatistics(self, request: Any, context: Context) -> Any:
+        async with self.calls.call("ModelStatistics", context):
+            shape = inference_shapes.model_statistics(self.gateway, request.name or None, request.version or None)
+            return json_format.ParseDict(shape, service_pb2.ModelStatisticsResponse())
+
+    async def RepositoryIndex(self, request: Any, context: Context) -> Any:
+        async with self.calls.call("RepositoryIndex", context):
+            if request.repository_name:
+                raise BadRequest("this gateway has one repository: leave repository_name empty")
+            models = inference_shapes.repository_index(self.gateway, request.ready)
+            return service_pb2.RepositoryIndexResponse(
+                models=[json_format.ParseDict(m, service_pb2.RepositoryIndexResponse.ModelIndex()) for m in models]
+            )
+
+    async def ModelInfer(self, request: Any, context: Context) -> Any:
+        async with self.calls.call("ModelInfer", context) as caller:
+            return await self._infer(request, caller)
+
+    async def ModelStreamInfer(self, request_iterator: Any, context: Context) -> AsyncIterator[Any]:
+        """Each request of the stream answered as ``ModelInfer`` answers it, in the order they finish
+        (a client matches them by ``id``, as ``tritonclient.grpc``'s stream callback does); an error
+        is that request's ``error_message``, and the stream goes on. The stream's key and deadline
+        are its call's; a request's deadline is also bounded by ``request_timeout``."""
+        async with self.calls.call("ModelStreamInfer", context) as caller:
+            answers: asyncio.Queue[Any] = asyncio.Queue()
+            slots = asyncio.Semaphore(STREAM_IN_FLIGHT)
+            tasks: set[asyncio.Task[None]] = set()
+
+            async def answer(request: Any) -> None:
+                start, code = time.perf_counter(), grpc.StatusCode.OK
+                try:
+                    response = service_pb2.ModelStreamInferResponse(infer_response=await self._infer(request, caller))
+                except GatewayError as exc:
+                    code = code_of(exc)
+                    self.gateway.metrics.rejections.labels(exc.error).inc()
+                    response = service_pb2.ModelStreamInferResponse(
+                        error_message=f"{code.name}: {exc.detail}",
+                        infer_response=service_pb2.ModelInferResponse(
+                            model_name=getattr(request, "model_name", ""),
+                            model_version=getattr(request, "model_version", ""),
+                            id=getattr(request, "id", ""),
+                        ),
+                    )
+                except Exception:
+                    code = grpc.StatusCode.INTERNAL
+                    logger.exception("grpc: a streamed inference failed")
+                    response = service_pb2.ModelStreamInferResponse(
+                        error_message="INTERNAL: the gateway failed to answer this request (see its log)",
+                        infer_response=service_pb2.ModelInferResponse(id=getattr(request, "id", "")),
+                    )
+                finally:
+                    slots.release()
+                    self.calls.record("ModelStreamInfer.request", code, time.perf_counter() - start)
+                answers.put_nowait(response)
+
+            async def read() -> None:
+                async for request in request_iterator:
+                    await slots.acquire()
+                    task = asyncio.create_task(answer(request))
+                    tasks.add(task)
+                    task.add_done_callback(tasks.discard)
+                if tasks:
+                    await asyncio.wait(set(tasks))
+                answers.put_nowait(None)
+
+            reader = asyncio.create_task(read())
+            try:
+                while (response := await answers.get()) is not None:
+                    yield response
+                await reader  # its errors (a broken stream) end the call
+            finally:
+                for task in (reader, *tasks):
+                    task.cancel()  # the client left: their images leave the batcher
+                with contextlib.suppress(asyncio.CancelledError):
+                    await asyncio.gather(reader, *tasks, return_exceptions=True)
+
+    async def _infer(self, request: Any, caller: Caller) -> Any:
+        if isinstance(request, Malformed):  # a stream's request (a unary call's is refused before)
+            raise request.refusal()
+        served = self._version(caller, request.model_name, request.model_version)
+        gateway = self.gateway
+        gateway.models.check(served)  # full now: refuse before the tensors are read
+        asked = read_infer(request, gateway.settings.max_images_per_request, served.spec.profile.outputs)
+        rows = await online(gateway, caller.key_id, served, asked.images, asked.k, caller.deadline)
+        return infer_response(served.model, served.version, asked.id, rows)
+
+    def _version(self, caller: Caller, name: str, version: str) -> Any:
+        return choose(self.gateway, caller.key_id, _name(name), version or None)
+
+    async def _unimplemented(self, method: str, context: Context, what: str) -> Any:
+        async with self.calls.call(method, context):
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED, f"this gateway does not support {what}")
+
+    async def RepositoryModelLoad(self, request: Any, context: Context) -> Any:
+        return await self._unimplemented(
+            "RepositoryModelLoad", context, "loading models over gRPC: POST /v2/repository/models/{name}/load"
+        )
+
+    async def RepositoryModelUnload(self, request: Any, context: Context) -> Any:
+        return await self._unimplemented(
+            "RepositoryModelUnload", context, "unloading models over gRPC: POST /v2/repository/models/{name}/unload"
+        )
+
+    async def SystemSharedMemoryStatus(self, request: Any, context: Context) -> Any:
+        return await self._unimplemented("SystemSharedMemoryStatus", context, "shared memory: send the bytes")
+
+    async def SystemSharedMemoryRegister(self, request: Any, context: Context) -> Any:
+        return await self._unimplemented("SystemSharedMemoryRegister", context, "shared memory: send the bytes")
+
+    async def SystemSharedMemoryUnregister(self, request: Any, context: Context) -> Any:
+        return await self._unimplemented("SystemSharedMemoryUnregister", context, "shared memory: send the bytes")
+
+    async def CudaSharedMemoryStatus(self, request: Any, context: Context) -> Any:
+        return await self._unimplemented("CudaSharedMemoryStatus", context, "CUDA shared memory: send the bytes")
+
+    async def CudaSharedMemoryRegister(self, request: Any, context: Context) -> Any:
+        return await self._unimplemented("CudaSharedMemoryRegister", context, "CUDA shared memory: send the bytes")
+
+    async def CudaSharedMemoryUnregister(self, request: Any, context: Context) -> Any:
+        return await self._unimplemented("CudaSharedMemoryUnregister", context, "CUDA shared memory: send the bytes")
+
+    async def TraceSetting(self, request: Any, context: Context) -> Any:
+        return await self._unimplemented("TraceSetting", context, "trace settings: see GATEWAY_TRACING_*")
+
+    async def LogSettings(self, request: Any, context: Context) -> Any:
+        return await self._unimplemented("LogSettings", context, "log settings: see GATEWAY_LOG_LEVEL")
+
+
+def _name(name: str) -> str:
+    if not name:
+        raise BadRequest("name the model (model_name): every call of the protocol is for one model")
+    return name
