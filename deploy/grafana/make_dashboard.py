@@ -14,9 +14,13 @@ from pathlib import Path
 from typing import Any
 
 DATASOURCE = {"type": "prometheus", "uid": "prometheus"}
-TRAFFIC = 'route!~"/healthz|/readyz|/metrics|/v2/health/.+|/v2/models/.+/ready|/v1/models/.+/(load|unload)"'
-"""Every route clients call, by its template (bounded): not the probes, /metrics or the admin
-routes; the same selection as deploy/prometheus/rules/gateway.yml's error ratio and latency."""
+TRAFFIC = (
+    'route!~"/healthz|/readyz|/metrics|/v2/health/.+|/v2/models/.+/(ready|config|stats)|/v2/models/stats'
+    '|/v2/repository/.+|/v1/models/.+/(load|unload)"'
+)
+"""Every route clients call for inference, by its template (bounded): not the probes, /metrics, the
+protocol's configuration, statistics and repository routes, or the admin routes; the same selection
+as deploy/prometheus/rules/gateway.yml's error ratio and latency."""
 MODEL = 'model=~"$model"'
 """The dashboard's model selector, on every per-model series."""
 

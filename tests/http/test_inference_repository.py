@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -16,11 +17,12 @@ from typing import Any
 import numpy as np
 import pytest
 import tritonclient.http as triton_http
+from fastapi.routing import APIRoute
 from google.protobuf import json_format
 from tritonclient.grpc import model_config_pb2, service_pb2
 from tritonclient.utils import InferenceServerException
 
-from service.http import inference_shapes
+from service.http import inference_protocol, inference_shapes
 from service.settings import Settings
 from tests.conftest import GatewayClient, png_bytes, running_gateway, solid_image
 
@@ -373,3 +375,21 @@ async def test_tritonclients_shared_memory_calls_are_told_it_is_not_supported(
             with pytest.raises(InferenceServerException, match="not supported by this gateway") as caught:
                 await ask(client, method, *args)
             assert caught.value.status() == "400"
+
+
+def test_the_alerts_and_dashboard_leave_out_the_protocols_tool_and_admin_routes() -> None:
+    """The latency and error-ratio selections (alert rules and dashboard alike) cover the
+    inference routes and leave out configuration, statistics and the repository (load and unload
+    are slow by nature), as they leave out the probes: each route template, as the metrics label it."""
+    root = Path(__file__).resolve().parents[2]
+    texts = [(root / "deploy" / "prometheus" / "rules" / "gateway.yml").read_text()]
+    texts.append(json.dumps(json.loads((root / "deploy" / "grafana" / "dashboards" / "gateway.json").read_text())))
+    selections = {match for text in texts for match in re.findall(r'route!~\\?"([^"\\]+)\\?"', text)}
+    assert len(selections) == 1, selections
+    left_out = re.compile(selections.pop())  # Prometheus anchors it: fullmatch
+    templates = {route.path for route in inference_protocol.router.routes if isinstance(route, APIRoute)}
+    inference = {"/v2/models/{name}/infer", "/v2/models/{name}/versions/{version}/infer"}
+    kept = {"/v2", "/v2/models/{name}", "/v2/models/{name}/versions/{version}", "/v2/{rest:path}", *inference}
+    assert {t for t in templates if not left_out.fullmatch(t)} == kept
+    assert left_out.fullmatch("/v2/repository/models/{name}/load")
+    assert left_out.fullmatch("/v2/models/{name}/versions/{version}/stats")
