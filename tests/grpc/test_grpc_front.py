@@ -10,15 +10,12 @@ from typing import Any
 
 import grpc
 import numpy as np
-import pytest
 import tritonclient.grpc as triton_grpc
 import tritonclient.grpc.aio as triton_aio
 from tritonclient.grpc import service_pb2, service_pb2_grpc
-from tritonclient.utils import InferenceServerException
 
-from service.backends.fake import FakeBackend
 from service.settings import Settings
-from tests.conftest import CAT_CLASSES, png_bytes, running_gateway, solid_image
+from tests.conftest import CAT_CLASSES, running_gateway
 
 MakeSettings = Callable[..., Settings]
 ESPRESSO = 967
@@ -62,7 +59,10 @@ async def test_the_sync_client_classifies_real_photos_on_two_models(
                 client.close()
 
         live, ready, first, second, server, metadata, config, index = await asyncio.to_thread(calls)
-        assert live and ready and first and second
+        assert live
+        assert ready
+        assert first
+        assert second
         assert "classification" in server.extensions
         assert [t.name for t in metadata.inputs] == ["IMAGE"]
         assert metadata.inputs[0].datatype == "BYTES"
@@ -132,7 +132,9 @@ async def test_the_asyncio_client_and_the_stream(gateway_factory: MakeSettings, 
                     break
             assert sorted(answers) == [f"s{i}" for i in range(6)]
             assert answers["s1"].get_response().model_name == "trivial"
-            assert len(errors) == 1 and "NOT_FOUND" in errors[0] and "missing" in errors[0]
+            assert len(errors) == 1
+            assert "NOT_FOUND" in errors[0]
+            assert "missing" in errors[0]
         finally:
             await client.close()
 
@@ -157,7 +159,8 @@ async def test_the_sync_clients_stream_as_applications_use_it(gateway_factory: M
         answers = await asyncio.to_thread(stream)
         assert sorted(i for i, e in answers if e is None) == ["0", "1", "2", "3"]
         [failed] = [e for _, e in answers if e is not None]
-        assert "INVALID_ARGUMENT" in failed and "not a recognised image" in failed
+        assert "INVALID_ARGUMENT" in failed
+        assert "not a recognised image" in failed
 
 
 def _raw_stub(url: str) -> tuple[grpc.Channel, Any]:
