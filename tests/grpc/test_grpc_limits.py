@@ -54,19 +54,18 @@ async def _code(call: Any) -> tuple[grpc.StatusCode, str, dict[str, str]]:
 async def test_api_keys_and_quotas_come_from_metadata(gateway_factory: MakeSettings, cat_jpeg: bytes) -> None:
     keys = "alpha rate=2 burst=2,beta models=trivial"
     settings = gateway_factory(models="efficientnet-lite0,trivial", api_keys=keys)
-    async with running_gateway(settings, grpc=True) as gateway:
-        async with grpc.aio.insecure_channel(gateway.grpc_url) as channel:
-            stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
-            live = await stub.ServerLive(service_pb2.ServerLiveRequest())  # open, as /v2/health/live
-            assert live.live
-            none = await _code(stub.ModelInfer(_request([cat_jpeg])))
-            wrong = await _code(stub.ModelInfer(_request([cat_jpeg]), metadata=[("x-api-key", "gamma")]))
-            metadata = await _code(stub.ModelMetadata(service_pb2.ModelMetadataRequest(name=MODEL)))
-            bearer = await _code(stub.ModelInfer(_request([cat_jpeg]), metadata=[("authorization", "Bearer alpha")]))
-            header = await _code(stub.ModelInfer(_request([cat_jpeg]), metadata=[("x-api-key", "alpha")]))
-            over = await _code(stub.ModelInfer(_request([cat_jpeg]), metadata=[("x-api-key", "alpha")]))
-            other = await _code(stub.ModelInfer(_request([cat_jpeg]), metadata=[("x-api-key", "beta")]))
-            allowed = await _code(stub.ModelInfer(_request([cat_jpeg], "trivial"), metadata=[("x-api-key", "beta")]))
+    async with running_gateway(settings, grpc=True) as gateway, grpc.aio.insecure_channel(gateway.grpc_url) as channel:
+        stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
+        live = await stub.ServerLive(service_pb2.ServerLiveRequest())  # open, as /v2/health/live
+        assert live.live
+        none = await _code(stub.ModelInfer(_request([cat_jpeg])))
+        wrong = await _code(stub.ModelInfer(_request([cat_jpeg]), metadata=[("x-api-key", "gamma")]))
+        metadata = await _code(stub.ModelMetadata(service_pb2.ModelMetadataRequest(name=MODEL)))
+        bearer = await _code(stub.ModelInfer(_request([cat_jpeg]), metadata=[("authorization", "Bearer alpha")]))
+        header = await _code(stub.ModelInfer(_request([cat_jpeg]), metadata=[("x-api-key", "alpha")]))
+        over = await _code(stub.ModelInfer(_request([cat_jpeg]), metadata=[("x-api-key", "alpha")]))
+        other = await _code(stub.ModelInfer(_request([cat_jpeg]), metadata=[("x-api-key", "beta")]))
+        allowed = await _code(stub.ModelInfer(_request([cat_jpeg], "trivial"), metadata=[("x-api-key", "beta")]))
     assert none[0] == wrong[0] == metadata[0] == grpc.StatusCode.UNAUTHENTICATED
     assert "authorization: Bearer <key>" in none[1]
     assert bearer[0] == header[0] == allowed[0] == grpc.StatusCode.OK
@@ -200,9 +199,13 @@ async def test_a_stream_needs_a_key_too(gateway_factory: MakeSettings, cat_jpeg:
             yield {"model_name": MODEL, "inputs": _inputs(cat_jpeg), "request_id": "k"}
 
         try:
-            with pytest.raises((InferenceServerException, grpc.aio.AioRpcError), match="API key"):
+
+            async def without_key() -> None:
                 async for _ in client.stream_infer(one()):
                     break
+
+            with pytest.raises((InferenceServerException, grpc.aio.AioRpcError), match="API key"):
+                await without_key()
             async for result, error in client.stream_infer(one(), headers={header: value}):
                 assert error is None
                 assert result.get_response().id == "k"
