@@ -17,7 +17,10 @@ import psutil
 import pytest
 import tritonclient.grpc as triton_grpc
 
+from loadtests.harness.http_load import start_gateway, stop_process
 from service.tune.runner import free_port
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.parametrize("workers", ["1", "2"])
@@ -86,3 +89,31 @@ def test_every_worker_serves_the_grpc_port(tmp_path: Path, models_dir: Path, cat
         if line.startswith('gateway_grpc_requests_total{code="OK",method="ModelInfer"}')
     ]
     assert float(line.split()[-1]) >= 20  # summed over both workers
+
+
+def test_the_grpc_example_classifies_by_call_and_by_stream(models_dir: Path, tmp_path: Path, cat_jpeg: bytes) -> None:
+    """examples/classify_grpc.py, run as docs/api.md shows it, against ``gateway serve``."""
+    (tmp_path / "cat.jpg").write_bytes(cat_jpeg)
+    (tmp_path / "broken.jpg").write_bytes(b"\xff\xd8 not a jpeg")
+    port = free_port()
+    proc, _ = start_gateway([], models_dir, env={"GATEWAY_GRPC_PORT": str(port)})
+    example = [sys.executable, str(ROOT / "examples" / "classify_grpc.py"), "--url", f"127.0.0.1:{port}"]
+    try:
+        calls = subprocess.run([*example, str(tmp_path / "cat.jpg")], capture_output=True, text=True, timeout=60)
+        stream = subprocess.run(
+            [*example, "--stream", "--top-k", "1", str(tmp_path / "cat.jpg"), str(tmp_path / "cat.jpg")],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        refused = subprocess.run([*example, str(tmp_path / "broken.jpg")], capture_output=True, text=True, timeout=60)
+    finally:
+        stop_process(proc)
+    assert calls.returncode == 0, calls.stderr
+    assert calls.stdout.startswith("cat.jpg: ")
+    assert any(word in calls.stdout for word in ("Egyptian cat", "tabby", "tiger cat"))
+    assert len(calls.stdout.split(" | ")) == 3
+    assert stream.returncode == 0, stream.stderr
+    assert stream.stdout.count("cat.jpg: ") == 2
+    assert refused.returncode == 1
+    assert refused.stderr.startswith("refused: StatusCode.INVALID_ARGUMENT"), refused.stderr
