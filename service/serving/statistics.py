@@ -12,7 +12,9 @@ Counts are per request for ``success`` and ``fail``, per image for ``queue`` and
 (the batcher's unit: a request of 3 images is 3 items of the queue, as Triton counts each request
 of a batch), per backend batch in ``batch_stats``. The backend's call (laying the batch out, moving
 it, inferring, copying the scores back) is ``compute_infer``: the gateway does not time its parts,
-so ``compute_input`` and ``compute_output`` stay at zero, and so do the cache's (there is none).
+so ``compute_input`` and ``compute_output`` take no time, counted as often as ``compute_infer`` (as
+Triton counts them: ``perf_analyzer`` aborts, "Server side statistics compute counts must be the
+same.", when the three counts differ); the cache's stay at zero (there is none).
 Each worker process keeps its own: with several uvicorn workers, each answers for itself.
 """
 
@@ -111,18 +113,18 @@ class VersionStatistics:
                 "success": {"count": self.success_count, "ns": self.success_ns},
                 "fail": {"count": self.fail_count, "ns": self.fail_ns},
                 "queue": {"count": self.queue_count, "ns": self.queue_ns},
-                "compute_input": dict(ZERO),
+                "compute_input": {"count": self.infer_count, "ns": 0},
                 "compute_infer": {"count": self.infer_count, "ns": self.infer_ns},
-                "compute_output": dict(ZERO),
+                "compute_output": {"count": self.infer_count, "ns": 0},
                 "cache_hit": dict(ZERO),
                 "cache_miss": dict(ZERO),
             },
             "batch_stats": [
                 {
                     "batch_size": size,
-                    "compute_input": dict(ZERO),
+                    "compute_input": {"count": count, "ns": 0},
                     "compute_infer": {"count": count, "ns": ns},
-                    "compute_output": dict(ZERO),
+                    "compute_output": {"count": count, "ns": 0},
                 }
                 for size, (count, ns) in sorted(self.batches.items())
             ],

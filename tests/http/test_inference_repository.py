@@ -144,7 +144,12 @@ async def test_statistics_count_every_fronts_requests_and_batches(
         queue, infer = _duration(stats, "queue"), _duration(stats, "compute_infer")
         assert queue[0] == infer[0] == 4
         assert infer[1] >= 4 * 2_000_000  # each image counts its batch's time (fake_delay 2 ms)
+        # perf_analyzer refuses statistics whose three compute counts differ ("must be the same")
+        assert _duration(stats, "compute_input")[0] == _duration(stats, "compute_output")[0] == infer[0]
         batches = stats["batch_stats"]
+        assert all(
+            b["compute_input"]["count"] == b["compute_infer"]["count"] == b["compute_output"]["count"] for b in batches
+        )
         assert sum(b["batch_size"] * b["compute_infer"]["count"] for b in batches) == 4
         assert stats["execution_count"] == sum(b["compute_infer"]["count"] for b in batches)
         assert started_ms <= stats["last_inference"] <= time.time_ns() // 1_000_000
