@@ -22,7 +22,7 @@ from service.errors import BadRequest, GatewayError
 from service.grpc.calls import Caller, Calls
 from service.grpc.methods import Malformed
 from service.grpc.status import code_of
-from service.grpc.tensors import infer_response, read_infer
+from service.grpc.tensors import infer_response, read_infer, request_deadline
 from service.http import inference_shapes
 from service.http.gateway import choose, online
 
@@ -160,7 +160,8 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):  # type:
         gateway = self.gateway
         gateway.models.check(served)  # full now: refuse before the tensors are read
         asked = read_infer(request, gateway.settings.max_images_per_request, served.spec.profile.outputs)
-        rows = await online(gateway, caller.key_id, served, asked.images, asked.k, caller.deadline)
+        deadline = request_deadline(request, caller.deadline, asyncio.get_running_loop().time())
+        rows = await online(gateway, caller.key_id, served, asked.images, asked.k, deadline)
         return infer_response(served.model, served.version, asked.id, rows)
 
     def _version(self, caller: Caller, name: str, version: str) -> Any:

@@ -77,6 +77,28 @@ def read_infer(request: Any, max_images: int, classes: int) -> InferenceRequest:
     return InferenceRequest(images, _classification(request, classes), True, request.id or None)
 
 
+def request_deadline(request: Any, deadline: float | None, now: float) -> float | None:
+    """The sooner of the call's ``deadline`` (event-loop time) and the request's own ``timeout``
+    parameter (microseconds, what ``tritonclient``'s ``infer(timeout=...)`` sends for Triton's
+    server-side timeout). A sequence (stateful) request is refused: no model here keeps state."""
+    parameters = request.parameters
+    for name in ("sequence_id", "sequence_start", "sequence_end"):
+        kind = parameters[name].WhichOneof("parameter_choice") if name in parameters else None
+        if kind is not None and getattr(parameters[name], kind):
+            raise BadRequest(f"{name}: this gateway serves no sequence (stateful) models")
+    if "timeout" not in parameters:
+        return deadline
+    parameter = parameters["timeout"]
+    kind = parameter.WhichOneof("parameter_choice")
+    micros: int | None = getattr(parameter, kind) if kind in ("int64_param", "uint64_param") else None
+    if micros is None or micros < 0:
+        raise BadRequest("the timeout parameter must be a whole number of microseconds")
+    if micros == 0:
+        return deadline  # Triton's "no timeout"
+    own: float = now + micros / 1e6
+    return own if deadline is None else min(deadline, own)
+
+
 def _classification(request: Any, classes: int) -> int | None:
     """The requested output's ``classification`` k (None: the scores)."""
     if not request.outputs:

@@ -226,6 +226,9 @@ async def test_hostile_requests_get_the_right_codes_and_the_server_keeps_serving
             out = _request(model, [cat_jpeg])
             out.outputs.add(name="LOGITS")
             attempt("unknown output", lambda: stub.ModelInfer(out))
+            sequence = _request(model, [cat_jpeg])
+            sequence.parameters["sequence_id"].int64_param = 7
+            attempt("a sequence", lambda: stub.ModelInfer(sequence))
             malformed = channel.unary_unary("/inference.GRPCInferenceService/ModelInfer")
             attempt("malformed protobuf", lambda: malformed(b"\x0a\xff\xff\xff\xff\x0f"))
             attempt("past deadline", lambda: stub.ModelInfer(_request(model, [cat_jpeg]), timeout=0.000001))
@@ -257,6 +260,7 @@ async def test_hostile_requests_get_the_right_codes_and_the_server_keeps_serving
         "over the size limit": grpc.StatusCode.RESOURCE_EXHAUSTED,
         "k too large": grpc.StatusCode.INVALID_ARGUMENT,
         "unknown output": grpc.StatusCode.INVALID_ARGUMENT,
+        "a sequence": grpc.StatusCode.INVALID_ARGUMENT,
         "malformed protobuf": grpc.StatusCode.INVALID_ARGUMENT,
         "past deadline": grpc.StatusCode.DEADLINE_EXCEEDED,
         "metadata flood": grpc.StatusCode.RESOURCE_EXHAUSTED,

@@ -99,6 +99,9 @@ async def test_a_full_model_a_deadline_and_a_cancelled_call(gateway_factory: Mak
             assert (await _code(waiting))[0] == grpc.StatusCode.CANCELLED
             assert (await first)[0] == grpc.StatusCode.OK
             late = await _code(stub.ModelInfer(_request([cat_jpeg]), timeout=0.3))
+            timed = _request([cat_jpeg])  # tritonclient's infer(timeout=...): Triton's server-side timeout
+            timed.parameters["timeout"].int64_param = 300_000
+            own_timeout = await _code(stub.ModelInfer(timed))
             async with asyncio.timeout(5):
                 while metrics.abandoned_images._value.get() < abandoned + 1:  # noqa: ASYNC110
                     await asyncio.sleep(0.05)
@@ -108,6 +111,7 @@ async def test_a_full_model_a_deadline_and_a_cancelled_call(gateway_factory: Mak
     assert full[2]["gateway-error"] == "queue_full"
     assert "retry-after" in full[2]
     assert late[0] == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert own_timeout[0] == grpc.StatusCode.DEADLINE_EXCEEDED
     assert again[0] == grpc.StatusCode.OK
     assert 'gateway_grpc_requests_total{code="OK",method="ModelInfer"}' in exposition
     assert 'gateway_grpc_requests_total{code="RESOURCE_EXHAUSTED",method="ModelInfer"}' in exposition
