@@ -38,6 +38,8 @@ class Caller:
     key_id: str | None
     deadline: float | None
     request_id: str
+    admin_key: str | None = None
+    """The ``x-admin-key`` metadata, for the repository's load and unload."""
 
 
 def _metadata(context: Any) -> list[tuple[bytes, bytes]]:
@@ -90,7 +92,8 @@ class Calls:
                         self.gateway.metrics.quota_rejections.labels(key_id, "concurrency").inc()
                         raise
                     entered = True
-                yield Caller(key_id, _deadline(context), request_id)
+                admin = next((value.decode("latin-1") for name, value in metadata if name == b"x-admin-key"), None)
+                yield Caller(key_id, _deadline(context), request_id, admin)
             except GatewayError as exc:
                 code = code_of(exc)
                 self.gateway.metrics.rejections.labels(exc.error).inc()

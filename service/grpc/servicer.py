@@ -25,6 +25,7 @@ from service.grpc.status import code_of
 from service.grpc.tensors import infer_response, read_infer, request_deadline
 from service.http import inference_shapes
 from service.http.gateway import choose, online
+from service.http.model_routes import check_admin_key, set_loaded
 
 Context: TypeAlias = Any
 """``grpc.aio.ServicerContext`` (grpcio ships no type hints)."""
@@ -172,14 +173,31 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):  # type:
             await context.abort(grpc.StatusCode.UNIMPLEMENTED, f"this gateway does not support {what}")
 
     async def RepositoryModelLoad(self, request: Any, context: Context) -> Any:
-        return await self._unimplemented(
-            "RepositoryModelLoad", context, "loading models over gRPC: POST /v2/repository/models/{name}/load"
-        )
+        """As ``POST /v2/repository/models/{name}/load``, with the admin key as ``x-admin-key``
+        metadata; a configuration or files sent with the load are refused (the models file
+        declares the model)."""
+        async with self.calls.call("RepositoryModelLoad", context) as caller:
+            check_admin_key(self.gateway, caller.admin_key)
+            if request.repository_name:
+                raise BadRequest("this gateway has one repository: leave repository_name empty")
+            if request.parameters:
+                shown = ", ".join(sorted(request.parameters)[:5])
+                raise BadRequest(
+                    f"parameters ({shown}) are not supported: the gateway loads a model as its models file "
+                    "declares it, without a configuration or files sent with the load"
+                )
+            await set_loaded(self.gateway, _name(request.model_name), load=True)
+            return service_pb2.RepositoryModelLoadResponse()
 
     async def RepositoryModelUnload(self, request: Any, context: Context) -> Any:
-        return await self._unimplemented(
-            "RepositoryModelUnload", context, "unloading models over gRPC: POST /v2/repository/models/{name}/unload"
-        )
+        """As ``POST /v2/repository/models/{name}/unload`` (``unload_dependents`` changes nothing:
+        there are no ensembles)."""
+        async with self.calls.call("RepositoryModelUnload", context) as caller:
+            check_admin_key(self.gateway, caller.admin_key)
+            if request.repository_name:
+                raise BadRequest("this gateway has one repository: leave repository_name empty")
+            await set_loaded(self.gateway, _name(request.model_name), load=False)
+            return service_pb2.RepositoryModelUnloadResponse()
 
     async def SystemSharedMemoryStatus(self, request: Any, context: Context) -> Any:
         return await self._unimplemented("SystemSharedMemoryStatus", context, "shared memory: send the bytes")

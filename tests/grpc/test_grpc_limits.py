@@ -9,6 +9,7 @@ import asyncio
 import socket
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -214,5 +215,42 @@ async def test_a_stream_needs_a_key_too(gateway_factory: MakeSettings, cat_jpeg:
                 assert error is None
                 assert result.get_response().id == "k"
                 break
+        finally:
+            await client.close()
+
+
+async def test_load_and_unload_over_grpc_need_the_admin_key(gateway_factory: MakeSettings, tmp_path: Path) -> None:
+    """``load_model``/``unload_model`` of ``tritonclient.grpc`` under a memory budget, with the admin
+    key as ``x-admin-key`` metadata: without it or with a wrong one PERMISSION_DENIED and nothing
+    changes; with it, the index says what changed; a load with a configuration is INVALID_ARGUMENT."""
+    models = tmp_path / "models.toml"
+    models.write_text(
+        "".join(
+            f"[models.{name}]\nprofile = 'trivial'\nbackend = 'fake'\nfake_delay = 0.002\nmemory = {100 << 20}\n"
+            for name in ("a", "b")
+        )
+    )
+    admin = {"x-admin-key": "an-admin-key"}
+    settings = gateway_factory(models_file=models, model_memory_budget=250 << 20, admin_key="an-admin-key")
+    async with running_gateway(settings, grpc=True) as gateway:
+        client = triton_aio.InferenceServerClient(gateway.grpc_url)
+
+        async def states() -> dict[str, str]:
+            index = await client.get_model_repository_index()
+            return {entry.name: entry.state for entry in index.models}
+
+        try:
+            assert await states() == {"a": "READY", "b": "UNAVAILABLE"}
+            for headers in (None, {"x-admin-key": "wrong"}):
+                with pytest.raises(InferenceServerException, match="X-Admin-Key is missing or wrong") as caught:
+                    await client.load_model("b", headers=headers)
+                assert caught.value.status() == "StatusCode.PERMISSION_DENIED"
+            assert await states() == {"a": "READY", "b": "UNAVAILABLE"}
+            await client.load_model("b", headers=admin)
+            await client.unload_model("a", headers=admin)
+            assert await states() == {"a": "UNAVAILABLE", "b": "READY"}
+            with pytest.raises(InferenceServerException, match="are not supported") as caught:
+                await client.load_model("a", headers=admin, config='{"max_batch_size": 8}')
+            assert caught.value.status() == "StatusCode.INVALID_ARGUMENT"
         finally:
             await client.close()
