@@ -5,8 +5,10 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable, Iterator
 
+import grpc
 import httpx
 import pytest
+from tritonclient.grpc import service_pb2, service_pb2_grpc
 
 from loadtests.harness.otlp_receiver import OTLPReceiver, ReceivedSpan
 from service.backends.fake import FakeBackend
@@ -211,3 +213,25 @@ async def test_tracing_off_exports_nothing_and_keeps_request_ids(
     assert missing.json()["request_id"] == missing.headers["x-request-id"] != "bad id with spaces"
     await asyncio.sleep(0.2)
     assert receiver.requests == 0
+
+
+async def test_a_grpc_call_is_one_trace_under_the_clients_parent(
+    gateway_factory: Callable[..., Settings], receiver: OTLPReceiver
+) -> None:
+    """A ``ModelInfer`` call with ``traceparent`` metadata: its server span (``grpc ModelInfer``,
+    the RPC conventions' attributes) under the client's parent, with the decode, wait and batch
+    below it as for HTTP."""
+    settings = traced(gateway_factory, receiver, 0.0)
+    async with running_gateway(settings, FakeBackend(), grpc=True) as client:
+        request = service_pb2.ModelInferRequest(model_name="efficientnet-lite0")
+        request.inputs.add(name="IMAGE", datatype="BYTES", shape=[1]).contents.bytes_contents.append(png(1))
+        async with grpc.aio.insecure_channel(client.grpc_url) as channel:
+            stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
+            await stub.ModelInfer(request, metadata=[("traceparent", traceparent())])
+        spans = await receiver.until(lambda s: any(x.name == "grpc ModelInfer" for x in s) and len(s) >= 4)
+    server = one(spans, "grpc ModelInfer")
+    assert (server.trace_id, server.parent_id, server.kind) == (CLIENT_TRACE, CLIENT_PARENT, "server")
+    assert server.attributes["rpc.system"] == "grpc"
+    assert server.attributes["rpc.method"] == "ModelInfer"
+    assert server.attributes["rpc.grpc.status_code"] == 0
+    assert {"decode", "batch wait", "batch"} <= set(children(spans, server))
