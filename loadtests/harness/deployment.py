@@ -104,11 +104,16 @@ def gateway_args(model: str, batch: int, in_flight: int, triton: Triton | None, 
 
 @contextmanager
 def gateway(
-    args: list[str], models_dir: Path, cwd: Path | None = None, cpus: Collection[int] | None = None
+    args: list[str],
+    models_dir: Path,
+    cwd: Path | None = None,
+    cpus: Collection[int] | None = None,
+    env: dict[str, str] | None = None,
 ) -> Iterator[tuple[int, str]]:
     """(pid, URL) of a ready gateway process, stopped with SIGTERM on exit; ``cwd`` runs another
-    checkout's gateway, ``cpus`` pins it (see ``start_gateway``)."""
-    proc, url = start_gateway(args, models_dir, cwd=cwd, cpus=cpus)
+    checkout's gateway, ``cpus`` pins it, ``env`` adds to its environment (``GATEWAY_GRPC_PORT``
+    turns its gRPC front on; see ``start_gateway``)."""
+    proc, url = start_gateway(args, models_dir, env=env, cwd=cwd, cpus=cpus)
     try:
         yield proc.pid, url
     finally:
