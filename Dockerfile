@@ -64,10 +64,12 @@ ENV PATH=/opt/serve/bin:$PATH \
     PYTHONDONTWRITEBYTECODE=1 \
     GATEWAY_MODELS_DIR=/opt/models \
     GATEWAY_HOST=0.0.0.0 \
-    GATEWAY_PORT=8000
+    GATEWAY_PORT=8000 \
+    GATEWAY_GRPC_PORT=8001
 USER 10001
 WORKDIR /tmp
-EXPOSE 8000 9101
+# HTTP, gRPC (the Open Inference Protocol, as Triton's clients expect it), a worker's metrics.
+EXPOSE 8000 8001 9101
 # One uvicorn process per container: scale with replicas (the batcher and its metrics are per process).
 # serve's liveness, on the port it was given; a worker container replaces it with its own probe,
 # `gateway alive` (as docker-compose.yml and the Kubernetes worker do).

@@ -293,3 +293,64 @@ def test_dockerfile_is_multi_stage_non_root_with_a_healthcheck() -> None:
     assert "gateway models build" in dockerfile  # the embedded model is built at image build time
     ignored = (ROOT / ".dockerignore").read_text().split()
     assert {".venv", ".venv-triton", ".git", "tests"} <= set(ignored)
+
+
+def test_every_artifact_serves_and_publishes_the_grpc_port(tmp_path: Path) -> None:
+    """The gateway's gRPC port (the settings' default, Triton's 8001) is exposed by the image,
+    published by the compose stack, set on the host stack off a local Triton's ports, and declared by
+    the Kubernetes Deployment and Service; a NetworkPolicy that admits the gateway's HTTP port admits
+    its gRPC port too. Triton's own 8001 stays inside compose's network."""
+    http, grpc = Settings.model_fields["port"].default, Settings.model_fields["grpc_port"].default
+    assert (http, grpc) == (8000, 8001)
+
+    dockerfile = (ROOT / "Dockerfile").read_text().split("FROM ")[-1]  # the runtime stage
+    expose = re.search(r"^EXPOSE (.+)$", dockerfile, re.M)
+    assert expose, "the runtime stage exposes no port"
+    assert {str(http), str(grpc)} <= set(expose.group(1).split())
+    assert re.search(rf"\bGATEWAY_GRPC_PORT={grpc}\b", dockerfile)
+
+    services = yaml.safe_load(compose("docker-compose.yml").stdout)["services"]
+    published = {(p["published"], p["target"]) for p in services["gateway"]["ports"]}
+    assert {(http, http), (grpc, grpc)} <= published
+    assert "ports" not in services["triton"]  # the host's 8001 is the gateway's
+
+    # "" for the file's default: the suite's conftest sets GATEWAY_GRPC_PORT=0 in this environment
+    env = {"GATEWAY_BROKER_URL": "amqp://u:p@127.0.0.1:5672/", "GATEWAY_GRPC_PORT": "", "GATEWAY_TRITON_URL": ""}
+    host = compose("docker-compose.host.yml", env=env)
+    assert host.returncode == 0, host.stderr
+    gateway_env = yaml.safe_load(host.stdout)["services"]["gateway"]["environment"]
+    assert gateway_env["GATEWAY_GRPC_PORT"] == str(grpc)
+    triton_port = int(gateway_env["GATEWAY_TRITON_URL"].rsplit(":", 1)[1])
+    assert triton_port not in (int(gateway_env["GATEWAY_PORT"]), grpc)  # one host: Triton elsewhere
+
+    for overlay in ("cpu", "gpu"):
+        docs = render(overlay, tmp_path / overlay)
+        assert by_kind(docs, "ConfigMap", "gateway-config")["data"]["GATEWAY_GRPC_PORT"] == str(grpc)
+        ports = {
+            p["name"]: p["containerPort"] for p in container(by_kind(docs, "Deployment", "gateway"), "gateway")["ports"]
+        }
+        assert ports == {"http": http, "grpc": grpc}
+        service = {p["name"]: p for p in by_kind(docs, "Service", "gateway")["spec"]["ports"]}
+        assert service["grpc"]["targetPort"] == "grpc"
+        assert service["grpc"]["appProtocol"] == "grpc"
+        for policy in (d for d in docs if d["kind"] == "NetworkPolicy"):
+            if not selects_gateway(policy["spec"]["podSelector"]):
+                continue
+            for rule in policy["spec"].get("ingress", []):
+                admitted = {p.get("port") for p in rule.get("ports", [])}
+                if admitted & {http, "http"}:
+                    assert admitted & {grpc, "grpc"}, (policy["metadata"]["name"], rule)
+
+
+def selects_gateway(selector: dict[str, Any]) -> bool:
+    """Whether a NetworkPolicy's podSelector takes the gateway's pods (an empty one takes every pod)."""
+    labels = {"app.kubernetes.io/name": "gateway"}
+    if any(labels.get(key) != value for key, value in selector.get("matchLabels", {}).items()):
+        return False
+    for expression in selector.get("matchExpressions", []):
+        value = labels.get(expression["key"])
+        inside = value is not None and value in expression.get("values", [])
+        matches = {"In": inside, "NotIn": not inside, "Exists": value is not None, "DoesNotExist": value is None}
+        if not matches[expression["operator"]]:
+            return False
+    return True
