@@ -179,7 +179,9 @@ def default_venv() -> Path:
 
 
 if __name__ == "__main__":  # pragma: no cover - manual use: python -m service.triton.server REPO
-    server = LocalTriton(TritonInstall.find(default_venv()), Path(sys.argv[1]).absolute(), Ports(8000, 8001, 8002))
+    # Off Triton's defaults (8000-8002), which are the gateway's own HTTP and gRPC ports: both run on
+    # one host (GATEWAY_TRITON_URL=127.0.0.1:8011).
+    server = LocalTriton(TritonInstall.find(default_venv()), Path(sys.argv[1]).absolute(), Ports(8010, 8011, 8012))
     server.start()
     print(f"tritonserver ready: gRPC {server.grpc_url}, HTTP {server.http_url}")
     try:
