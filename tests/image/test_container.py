@@ -22,8 +22,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import httpx
+import numpy as np
 import pytest
+import tritonclient.grpc as grpcclient
 
+from service.settings import Settings
 from service.triton.server import LocalTriton
 from service.tune.runner import free_port
 from tests.conftest import CAT_CLASSES
@@ -56,7 +59,9 @@ class Container:
 
 
 def start(name: str, port: int, *command: str, env: dict[str, str] | None = None) -> Container:
-    environment = [f"--env={key}={value}" for key, value in (env or {}).items()]
+    """A container on the host's network, its gRPC port (the image's 8001 otherwise) a free one."""
+    env = {"GATEWAY_GRPC_PORT": str(free_port()), **(env or {})}
+    environment = [f"--env={key}={value}" for key, value in env.items()]
     docker("run", "--detach", "--name", name, "--network", "host", *LOCKED_DOWN, *environment, IMAGE, *command)
     return Container(name, f"http://127.0.0.1:{port}")
 
@@ -116,7 +121,11 @@ def prefix() -> Iterator[str]:
 
 @pytest.fixture(scope="module")
 def stack(prefix: str) -> Iterator[HostStack]:
-    ports = {"GATEWAY_PORT": str(free_port()), "GATEWAY_WORKER_METRICS_PORT": str(free_port())}
+    ports = {
+        "GATEWAY_PORT": str(free_port()),
+        "GATEWAY_GRPC_PORT": str(free_port()),
+        "GATEWAY_WORKER_METRICS_PORT": str(free_port()),
+    }
     stack = HostStack({"GATEWAY_BROKER_URL": BROKER_URL, "GATEWAY_QUEUE_PREFIX": prefix, **ports})
     try:
         yield stack
@@ -169,6 +178,22 @@ def test_a_real_photo_gets_its_label(gateway: Container, cat_jpeg: bytes) -> Non
     assert response.status_code == 200, response.text
     index, label = top_label(response.json())
     assert index in CAT_CLASSES, f"the cat photo was labelled {label!r}"
+
+
+def test_a_real_photo_gets_its_label_over_grpc(gateway: Container, stack: HostStack, cat_jpeg: bytes) -> None:
+    """The Open Inference Protocol over gRPC on the container's GATEWAY_GRPC_PORT, as Triton's own
+    client calls it: the photo's bytes as IMAGE, the best labels asked for as a classification."""
+    client = grpcclient.InferenceServerClient(f"127.0.0.1:{stack.env['GATEWAY_GRPC_PORT']}")
+    try:
+        image = grpcclient.InferInput("IMAGE", [1], "BYTES")
+        image.set_data_from_numpy(np.array([cat_jpeg], dtype=np.object_))
+        wanted = [grpcclient.InferRequestedOutput("PROBABILITIES", class_count=3)]
+        result = client.infer(Settings.model_fields["model"].default, [image], outputs=wanted, client_timeout=30)
+    finally:
+        client.close()
+    best = result.as_numpy("PROBABILITIES")[0][0].decode()  # "score:index:label"
+    _, index, label = best.split(":", 2)
+    assert int(index) in CAT_CLASSES, f"the cat photo was labelled {label!r} over gRPC"
 
 
 def test_metrics_count_what_was_served(gateway: Container, cat_jpeg: bytes) -> None:
