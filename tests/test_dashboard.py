@@ -12,9 +12,11 @@ import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import httpx
 import pytest
+import yaml
 from prometheus_client import CollectorRegistry, generate_latest
 
 from service.backends.fake import FakeBackend
@@ -101,6 +103,50 @@ def test_dashboard_is_current_and_well_formed(tmp_path: Path) -> None:
             assert panel["datasource"]["uid"] == datasource_uid
             assert panel["targets"], panel["title"]
             assert all(t["expr"] and t["refId"] for t in panel["targets"])
+
+
+def test_every_series_the_rules_watch_is_on_the_dashboard() -> None:
+    """What pages or opens a ticket can be looked at: each series a recording rule or an alert is
+    built on (the HTTP and gRPC fronts' alike) is in some panel's query (``up`` aside: the
+    targets' state is Prometheus's own page)."""
+    rules = yaml.safe_load((ROOT / "deploy" / "prometheus" / "rules" / "gateway.yml").read_text())
+    recorded = {r["record"] for g in rules["groups"] for r in g["rules"] if "record" in r}
+    watched = {name for g in rules["groups"] for r in g["rules"] for name in metric_names(r["expr"])} - recorded
+    assert {"gateway_grpc_requests_total", "gateway_grpc_request_duration_seconds_bucket"} <= watched
+    shown = {name for expr in dashboard_queries() for name in metric_names(expr)}
+    assert watched - shown == {"up"}
+
+
+FRONTS = {
+    "http": ("gateway_http_requests_total", "route, status", "gateway_http_request_duration_seconds", "route"),
+    "grpc": ("gateway_grpc_requests_total", "method, code", "gateway_grpc_request_duration_seconds", "method"),
+}
+"""Each front's answers counter, by what and how it answered, and its latency histogram, by what."""
+
+
+def test_each_front_has_its_calls_and_latency_panels() -> None:
+    """Each front (REST by route, gRPC by method) has a panel of its answers per second by route or
+    method and status code, and one of its latency p50 to p99 by route or method; the two fronts'
+    panels side by side, in the same rows."""
+    panels: list[dict[str, Any]] = [p for p in json.loads(DASHBOARD.read_text())["panels"] if p["type"] != "row"]
+
+    def panel_of(pattern: str) -> dict[str, Any]:
+        found = [p for p in panels if any(re.search(pattern, t["expr"]) for t in p["targets"])]
+        assert len(found) == 1, (pattern, [p["title"] for p in found])
+        return found[0]
+
+    rows: dict[str, set[int]] = {"calls": set(), "latency": set()}
+    for counter, by, histogram, each in FRONTS.values():
+        calls = panel_of(rf"^sum by \({by}\) \(rate\({counter}\{{")
+        latency = [
+            panel_of(rf"^histogram_quantile\({q}, sum by \(le, {each}\) \(rate\({histogram}_bucket\{{")
+            for q in ("0.5", "0.99")
+        ]
+        assert latency[0] is latency[1]
+        rows["calls"].add(calls["gridPos"]["y"])
+        rows["latency"].add(latency[0]["gridPos"]["y"])
+    assert all(len(ys) == 1 for ys in rows.values()), rows
+    assert rows["calls"] != rows["latency"]
 
 
 @pytest.mark.triton

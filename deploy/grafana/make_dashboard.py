@@ -21,6 +21,14 @@ TRAFFIC = (
 """Every route clients call for inference, by its template (bounded): not the probes, /metrics, the
 protocol's configuration, statistics and repository routes, or the admin routes; the same selection
 as deploy/prometheus/rules/gateway.yml's error ratio and latency."""
+GRPC_TRAFFIC = 'method!~"ServerLive|ServerReady|ModelReady|ModelConfig|ModelStatistics|Repository.+"'
+"""The gRPC front's counterpart (by method: the RPC's name): not the health methods, configuration,
+statistics or the repository, the same selection as the rules' gRPC error ratio and latency."""
+GRPC_FAILED = 'code=~"INTERNAL|UNAVAILABLE|DEADLINE_EXCEEDED|UNKNOWN|DATA_LOSS"'
+"""The codes of the gateway's own failures, as 5xx is for HTTP (the rules' gRPC error ratio)."""
+GRPC_LATENCY = f'{GRPC_TRAFFIC},method!="ModelStreamInfer",code="OK"'
+"""gRPC calls whose duration is a latency: a stream's requests one by one, not the stream, which
+lasts as long as its client keeps it open; answered OK, as HTTP's latency is of 2xx."""
 MODEL = 'model=~"$model"'
 """The dashboard's model selector, on every per-model series."""
 
@@ -97,6 +105,16 @@ ROWS: list[tuple[str, list[dict[str, Any]]]] = [
                 ],
             },
             {
+                "title": "gRPC calls/s by method and code",
+                "unit": "reqps",
+                "targets": [
+                    (
+                        "{{method}} {{code}}",
+                        f"sum by (method, code) (rate(gateway_grpc_requests_total{{{GRPC_TRAFFIC}}}[1m]))",
+                    )
+                ],
+            },
+            {
                 "title": "Triton inferences/s",
                 "unit": "short",
                 "targets": [("{{model}}", "sum by (model) (rate(nv_inference_count[1m]))")],
@@ -111,6 +129,11 @@ ROWS: list[tuple[str, list[dict[str, Any]]]] = [
                 "unit": "s",
                 "targets": quantiles("gateway_http_request_duration_seconds", f'{TRAFFIC},status_class="2xx"', "route"),
                 "exemplars": True,
+            },
+            {
+                "title": "gRPC latency by method (OK)",
+                "unit": "s",
+                "targets": quantiles("gateway_grpc_request_duration_seconds", GRPC_LATENCY, "method"),
             },
             {
                 "title": "Stage latency, p95",
@@ -291,13 +314,18 @@ ROWS: list[tuple[str, list[dict[str, Any]]]] = [
         "Errors and health",
         [
             {
-                "title": "5xx share by route, failed batches by version",
+                "title": "5xx share by route, gRPC failures by method, failed batches by version",
                 "unit": "percentunit",
                 "targets": [
                     (
                         "{{route}}",
                         f'sum by (route) (rate(gateway_http_requests_total{{{TRAFFIC},status=~"5.."}}[5m])) '
                         f"/ sum by (route) (rate(gateway_http_requests_total{{{TRAFFIC}}}[5m]))",
+                    ),
+                    (
+                        "gRPC {{method}}",
+                        f"sum by (method) (rate(gateway_grpc_requests_total{{{GRPC_TRAFFIC},{GRPC_FAILED}}}[5m])) "
+                        f"/ sum by (method) (rate(gateway_grpc_requests_total{{{GRPC_TRAFFIC}}}[5m]))",
                     ),
                     (
                         "failed batches {{model}}/{{version}}",
