@@ -26,7 +26,7 @@ def test_prometheus_config_and_rules_are_valid() -> None:
     assert config.returncode == 0, config.stdout + config.stderr
     rules = promtool("check", "rules", "rules/gateway.yml")
     assert rules.returncode == 0, rules.stdout + rules.stderr
-    assert "20 rules found" in rules.stdout
+    assert "26 rules found" in rules.stdout
 
 
 def test_alerts_fire_on_synthetic_series() -> None:
