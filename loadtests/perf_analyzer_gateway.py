@@ -59,6 +59,9 @@ class Measured:
     gateway_cpu_ms: float | None
     """Gateway process CPU per request the counting server answered (None: not in the path)."""
     triton_cpu_ms: float | None
+    mean_batch: float
+    """Images per backend execution, as the counting server says: the gateway's batches to its
+    backend, or Triton's own for the direct rows."""
     failed: int
     """Requests the counting server (or the load generator) saw fail during the point."""
 
@@ -97,12 +100,12 @@ def point(servers: Servers, target: str, client: str, protocol: str, concurrency
     counter = servers.gateway_url
     if target == TRITON and servers.triton is not None:
         counter = f"http://{servers.triton.http_url}"
-    done0, failed0 = request_counts(counter, servers.model)
+    before = request_counts(counter, servers.model)
     gateway0, triton0 = tree_cpu(servers.gateway_pid), tree_cpu(triton_pid)
     rate, p50, p99, client_failed = probe()
     gateway1, triton1 = tree_cpu(servers.gateway_pid), tree_cpu(triton_pid)
-    done1, failed1 = request_counts(counter, servers.model)
-    served = max(done1 - done0, 1)
+    counted = request_counts(counter, servers.model) - before
+    served = max(counted.succeeded, 1)
     return Measured(
         target,
         client,
@@ -113,7 +116,8 @@ def point(servers: Servers, target: str, client: str, protocol: str, concurrency
         p99,
         None if target == TRITON else 1000 * (gateway1 - gateway0) / served,
         None if triton_pid is None else 1000 * (triton1 - triton0) / served,
-        failed1 - failed0 + client_failed,
+        counted.inferences / max(counted.executions, 1),
+        counted.failed + client_failed,
     )
 
 
@@ -188,13 +192,13 @@ def report(results: list[Measured], args: argparse.Namespace, backend: str) -> l
         f"\n### {args.model}, 1 image per request, gateway backend {backend}, {os.cpu_count()} cores, "
         f"median of {args.repeat} run(s)\n",
         "| target | client | protocol | concurrency | infer/s | p50 ms | p99 ms "
-        "| gateway CPU ms/image | Triton CPU ms/image |",
-        "|---|---|---|---:|---:|---:|---:|---:|---:|",
+        "| gateway CPU ms/image | Triton CPU ms/image | mean batch |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for m in results:
         lines.append(
             f"| {m.target} | {m.client} | {m.protocol} | {m.concurrency} | {m.rate:.1f} | {m.p50_ms:.2f} | "
-            f"{m.p99_ms:.2f} | {cell(m.gateway_cpu_ms)} | {cell(m.triton_cpu_ms)} |"
+            f"{m.p99_ms:.2f} | {cell(m.gateway_cpu_ms)} | {cell(m.triton_cpu_ms)} | {m.mean_batch:.2f} |"
         )
     at = {(m.target, m.protocol, m.concurrency): m for m in results}
     triton = args.triton_protocols if backend == "triton" else []

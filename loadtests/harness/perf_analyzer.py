@@ -93,10 +93,35 @@ def bytes_input(name: str, elements: list[bytes], path: Path) -> Path:
     return path
 
 
-def request_counts(http_url: str, model: str) -> tuple[int, int]:
-    """(succeeded, failed) requests a server has counted for ``model``, all versions, from the
-    statistics extension (``GET /v2/models/{model}/stats``): the gateway's and Triton's alike."""
+@dataclass(frozen=True)
+class Counts:
+    """What a server's statistics extension has counted for a model, all versions together."""
+
+    succeeded: int
+    failed: int
+    inferences: int
+    """Inputs inferred (images, here)."""
+    executions: int
+    """Backend executions (batches): ``inferences / executions`` is the mean batch."""
+
+    def __sub__(self, other: Counts) -> Counts:
+        return Counts(
+            self.succeeded - other.succeeded,
+            self.failed - other.failed,
+            self.inferences - other.inferences,
+            self.executions - other.executions,
+        )
+
+
+def request_counts(http_url: str, model: str) -> Counts:
+    """What a server has counted for ``model`` (``GET /v2/models/{model}/stats``, the statistics
+    extension): the gateway's and Triton's alike, so a run is counted by the server it loads."""
     answer = httpx.get(f"{http_url}/v2/models/{model}/stats", timeout=10)
     answer.raise_for_status()
-    stats = [version["inference_stats"] for version in answer.json()["model_stats"]]
-    return sum(int(s["success"]["count"]) for s in stats), sum(int(s["fail"]["count"]) for s in stats)
+    versions = answer.json()["model_stats"]
+    return Counts(
+        sum(int(v["inference_stats"]["success"]["count"]) for v in versions),
+        sum(int(v["inference_stats"]["fail"]["count"]) for v in versions),
+        sum(int(v.get("inference_count", 0)) for v in versions),
+        sum(int(v.get("execution_count", 0)) for v in versions),
+    )
