@@ -17,7 +17,7 @@ from contextlib import AbstractAsyncContextManager, asynccontextmanager
 
 import grpc
 
-from service.grpc.calls import Calls
+from service.grpc.calls import Calls, KeyCheck
 from service.grpc.methods import add_to_server
 from service.grpc.servicer import InferenceServicer
 from service.http.gateway import Gateway
@@ -38,8 +38,19 @@ def grpc_address(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
+IDLE_CONNECTION_SECONDS = 300
+"""A connection with no call for this long is closed (GOAWAY; a client's channel reconnects at its
+next call): idle connections do not pile up."""
+
+
 def server_options(settings: Settings) -> list[tuple[str, int]]:
     return [
+        # connections and calls: at most as many as HTTP's connections and tasks (max_connections,
+        # each costs a descriptor or a task); a client that never sends HTTP/2's preface is dropped
+        # after header_timeout, an idle connection after 5 minutes
+        ("grpc.max_allowed_incoming_connections", settings.max_connections),
+        ("grpc.server_handshake_timeout_ms", int(settings.header_timeout * 1000)),
+        ("grpc.max_connection_idle_ms", IDLE_CONNECTION_SECONDS * 1000),
         ("grpc.max_receive_message_length", settings.max_body_bytes),
         ("grpc.max_send_message_length", max(settings.max_body_bytes, 64 * 1024 * 1024)),
         ("grpc.max_concurrent_streams", settings.grpc_max_concurrent_streams),
@@ -59,8 +70,12 @@ def grpc_front(settings: Settings) -> Callable[[Gateway], AbstractAsyncContextMa
 
     @asynccontextmanager
     async def running(gateway: Gateway) -> AsyncIterator[None]:
-        server = grpc.aio.server(options=server_options(settings), maximum_concurrent_rpcs=None)
         calls = Calls(gateway, gateway.keys, gateway.tracing)
+        server = grpc.aio.server(
+            options=server_options(settings),
+            maximum_concurrent_rpcs=settings.max_connections,
+            interceptors=[KeyCheck(calls)],
+        )
         add_to_server(InferenceServicer(calls), calls, server)
         address = grpc_address(settings.host, settings.grpc_port)
         try:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import time
 from collections.abc import AsyncIterator
 from typing import Any, TypeAlias
 
@@ -18,22 +17,19 @@ import grpc
 from google.protobuf import json_format
 from tritonclient.grpc import model_config_pb2, service_pb2, service_pb2_grpc
 
-from service.errors import BadRequest, GatewayError
+from service.errors import BadRequest
 from service.grpc.calls import Caller, Calls
 from service.grpc.methods import Malformed
-from service.grpc.status import code_of
+from service.grpc.streams import answer_stream
 from service.grpc.tensors import infer_response, read_infer, request_deadline
 from service.http import inference_shapes
 from service.http.gateway import choose, online
 from service.http.model_routes import check_admin_key, set_loaded
+from service.serving.served import quoted
 
 Context: TypeAlias = Any
 """``grpc.aio.ServicerContext`` (grpcio ships no type hints)."""
 logger = logging.getLogger(__name__)
-
-STREAM_IN_FLIGHT = 64
-"""Requests of one stream being answered at once; the stream's next request is read when one
-finishes (its client's writes wait in the HTTP/2 window meanwhile)."""
 
 
 class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):  # type: ignore[misc]
@@ -71,8 +67,10 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):  # type:
             return json_format.ParseDict(shape, service_pb2.ModelMetadataResponse(), ignore_unknown_fields=True)
 
     async def ModelConfig(self, request: Any, context: Context) -> Any:
-        async with self.calls.call("ModelConfig", context) as caller:
-            served = self._version(caller, request.name, request.version)
+        async with self.calls.call("ModelConfig", context):
+            # as GET .../config: the named version, or the model's first (not one picked by traffic)
+            model = self.gateway.models.get(_name(request.name))
+            served = model.version(request.version) if request.version else next(iter(model.versions.values()))
             config = json_format.ParseDict(
                 inference_shapes.model_config(self.gateway, served), model_config_pb2.ModelConfig()
             )
@@ -99,60 +97,21 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):  # type:
     async def ModelStreamInfer(self, request_iterator: Any, context: Context) -> AsyncIterator[Any]:
         """Each request of the stream answered as ``ModelInfer`` answers it, in the order they finish
         (a client matches them by ``id``, as ``tritonclient.grpc``'s stream callback does); an error
-        is that request's ``error_message``, and the stream goes on. The stream's key and deadline
-        are its call's; a request's deadline is also bounded by ``request_timeout``."""
-        async with self.calls.call("ModelStreamInfer", context) as caller:
-            answers: asyncio.Queue[Any] = asyncio.Queue()
-            slots = asyncio.Semaphore(STREAM_IN_FLIGHT)
-            tasks: set[asyncio.Task[None]] = set()
-
-            async def answer(request: Any) -> None:
-                start, code = time.perf_counter(), grpc.StatusCode.OK
-                try:
-                    response = service_pb2.ModelStreamInferResponse(infer_response=await self._infer(request, caller))
-                except GatewayError as exc:
-                    code = code_of(exc)
-                    self.gateway.metrics.rejections.labels(exc.error).inc()
-                    response = service_pb2.ModelStreamInferResponse(
-                        error_message=f"{code.name}: {exc.detail}",
-                        infer_response=service_pb2.ModelInferResponse(
-                            model_name=getattr(request, "model_name", ""),
-                            model_version=getattr(request, "model_version", ""),
-                            id=getattr(request, "id", ""),
-                        ),
-                    )
-                except Exception:
-                    code = grpc.StatusCode.INTERNAL
-                    logger.exception("grpc: a streamed inference failed")
-                    response = service_pb2.ModelStreamInferResponse(
-                        error_message="INTERNAL: the gateway failed to answer this request (see its log)",
-                        infer_response=service_pb2.ModelInferResponse(id=getattr(request, "id", "")),
-                    )
-                finally:
-                    slots.release()
-                    self.calls.record("ModelStreamInfer.request", code, time.perf_counter() - start)
-                answers.put_nowait(response)
-
-            async def read() -> None:
-                async for request in request_iterator:
-                    await slots.acquire()
-                    task = asyncio.create_task(answer(request))
-                    tasks.add(task)
-                    task.add_done_callback(tasks.discard)
-                if tasks:
-                    await asyncio.wait(set(tasks))
-                answers.put_nowait(None)
-
-            reader = asyncio.create_task(read())
-            try:
-                while (response := await answers.get()) is not None:
+        is that request's ``error_message``, and the stream goes on (``service.grpc.streams``). The
+        stream's key and deadline are its call's; a request's deadline is also bounded by
+        ``request_timeout``, and each request takes the key's concurrency slot."""
+        async with self.calls.call("ModelStreamInfer", context, holds_slot=False) as caller:
+            answers = answer_stream(
+                request_iterator,
+                caller,
+                self.calls,
+                self._infer,
+                lambda: self.gateway.closing,
+                self.gateway.settings.max_body_bytes,
+            )
+            async with contextlib.aclosing(answers):  # closed with the call, whatever ends it
+                async for response in answers:
                     yield response
-                await reader  # its errors (a broken stream) end the call
-            finally:
-                for task in (reader, *tasks):
-                    task.cancel()  # the client left: their images leave the batcher
-                with contextlib.suppress(asyncio.CancelledError):
-                    await asyncio.gather(reader, *tasks, return_exceptions=True)
 
     async def _infer(self, request: Any, caller: Caller) -> Any:
         if isinstance(request, Malformed):  # a stream's request (a unary call's is refused before)
@@ -181,7 +140,7 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):  # type:
             if request.repository_name:
                 raise BadRequest("this gateway has one repository: leave repository_name empty")
             if request.parameters:
-                shown = ", ".join(sorted(request.parameters)[:5])
+                shown = ", ".join(quoted(key, 64, "key") for key in sorted(request.parameters)[:5])
                 raise BadRequest(
                     f"parameters ({shown}) are not supported: the gateway loads a model as its models file "
                     "declares it, without a configuration or files sent with the load"
@@ -196,6 +155,13 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):  # type:
             check_admin_key(self.gateway, caller.admin_key)
             if request.repository_name:
                 raise BadRequest("this gateway has one repository: leave repository_name empty")
+            unknown = sorted(set(request.parameters) - {"unload_dependents"})
+            if unknown:
+                shown = ", ".join(quoted(key, 64, "key") for key in unknown[:5])
+                raise BadRequest(f"unknown parameters ({shown}); an unload takes unload_dependents only")
+            dependents = request.parameters.get("unload_dependents")
+            if dependents is not None and dependents.WhichOneof("parameter_choice") != "bool_param":
+                raise BadRequest("unload_dependents must be a bool parameter")
             await set_loaded(self.gateway, _name(request.model_name), load=False)
             return service_pb2.RepositoryModelUnloadResponse()
 

@@ -24,6 +24,7 @@ from tritonclient.grpc import service_pb2
 from service.classifier import Classification, ImageInput
 from service.errors import BadRequest
 from service.http.inference_request import INPUT, OUTPUT, InferenceRequest, bytes_elements
+from service.serving.served import quoted
 
 CONTENT_FIELDS = (
     "bool_contents",
@@ -115,7 +116,8 @@ def _classification(request: Any, classes: int) -> int | None:
     k = getattr(parameter, kind) if kind in ("int64_param", "uint64_param") else None
     if k is None or not 1 <= k <= classes:
         shown = getattr(parameter, kind) if kind else None
-        raise BadRequest(f"classification must be a whole number of classes from 1 to {classes}; got {shown!r}")
+        said = quoted(shown, 32, "string") if isinstance(shown, str) else repr(shown)
+        raise BadRequest(f"classification must be a whole number of classes from 1 to {classes}; got {said}")
     return cast(int, k)
 
 

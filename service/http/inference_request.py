@@ -32,6 +32,7 @@ from starlette.concurrency import run_in_threadpool
 from service.classifier import ImageInput
 from service.errors import BadRequest
 from service.http import strict_json
+from service.serving.served import quoted
 
 INPUT = "IMAGE"
 OUTPUT = "PROBABILITIES"
@@ -201,5 +202,6 @@ def _requested(header: dict[str, Any], classes: int) -> tuple[int | None, bool]:
     if k is None:
         return None, binary
     if type(k) is not int or not 1 <= k <= classes:
-        raise BadRequest(f"classification must be a whole number of classes from 1 to {classes}; got {k!r}")
+        said = quoted(k, 32, "string") if isinstance(k, str) else repr(k)[:64]
+        raise BadRequest(f"classification must be a whole number of classes from 1 to {classes}; got {said}")
     return k, binary

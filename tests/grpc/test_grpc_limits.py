@@ -15,6 +15,7 @@ from typing import Any
 import grpc
 import h2.config
 import h2.connection
+import h2.events
 import numpy as np
 import pytest
 import tritonclient.grpc.aio as triton_aio
@@ -254,3 +255,117 @@ async def test_load_and_unload_over_grpc_need_the_admin_key(gateway_factory: Mak
             assert caught.value.status() == "StatusCode.INVALID_ARGUMENT"
         finally:
             await client.close()
+
+
+def _headers_only(port: int, metadata: list[tuple[str, str]]) -> dict[str, str]:
+    """A ModelInfer call's headers and no message (a client about to send a large one): what the
+    server answers within 5 s, as the trailers' fields ({} for nothing)."""
+    connection = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True, header_encoding="utf-8"))
+    connection.initiate_connection()
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
+        stream = connection.get_next_available_stream_id()
+        connection.send_headers(
+            stream,
+            [
+                (":method", "POST"),
+                (":scheme", "http"),
+                (":path", "/inference.GRPCInferenceService/ModelInfer"),
+                (":authority", f"127.0.0.1:{port}"),
+                ("content-type", "application/grpc"),
+                ("te", "trailers"),
+                *metadata,
+            ],
+        )
+        sock.sendall(connection.data_to_send())
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:
+            try:
+                data = sock.recv(65536)
+            except TimeoutError:
+                break
+            if not data:
+                break
+            for event in connection.receive_data(data):
+                if isinstance(event, h2.events.TrailersReceived | h2.events.ResponseReceived):
+                    fields = dict(event.headers)
+                    if "grpc-status" in fields:
+                        return fields
+            sock.sendall(connection.data_to_send())
+    return {}
+
+
+async def test_a_call_without_a_key_is_refused_before_its_message(gateway_factory: MakeSettings) -> None:
+    """Without a valid key the call is UNAUTHENTICATED as soon as its headers arrive, its message
+    unread (a client cannot make the server buffer messages it will refuse); with one, the server
+    waits for the message."""
+    async with running_gateway(gateway_factory(api_keys="alpha"), grpc=True) as gateway:
+        port = int(gateway.grpc_url.rsplit(":", 1)[1])
+        refused = await asyncio.to_thread(_headers_only, port, [("x-api-key", "wrong")])
+        waiting = await asyncio.to_thread(_headers_only, port, [("x-api-key", "alpha")])
+    assert refused["grpc-status"] == str(grpc.StatusCode.UNAUTHENTICATED.value[0])
+    assert "API key" in refused["grpc-message"]
+    assert waiting == {}
+
+
+async def test_a_streams_requests_take_the_keys_slots_and_a_closing_gateway_ends_it(
+    gateway_factory: MakeSettings, cat_jpeg: bytes
+) -> None:
+    """A key of concurrency 1 streams three requests at once: one is answered, the others are
+    RESOURCE_EXHAUSTED (a stream does not pass the key's limit); once the gateway is shutting down,
+    a stream's next request is UNAVAILABLE and the stream ends."""
+    settings = gateway_factory(api_keys="beta concurrency=1", backend="fake", fake_delay=0.5)
+    async with running_gateway(settings, grpc=True) as gateway:
+        client = triton_aio.InferenceServerClient(gateway.grpc_url)
+        key = {"x-api-key": "beta"}
+
+        async def three() -> Any:
+            for i in range(3):
+                yield {"model_name": MODEL, "inputs": _inputs(cat_jpeg), "request_id": str(i)}
+
+        outcomes = []
+        try:
+            async for _, error in client.stream_infer(three(), headers=key):
+                outcomes.append("OK" if error is None else str(error).split(":")[0])
+                if len(outcomes) == 3:
+                    break
+            gate = asyncio.Event()
+
+            async def after_closing() -> Any:
+                yield {"model_name": MODEL, "inputs": _inputs(cat_jpeg), "request_id": "first"}
+                await gate.wait()
+                yield {"model_name": MODEL, "inputs": _inputs(cat_jpeg), "request_id": "late"}
+
+            closing = []
+            async for result, error in client.stream_infer(after_closing(), headers=key):
+                closing.append((None if result is None else result.get_response().id, error and str(error)))
+                gateway.app.state.gateway.closing = True
+                gate.set()
+        finally:
+            gateway.app.state.gateway.closing = False
+            await client.close()
+    assert sorted(outcomes) == ["OK", "RESOURCE_EXHAUSTED", "RESOURCE_EXHAUSTED"]
+    assert closing[0] == ("first", None)
+    assert closing[1][1] is not None
+    assert "UNAVAILABLE: the gateway is shutting down" in closing[1][1]
+    assert len(closing) == 2  # and the stream ended
+
+
+async def test_metrics_say_the_code_each_call_ended_with(gateway_factory: MakeSettings, cat_jpeg: bytes) -> None:
+    """UNIMPLEMENTED and a cancelled stream are counted as such, never as OK."""
+    settings = gateway_factory(backend="fake", fake_delay=1.0)
+    async with running_gateway(settings, grpc=True) as gateway:
+        async with grpc.aio.insecure_channel(gateway.grpc_url) as channel:
+            stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
+            unimplemented = await _code(stub.TraceSetting(service_pb2.TraceSettingRequest()))
+            stream = stub.ModelStreamInfer(iter([_request([cat_jpeg])]))
+            await asyncio.sleep(0.3)
+            stream.cancel()
+        metrics = gateway.app.state.gateway.metrics
+        async with asyncio.timeout(5):
+            while metrics.grpc_requests.labels("ModelStreamInfer", "CANCELLED")._value.get() < 1:  # noqa: ASYNC110
+                await asyncio.sleep(0.05)
+        exposition = (await gateway.get("/metrics")).text
+    assert unimplemented[0] == grpc.StatusCode.UNIMPLEMENTED
+    assert 'gateway_grpc_requests_total{code="UNIMPLEMENTED",method="TraceSetting"} 1.0' in exposition
+    assert 'code="OK",method="TraceSetting"' not in exposition
+    assert 'code="OK",method="ModelStreamInfer"' not in exposition
