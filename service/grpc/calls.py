@@ -62,6 +62,8 @@ class Calls:
         self.gateway = gateway
         self.keys = list(keys)
         self.tracing = tracing
+        self._series: dict[tuple[str, grpc.StatusCode], tuple[Any, Any]] = {}
+        """Metric children by (method, code): ``labels()`` costs a lock and a validation a call."""
 
     @asynccontextmanager
     async def call(self, method: str, context: Any, *, holds_slot: bool = True) -> AsyncIterator[Caller]:
@@ -144,9 +146,13 @@ class Calls:
             quotas.leave(caller.key_id)
 
     def record(self, method: str, code: grpc.StatusCode, seconds: float) -> None:
-        name = code.name
-        self.gateway.metrics.grpc_requests.labels(method, name).inc()
-        self.gateway.metrics.grpc_duration.labels(method, name).observe(seconds)
+        series = self._series.get((method, code))
+        if series is None:  # methods and codes are a fixed, small set: one lookup each, ever
+            metrics = self.gateway.metrics
+            series = (metrics.grpc_requests.labels(method, code.name), metrics.grpc_duration.labels(method, code.name))
+            self._series[(method, code)] = series
+        series[0].inc()
+        series[1].observe(seconds)
 
     def _authenticate(self, method: str, metadata: list[tuple[bytes, bytes]]) -> str | None:
         """The id of the call's API key (None where keys are off, or for an open method without one)."""

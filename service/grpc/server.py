@@ -74,7 +74,7 @@ def grpc_front(settings: Settings) -> Callable[[Gateway], AbstractAsyncContextMa
         server = grpc.aio.server(
             options=server_options(settings),
             maximum_concurrent_rpcs=settings.max_connections,
-            interceptors=[KeyCheck(calls)],
+            interceptors=[KeyCheck(calls)] if calls.keys else [],
         )
         add_to_server(InferenceServicer(calls), calls, server)
         address = grpc_address(settings.host, settings.grpc_port)
