@@ -6,7 +6,7 @@ handler in the app renders every one as ``{"error": ..., "detail": ...}``.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from starlette.responses import JSONResponse
@@ -167,6 +167,18 @@ def error_body(error: str, detail: str) -> dict[str, Any]:
 
 def error_response(exc: GatewayError) -> JSONResponse:
     return JSONResponse(error_body(exc.error, exc.detail), status_code=exc.status_code, headers=exc.headers)
+
+
+def protocol_error(exc: GatewayError) -> JSONResponse:
+    """The Open Inference Protocol's error shape (``{"error": "<message>"}``, what its clients
+    show), with the gateway's status code and headers (Retry-After...)."""
+    return JSONResponse({"error": exc.detail}, status_code=exc.status_code, headers=exc.headers)
+
+
+def error_response_for(path: str) -> Callable[[GatewayError], JSONResponse]:
+    """How a refusal on ``path`` is rendered: in the protocol's shape under ``/v2``, where
+    ``tritonclient`` reads ``error`` as the message, else in the gateway's own."""
+    return protocol_error if path == "/v2" or path.startswith("/v2/") else error_response
 
 
 def validation_detail(errors: Sequence[Mapping[str, Any]]) -> str:

@@ -46,6 +46,7 @@ from starlette.routing import BaseRoute, Match
 
 from service.classifier import Classification
 from service.errors import BadRequest, GatewayError, NotFound, PayloadTooLarge
+from service.errors import protocol_error as protocol_error
 from service.http import inference_shapes, strict_json
 from service.http.gateway import CANCEL_ON_DISCONNECT, choose, gateway_of, key_of, online, reject_unknown_query
 from service.http.inference_request import HEADER_LENGTH, OUTPUT, read_request
@@ -67,11 +68,6 @@ class MethodNotAllowed(GatewayError):
 
     status_code = 405
     error = "method_not_allowed"
-
-
-def protocol_error(exc: GatewayError) -> JSONResponse:
-    """The protocol's error shape, with the gateway's status code and headers (Retry-After...)."""
-    return JSONResponse({"error": exc.detail}, status_code=exc.status_code, headers=exc.headers)
 
 
 def _model(request: Request, name: str) -> ServedModel:

@@ -13,7 +13,7 @@ from opentelemetry.trace import Span, StatusCode
 from prometheus_client import Counter, Histogram
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from service.errors import GatewayError, PayloadTooLarge, QueueFull, QuotaExceeded, Unauthorized, error_response
+from service.errors import GatewayError, PayloadTooLarge, QueueFull, QuotaExceeded, Unauthorized, error_response_for
 from service.http.quotas import Quotas
 from service.logs import REQUEST_ID
 from service.metrics import Metrics
@@ -88,7 +88,7 @@ class BodyLimitMiddleware:
                 if declared > self.max_bytes:
                     error = PayloadTooLarge(f"request body is {declared} bytes; the limit is {self.max_bytes}")
                     self.metrics.rejections.labels(error.error).inc()
-                    await error_response(error)(scope, receive, send)
+                    await error_response_for(scope["path"])(error)(scope, receive, send)
                     return
                 break
         budget = self.budget
@@ -307,7 +307,7 @@ class ApiKeyMiddleware:
                 headers={"WWW-Authenticate": "Bearer"},
             )
             self.metrics.rejections.labels(error.error).inc()
-            await error_response(error)(scope, receive, send)
+            await error_response_for(scope["path"])(error)(scope, receive, send)
             return
         scope[API_KEY] = key.id
         if self.quotas is None or scope["path"] in self.open_paths:
@@ -318,7 +318,7 @@ class ApiKeyMiddleware:
         except QuotaExceeded as exc:
             self.metrics.rejections.labels(exc.error).inc()
             self.metrics.quota_rejections.labels(key.id, "concurrency").inc()
-            await error_response(exc)(scope, receive, send)
+            await error_response_for(scope["path"])(exc)(scope, receive, send)
             return
         try:
             await self.app(scope, receive, send)

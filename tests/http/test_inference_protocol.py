@@ -409,3 +409,23 @@ async def test_unknown_models_queries_and_limits(gateway_factory: MakeSettings) 
             "model_configuration",
             "statistics",
         ]
+
+
+async def test_refusals_before_the_route_have_the_protocols_shape(gateway_factory: MakeSettings) -> None:
+    """A missing API key and a body over the limit are refused by the gateway's edge, before any
+    route: under /v2 in the protocol's shape, so that tritonclient shows the message (it read
+    ``unauthorized`` alone); elsewhere in the gateway's own."""
+    settings = gateway_factory(api_keys="alpha", max_body_bytes=4096)
+    async with running_gateway(settings) as gateway:
+        url = str(gateway.base_url)
+        with pytest.raises(InferenceServerException, match="a valid API key is required") as caught:
+            await ask(url, "get_model_metadata", "efficientnet-lite0")
+        assert caught.value.status() == "401"
+        big = await gateway.post(
+            "/v2/models/efficientnet-lite0/infer", content=b"x" * 8192, headers={"x-api-key": "alpha"}
+        )
+        own = await gateway.post("/classify", content=b"x" * 8192, headers={"x-api-key": "alpha"})
+    assert big.status_code == 413
+    assert big.json() == {"error": "request body is 8192 bytes; the limit is 4096"}
+    assert own.status_code == 413
+    assert own.json()["error"] == "payload_too_large"
