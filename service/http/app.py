@@ -20,7 +20,7 @@ from starlette.types import ASGIApp
 
 from service import __version__
 from service.backends.base import Backend
-from service.errors import GatewayError, error_body, validation_detail
+from service.errors import GatewayError, error_body, error_response_for, validation_detail
 from service.http import inference_protocol, model_routes
 from service.http.answers import Answers
 from service.http.api import Gateway, router
@@ -199,7 +199,7 @@ def create_app(
 
     @app.exception_handler(GatewayError)
     async def _gateway_error(request: Request, exc: GatewayError) -> Response:
-        return refusal(exc, metrics)
+        return refusal(exc, metrics, error_response_for(request.url.path))
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:

@@ -48,7 +48,15 @@ from service.classifier import Classification
 from service.errors import BadRequest, GatewayError, NotFound, PayloadTooLarge
 from service.errors import protocol_error as protocol_error
 from service.http import inference_shapes, strict_json
-from service.http.gateway import CANCEL_ON_DISCONNECT, choose, gateway_of, key_of, online, reject_unknown_query
+from service.http.gateway import (
+    CANCEL_ON_DISCONNECT,
+    CHECKED_QUERY,
+    choose,
+    gateway_of,
+    key_of,
+    online,
+    reject_unknown_query,
+)
 from service.http.inference_request import HEADER_LENGTH, OUTPUT, read_request
 from service.http.model_routes import check_admin, set_loaded
 from service.serving.served import ServedModel, ServedVersion, quoted
@@ -104,14 +112,14 @@ async def ready(request: Request) -> JSONResponse:
     return JSONResponse({"ready": is_ready}, status_code=200 if is_ready else 503)
 
 
-@router.get("/v2/models/stats")
+@router.get("/v2/models/stats", dependencies=CHECKED_QUERY)
 async def all_statistics(request: Request) -> Response:
     """Every version's statistics. Before ``/v2/models/{name}``, which would take ``stats`` for a name."""
     return JSONResponse(inference_shapes.model_statistics(gateway_of(request), None, None))
 
 
-@router.get("/v2/models/{name}")
-@router.get("/v2/models/{name}/versions/{version}")
+@router.get("/v2/models/{name}", dependencies=CHECKED_QUERY)
+@router.get("/v2/models/{name}/versions/{version}", dependencies=CHECKED_QUERY)
 async def model_metadata(request: Request, name: str, version: str | None = None) -> Response:
     try:
         model = _model(request, name)
@@ -121,8 +129,8 @@ async def model_metadata(request: Request, name: str, version: str | None = None
     return JSONResponse(inference_shapes.model_metadata(gateway_of(request), model, versions))
 
 
-@router.get("/v2/models/{name}/config")
-@router.get("/v2/models/{name}/versions/{version}/config")
+@router.get("/v2/models/{name}/config", dependencies=CHECKED_QUERY)
+@router.get("/v2/models/{name}/versions/{version}/config", dependencies=CHECKED_QUERY)
 async def model_config(request: Request, name: str, version: str | None = None) -> Response:
     """The version's configuration (without one, the model's first version: its versions may
     differ in backend and batching, not in what they take and give)."""
@@ -134,8 +142,8 @@ async def model_config(request: Request, name: str, version: str | None = None) 
     return JSONResponse(inference_shapes.model_config(gateway_of(request), served))
 
 
-@router.get("/v2/models/{name}/stats")
-@router.get("/v2/models/{name}/versions/{version}/stats")
+@router.get("/v2/models/{name}/stats", dependencies=CHECKED_QUERY)
+@router.get("/v2/models/{name}/versions/{version}/stats", dependencies=CHECKED_QUERY)
 async def model_statistics(request: Request, name: str, version: str | None = None) -> Response:
     try:
         return JSONResponse(inference_shapes.model_statistics(gateway_of(request), name, version))
@@ -143,7 +151,7 @@ async def model_statistics(request: Request, name: str, version: str | None = No
         return protocol_error(exc)
 
 
-@router.post("/v2/repository/index")
+@router.post("/v2/repository/index", dependencies=CHECKED_QUERY)
 async def repository_index(request: Request) -> Response:
     """Every version and its state; with ``{"ready": true}``, those ready. ``tritonclient`` sends no body."""
     try:
@@ -157,7 +165,7 @@ async def repository_index(request: Request) -> Response:
     return JSONResponse(inference_shapes.repository_index(gateway_of(request), ready_only))
 
 
-@router.post("/v2/repository/models/{name}/load")
+@router.post("/v2/repository/models/{name}/load", dependencies=CHECKED_QUERY)
 async def repository_load(request: Request, name: str) -> Response:
     """Load every version of a model (admin key): what ``POST /v1/models/{name}/load`` does.
     Triton's load may bring a configuration or files; the gateway loads what its models file
@@ -165,7 +173,7 @@ async def repository_load(request: Request, name: str) -> Response:
     return await _control(request, name, load=True)
 
 
-@router.post("/v2/repository/models/{name}/unload")
+@router.post("/v2/repository/models/{name}/unload", dependencies=CHECKED_QUERY)
 async def repository_unload(request: Request, name: str) -> Response:
     """Unload every version of a model (admin key); ``unload_dependents`` is taken and changes
     nothing (the gateway has no ensembles)."""

@@ -429,3 +429,17 @@ async def test_refusals_before_the_route_have_the_protocols_shape(gateway_factor
     assert big.json() == {"error": "request body is 8192 bytes; the limit is 4096"}
     assert own.status_code == 413
     assert own.json()["error"] == "payload_too_large"
+
+
+async def test_an_unknown_query_parameter_is_refused_on_every_protocol_route(gateway_factory: MakeSettings) -> None:
+    """``?ready=true`` is not the index's body: refused (422, in the protocol's shape, naming it), as
+    infer refuses one, rather than ignored."""
+    async with running_gateway(gateway_factory()) as gateway:
+        answers = [
+            await gateway.post("/v2/repository/index", params={"ready": "true"}),
+            await gateway.get("/v2/models/efficientnet-lite0/config", params={"x": "1"}),
+            await gateway.get("/v2/models/efficientnet-lite0", params={"x": "1"}),
+            await gateway.get("/v2/models/stats", params={"x": "1"}),
+        ]
+    assert [answer.status_code for answer in answers] == [422] * 4
+    assert answers[0].json() == {"error": "unknown query parameter(s) ['ready']; this route takes: none"}
