@@ -140,6 +140,19 @@ async def test_many_calls_on_one_connection_wait_for_its_streams(
     assert sorted(int(a.get_response().id) for a in answers) == list(range(64))
 
 
+def _model_infer_headers(port: int, metadata: list[tuple[str, str]] | None = None) -> list[tuple[str, str]]:
+    """A ModelInfer call's HTTP/2 headers, as a gRPC client sends them."""
+    return [
+        (":method", "POST"),
+        (":scheme", "http"),
+        (":path", "/inference.GRPCInferenceService/ModelInfer"),
+        (":authority", f"127.0.0.1:{port}"),
+        ("content-type", "application/grpc"),
+        ("te", "trailers"),
+        *(metadata or []),
+    ]
+
+
 def _rapid_reset(port: int, streams: int) -> str:
     """Open ``streams`` ModelInfer streams on one connection and reset each at once (CVE-2023-44487);
     what the server did: "goaway" (it closed the connection) or "survived" (it took them all)."""
@@ -147,14 +160,7 @@ def _rapid_reset(port: int, streams: int) -> str:
     connection.initiate_connection()
     with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
         sock.sendall(connection.data_to_send())
-        headers = [
-            (":method", "POST"),
-            (":scheme", "http"),
-            (":path", "/inference.GRPCInferenceService/ModelInfer"),
-            (":authority", f"127.0.0.1:{port}"),
-            ("content-type", "application/grpc"),
-            ("te", "trailers"),
-        ]
+        headers = _model_infer_headers(port)
         try:
             for i in range(streams):
                 stream = connection.get_next_available_stream_id()
@@ -264,18 +270,7 @@ def _headers_only(port: int, metadata: list[tuple[str, str]]) -> dict[str, str]:
     connection.initiate_connection()
     with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
         stream = connection.get_next_available_stream_id()
-        connection.send_headers(
-            stream,
-            [
-                (":method", "POST"),
-                (":scheme", "http"),
-                (":path", "/inference.GRPCInferenceService/ModelInfer"),
-                (":authority", f"127.0.0.1:{port}"),
-                ("content-type", "application/grpc"),
-                ("te", "trailers"),
-                *metadata,
-            ],
-        )
+        connection.send_headers(stream, _model_infer_headers(port, metadata))
         sock.sendall(connection.data_to_send())
         deadline = time.monotonic() + 5
         while time.monotonic() < deadline:

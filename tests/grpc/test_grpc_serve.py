@@ -70,12 +70,15 @@ def test_every_worker_serves_the_grpc_port(tmp_path: Path, models_dir: Path, cat
                 time.sleep(0.5)  # the workers are still loading
             finally:
                 client.close()
-        listening = {
-            child.pid
-            for child in psutil.Process(proc.pid).children()
-            for connection in child.net_connections(kind="tcp")
-            if connection.status == psutil.CONN_LISTEN and connection.laddr.port == grpc_port
-        }
+        listening: set[int] = set()
+        while len(listening) < 2 and time.monotonic() < deadline:  # a worker may still be loading
+            listening = {
+                child.pid
+                for child in psutil.Process(proc.pid).children()
+                for connection in child.net_connections(kind="tcp")
+                if connection.status == psutil.CONN_LISTEN and connection.laddr.port == grpc_port
+            }
+            time.sleep(0.2)
         assert len(listening) == 2, listening
         with urllib.request.urlopen(f"http://127.0.0.1:{http}/metrics", timeout=10) as response:
             exposition = response.read().decode()
