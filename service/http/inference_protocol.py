@@ -58,6 +58,7 @@ from service.http.gateway import (
     reject_unknown_query,
 )
 from service.http.inference_request import HEADER_LENGTH, OUTPUT, read_request
+from service.http.json_body import read_within
 from service.http.model_routes import check_admin, set_loaded
 from service.serving.served import ServedModel, ServedVersion, quoted
 
@@ -212,18 +213,8 @@ async def _control(request: Request, name: str, load: bool) -> Response:
 async def _repository_body(request: Request, what: str) -> dict[str, Any]:
     """A repository request's JSON object ({} for an empty body), read within
     ``REPOSITORY_BODY_BYTES`` and ``REPOSITORY_BODY_VALUES`` before it is parsed, strictly."""
-    declared = request.headers.get("content-length", "")
     too_large = PayloadTooLarge(f"{what}: a body over {REPOSITORY_BODY_BYTES} bytes")
-    if declared.isascii() and declared.isdigit() and int(declared) > REPOSITORY_BODY_BYTES:
-        raise too_large
-    chunks = []
-    size = 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > REPOSITORY_BODY_BYTES:
-            raise too_large
-        chunks.append(chunk)
-    data = b"".join(chunks)
+    data = await read_within(request, REPOSITORY_BODY_BYTES, too_large)
     if not data.strip():
         return {}
     if not strict_json.values_at_most(data, REPOSITORY_BODY_VALUES):

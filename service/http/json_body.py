@@ -42,8 +42,15 @@ async def _read(request: Request, max_bytes: int) -> bytes:
         f"JSON body is over {max_bytes} bytes (GATEWAY_MAX_JSON_BODY_BYTES: room for "
         f"GATEWAY_MAX_IMAGES_PER_REQUEST URLs of up to {MAX_URL_LENGTH} characters)"
     )
+    return await read_within(request, max_bytes, too_large)
+
+
+async def read_within(request: Request, max_bytes: int, too_large: PayloadTooLarge) -> bytes:
+    """The request's body, refused with ``too_large`` as soon as it is known to be over
+    ``max_bytes``: by its Content-Length (ASCII digits only: ``"²".isdigit()`` is true), or as it
+    arrives."""
     declared = request.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > max_bytes:
+    if declared.isascii() and declared.isdigit() and int(declared) > max_bytes:
         raise too_large
     chunks = []
     size = 0
