@@ -37,17 +37,13 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):  # type:
         self.calls = calls
         self.gateway = calls.gateway
 
-    def _serving(self) -> bool:
-        models = self.gateway.models.models.values()
-        return not self.gateway.closing and any(model.problem is None for model in models)
-
     async def ServerLive(self, request: Any, context: Context) -> Any:
         async with self.calls.call("ServerLive", context):
             return service_pb2.ServerLiveResponse(live=True)
 
     async def ServerReady(self, request: Any, context: Context) -> Any:
         async with self.calls.call("ServerReady", context):
-            return service_pb2.ServerReadyResponse(ready=self._serving())
+            return service_pb2.ServerReadyResponse(ready=inference_shapes.serving(self.gateway))
 
     async def ServerMetadata(self, request: Any, context: Context) -> Any:
         async with self.calls.call("ServerMetadata", context):

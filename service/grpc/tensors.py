@@ -15,7 +15,6 @@ classification extension (the requested output's ``classification`` parameter) i
 
 from __future__ import annotations
 
-import struct
 from typing import Any, cast
 
 import numpy as np
@@ -24,6 +23,7 @@ from tritonclient.grpc import service_pb2
 from service.classifier import Classification, ImageInput
 from service.errors import BadRequest
 from service.http.inference_request import INPUT, OUTPUT, InferenceRequest, bytes_elements
+from service.http.inference_shapes import OutputTensor
 from service.serving.served import quoted
 
 CONTENT_FIELDS = (
@@ -126,13 +126,7 @@ def infer_response(
 ) -> Any:
     """The ``ModelInferResponse`` for ``rows``: score rows as FP32, ranked classes as BYTES."""
     response = service_pb2.ModelInferResponse(model_name=model, model_version=version, id=request_id or "")
-    if rows and all(isinstance(row, Classification) for row in rows):
-        ranked = cast(list[Classification], rows)
-        strings = [f"{score:f}:{index}:{label}".encode() for row in ranked for index, label, score in row.labels]
-        response.outputs.add(name=OUTPUT, datatype="BYTES", shape=[len(ranked), len(ranked[0].labels)])
-        response.raw_output_contents.append(b"".join(struct.pack("<I", len(e)) + e for e in strings))
-    else:
-        scores = np.stack(cast(list[np.ndarray], rows))
-        response.outputs.add(name=OUTPUT, datatype="FP32", shape=list(scores.shape))
-        response.raw_output_contents.append(scores.astype("<f4", copy=False).tobytes())
+    output = OutputTensor.of(rows)
+    response.outputs.add(name=OUTPUT, datatype=output.datatype, shape=output.shape)
+    response.raw_output_contents.append(output.raw())
     return response

@@ -36,8 +36,7 @@ from __future__ import annotations
 
 import json
 import re
-import struct
-from typing import Any, cast
+from typing import Any
 
 import numpy as np
 from fastapi import APIRouter, Request
@@ -89,14 +88,6 @@ def _version(request: Request, name: str, version: str | None) -> ServedVersion:
     return choose(gateway, key_of(request), name, version)
 
 
-def _serving(request: Request) -> bool:
-    """Ready for inference: a model can answer and the gateway is not shutting down (the broker and
-    the idempotency stream, which /readyz also weighs, are not on this path)."""
-    gateway = gateway_of(request)
-    models = gateway.models.models.values()
-    return not gateway.closing and any(model.problem is None for model in models)
-
-
 @router.get("/v2")
 async def server_metadata() -> dict[str, Any]:
     return inference_shapes.server_metadata()
@@ -109,7 +100,7 @@ async def live() -> dict[str, bool]:
 
 @router.get("/v2/health/ready")
 async def ready(request: Request) -> JSONResponse:
-    is_ready = _serving(request)
+    is_ready = inference_shapes.serving(gateway_of(request))
     return JSONResponse({"ready": is_ready}, status_code=200 if is_ready else 503)
 
 
@@ -299,24 +290,15 @@ def _answer(
 ) -> Response:
     """``PROBABILITIES`` from score rows (FP32), or from ranked classes (classification: BYTES
     ``score:index:label``, ranked by the batcher as ``/classify``'s answers are), JSON or binary."""
-    tensor: dict[str, Any]
-    if all(isinstance(row, Classification) for row in rows):
-        ranked = cast(list[Classification], rows)
-        strings = [f"{score:f}:{index}:{label}" for row in ranked for index, label, score in row.labels]
-        tensor = {"name": OUTPUT, "datatype": "BYTES", "shape": [len(ranked), len(ranked[0].labels)]}
-        raw = b"".join(struct.pack("<I", len(e)) + e for e in (s.encode() for s in strings))
-        values: list[Any] = strings
-    else:
-        scores = np.stack(cast(list[np.ndarray], rows))
-        tensor = {"name": OUTPUT, "datatype": "FP32", "shape": list(scores.shape)}
-        raw = scores.astype("<f4", copy=False).tobytes()
-        values = scores.ravel().tolist()
+    output = inference_shapes.OutputTensor.of(rows)
+    tensor: dict[str, Any] = {"name": OUTPUT, "datatype": output.datatype, "shape": output.shape}
     answer: dict[str, Any] = {"model_name": served.model, "model_version": served.version, "outputs": [tensor]}
     if request_id is not None:
         answer["id"] = request_id
     if not binary:
-        tensor["data"] = values
+        tensor["data"] = output.values()
         return JSONResponse(answer)
+    raw = output.raw()
     tensor["parameters"] = {"binary_data_size": len(raw)}
     head = json.dumps(answer, separators=(",", ":")).encode()
     return Response(head + raw, media_type="application/octet-stream", headers={HEADER_LENGTH: str(len(head))})

@@ -21,10 +21,15 @@ The model takes encoded images: ``IMAGE`` is a ``BYTES`` tensor of one element p
 
 from __future__ import annotations
 
-from typing import Any
+import struct
+from dataclasses import dataclass
+from typing import Any, cast
+
+import numpy as np
 
 from service import __version__
 from service.backends.capabilities import capabilities_of
+from service.classifier import Classification
 from service.http.gateway import Gateway
 from service.http.inference_request import INPUT, OUTPUT
 from service.schemas import VersionState
@@ -150,3 +155,40 @@ def repository_index(gateway: Gateway, ready_only: bool) -> list[dict[str, Any]]
     """Every version the gateway serves (``ready_only``: those ready), model by model."""
     entries = [index_entry(served) for served in gateway.models.versions()]
     return [entry for entry in entries if entry["state"] == "READY"] if ready_only else entries
+
+
+def serving(gateway: Gateway) -> bool:
+    """Ready for inference (``/v2/health/ready``, ``ServerReady``): a model can answer and the
+    gateway is not shutting down (the broker and the idempotency stream, which /readyz also
+    weighs, are not on this path)."""
+    return not gateway.closing and any(model.problem is None for model in gateway.models.models.values())
+
+
+@dataclass(frozen=True)
+class OutputTensor:
+    """``PROBABILITIES`` of an answer, for either protocol: score rows as FP32, or ranked classes
+    (the classification extension) as BYTES ``score:index:label``, best first. Its binary form
+    (``raw``) and its JSON values are made only when asked for."""
+
+    datatype: str
+    shape: list[int]
+    _rows: np.ndarray | list[str]
+
+    @classmethod
+    def of(cls, rows: list[np.ndarray] | list[Classification]) -> OutputTensor:
+        if rows and all(isinstance(row, Classification) for row in rows):
+            ranked = cast(list[Classification], rows)
+            strings = [f"{score:f}:{index}:{label}" for row in ranked for index, label, score in row.labels]
+            return cls("BYTES", [len(ranked), len(ranked[0].labels)], strings)
+        scores = np.stack(cast(list[np.ndarray], rows))
+        return cls("FP32", list(scores.shape), scores)
+
+    def raw(self) -> bytes:
+        """The protocol's binary form: FP32 little-endian, or each BYTES element after its 4-byte length."""
+        if isinstance(self._rows, np.ndarray):
+            return self._rows.astype("<f4", copy=False).tobytes()
+        return b"".join(struct.pack("<I", len(e)) + e for e in (s.encode() for s in self._rows))
+
+    def values(self) -> list[Any]:
+        """The JSON form: the strings, or the scores flattened."""
+        return self._rows if isinstance(self._rows, list) else self._rows.ravel().tolist()
