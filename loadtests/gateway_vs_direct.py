@@ -3,9 +3,9 @@
 Same photos, same model, same batch size, in one run:
 
 * ``direct: model only``: pre-decoded tensors, batches of --batch-size straight into ONNX Runtime
-  (PAPER.md's "(1) without files");
+  (the study's (docs/study.md) "(1) without files");
 * ``direct: decode + model``: decode and resize each photo, then infer in batches, one thread
-  (PAPER.md's simple architecture, synchronous);
+  (the study's (docs/study.md) simple architecture, synchronous);
 * ``gateway cN``: a real gateway process, N HTTP clients each posting one JPEG at a time.
 
     python -m loadtests.gateway_vs_direct --batch-size 16 --concurrency 1,4,16,64 --requests 480 --repeat 3

@@ -15,7 +15,7 @@ What it measures, each in the same run:
   (C; its own CPU reported); one image per request and several per request; a sync client (one
   request at a time) and many connections;
 * GPU utilisation and memory (NVML) and the CPU of gateway and client during every run; the ratio
-  gateway / backend alone (PAPER.md's 410/458 = 0.895); the cost per million images at a GPU price.
+  gateway / backend alone (the study's (docs/study.md) 410/458 = 0.895); the cost per million images at a GPU price.
 
 It writes ``report.md``, ``runs.csv`` and ``throughput_vs_batch.png`` into ``--out``. Without a GPU
 it runs on the CPU (``--device cpu``), slowly, to check the script itself.
@@ -47,8 +47,11 @@ import numpy as np
 from loadtests.harness.gpu_report import write_report
 from loadtests.harness.gpu_runs import GatewaySpec, Run, gateway_run, sampled, show
 from loadtests.harness.http_load import start_gateway, stop_process
-from loadtests.harness.loadgen import Load, ceiling, find_rate
+from loadtests.harness.loadgen import Load, Result, ceiling, find_rate
+from loadtests.harness.loadgen import run as run_load
+from loadtests.harness.profile import heaviest, record
 from loadtests.harness.resources import nvml
+from loadtests.harness.stages import stage_line, stage_quantiles
 from service.backends.torch_backend import TorchBackend
 from service.images.gpu_decode import GpuDecoder
 from service.images.preprocess import PreprocessConfig, prepare
@@ -313,10 +316,13 @@ def gateway_runs(
     quick: bool,
     loads: list[tuple[int, int]] | None = None,
     poisson: Poisson | None = None,
+    profile: tuple[float, Path] | None = None,
 ) -> list[Run]:
     """``loads`` (images per request, connections) replaces the spec's plan with those loads on 224 px
     photos (e.g. a sweep over worker counts). ``poisson``: then the highest open-loop rate of one
-    image per request within its p99 bound (``loadtests.harness.loadgen``), its ceiling beside it."""
+    image per request within its p99 bound (``loadtests.harness.loadgen``), its ceiling beside it.
+    Every run gets the gateway's stage timings (``gateway_stage_seconds``) over it; ``profile``
+    (seconds, folder): its first run's engine and one worker are sampled by py-spy that long."""
     cores = os.cpu_count() or 2
     workers, decoder = spec.workers, spec.decoder
     most = max([c for _, c in loads or []] + [128, poisson.connections if poisson else 0])
@@ -329,7 +335,7 @@ def gateway_runs(
         "GATEWAY_MAX_BATCH_SIZE": str(max_batch),
         "GATEWAY_MAX_QUEUE_SIZE": "4096",
         "GATEWAY_REQUEST_TIMEOUT": "30",
-        "GATEWAY_PREPROCESS_WORKERS": str(max(2, 2 * cores // workers)),
+        "GATEWAY_PREPROCESS_WORKERS": str(spec.decode_threads or max(2, 2 * cores // workers)),
         "GATEWAY_MAX_IMAGES_PER_REQUEST": "64",
         "GATEWAY_MAX_CONCURRENT_REQUESTS": str(in_flight),
         "GATEWAY_DECODER": decoder,
@@ -356,6 +362,7 @@ def gateway_runs(
         "sync": spec.sync,
         "engine": spec.engine,
         "policy": spec.policy,
+        "decode_threads": settings["GATEWAY_PREPROCESS_WORKERS"],
     }
     runs = []
     try:
@@ -372,12 +379,16 @@ def gateway_runs(
             plan += [("full-size", full, 1, 128)]
         if loads:
             plan = [("224 px", photos, per_request, connections) for per_request, connections in loads]
-        for label, images, per_request, connections in plan:
+        for i, (label, images, per_request, connections) in enumerate(plan):
             name = f"{workers} workers, {label}, {per_request}/request, {connections} conn"
             name += spec.label
+            before = _metrics_text(url)
+            sampling = _profiles(proc.pid, profile, spec) if profile is not None and i == 0 else []
             runs.append(
                 gateway_run(url, proc.pid, name, images, per_request, connections, seconds, wrk, workdir, config)
             )
+            _staged(runs[-1], before, _metrics_text(url))
+            _profiled(sampling)
         if poisson is not None:
             runs += poisson_runs(url, spec, photos, poisson, config)
         gpu_series = [line for line in _metrics_text(url).splitlines() if line.startswith("gateway_gpu_")]
@@ -385,6 +396,49 @@ def gateway_runs(
     finally:
         stop_process(proc, 30)
     return runs
+
+
+def _staged(run: Run, before: str, after: str) -> None:
+    """The gateway's stage timings between two /metrics readings, into the run and the log."""
+    run.config["stages"] = table = stage_quantiles(before, after)
+    if table:
+        print(f"    stages p50/p99 ms: {stage_line(table)}", flush=True)
+
+
+def _profiles(pid: int, profile: tuple[float, Path], spec: GatewaySpec) -> list[tuple[str, Path, Any]]:
+    """py-spy on the engine (shared) and one worker, from 3 s on (after the run's warm-up), for the
+    profile's seconds; (what, file, process) of each begun."""
+    import psutil
+
+    seconds, folder = profile
+    folder.mkdir(parents=True, exist_ok=True)
+    children = psutil.Process(pid).children(recursive=True)
+    engines = [c for c in children if "--ready-fd" in " ".join(c.cmdline())]
+    workers = [c for c in children if c not in engines and c.name().startswith("python")]
+    chosen = [("engine", engines[0].pid)] if engines else []
+    chosen += [("worker", workers[-1].pid)] if workers else []
+    begun = []
+    for what, child in chosen:
+        out = folder / f"profile-{what}{spec.label.replace(', ', '-').replace(' ', '-')}.txt"
+        process = record(child, seconds, out, delay=3)  # past the run's 2 s warm-up
+        if process is None:
+            print("  py-spy not installed: no profile", flush=True)
+            return []
+        begun.append((what, out, process))
+    return begun
+
+
+def _profiled(sampling: list[tuple[str, Path, Any]]) -> None:
+    """Wait for the profiles and print each one's heaviest functions."""
+    for what, out, process in sampling:
+        _, error = process.communicate(timeout=120)
+        if process.returncode != 0 or not out.exists():
+            print(f"  py-spy on the {what} failed: {error.decode(errors='replace')[-400:]}", flush=True)
+            continue
+        total, ranked = heaviest(out)
+        print(f"  where the {what}'s CPU went ({total} samples; self %, inclusive %):", flush=True)
+        for name, own, within in ranked:
+            print(f"    {own:5.1f} {within:5.1f}  {name}", flush=True)
 
 
 @dataclass(frozen=True)
@@ -396,7 +450,11 @@ class Poisson:
     high: float
     connections: int = 1024
     processes: int = 4
-    steps: int = 6
+    steps: int = 9
+    climb: float = 1.25
+    """Up from ``low`` by this factor until a rate misses the bound, then bisection (``find_rate``)."""
+    rest: float = 3.0
+    """Seconds between the steps, for the gateway to drain."""
     seconds: float = 5.0
     warmup: float = 1.0
     """Seconds of arrivals before each run's measurement (sent, not counted)."""
@@ -405,7 +463,7 @@ class Poisson:
 def poisson_runs(
     url: str, spec: GatewaySpec, photos: list[bytes], poisson: Poisson, config: dict[str, Any]
 ) -> list[Run]:
-    """Bisect for the highest Poisson rate of one 224 px photo per request whose p99 (from each
+    """Search (up, then by bisection) for the highest Poisson rate of one 224 px photo per request whose p99 (from each
     request's scheduled time) stays within the bound with no error; each step a run of the report,
     and the generator's ceiling with the same shape (a trivial server) as the last."""
     load = Load(
@@ -416,7 +474,19 @@ def poisson_runs(
         seconds=poisson.seconds,
         warmup=poisson.warmup,
     )
-    best, results = find_rate(load, poisson.p99_ms, poisson.low, poisson.high, poisson.steps)
+    stages: dict[float, dict[str, dict[str, float]]] = {}
+
+    def measure(load: Load) -> Result:  # each step with the gateway's stage timings over it
+        before = _metrics_text(url)
+        result = run_load(load)
+        stages[load.rate or 0.0] = table = stage_quantiles(before, _metrics_text(url))
+        print(f"  Poisson {load.rate or 0:,.0f}/s: p99 {result.percentile_ms(99):.1f} ms", flush=True)
+        print(f"    stages p50/p99 ms: {stage_line(table)}", flush=True)
+        return result
+
+    best, results = find_rate(
+        load, poisson.p99_ms, poisson.low, poisson.high, poisson.steps, measure, climb=poisson.climb, rest=poisson.rest
+    )
     limit = ceiling(load)
     runs = []
     for result in [*results, limit]:
@@ -439,6 +509,8 @@ def poisson_runs(
             "highest_rate_within_p99": best,
             "p99_bound_ms": poisson.p99_ms,
         }
+        if not is_ceiling and (result.load.rate or 0.0) in stages:
+            run.config["stages"] = stages[result.load.rate or 0.0]
         show(run)
         runs.append(run)
     print(f"  highest Poisson rate with p99 <= {poisson.p99_ms:g} ms: {best:,.0f} images/s", flush=True)
@@ -504,6 +576,13 @@ def main() -> None:
         help="after each gateway's runs, the highest Poisson rate (one image per request, 1,024 connections from "
         "4 processes) whose p99 stays within P99_MS, searched in [LOW, HIGH), e.g. 15:2000:40000",
     )
+    parser.add_argument(
+        "--profile",
+        type=float,
+        default=0.0,
+        metavar="SECONDS",
+        help="py-spy on the shared engine and one worker during each gateway's first run (py-spy installed)",
+    )
     parser.add_argument("--quick", action="store_true", help="short runs (to check the script)")
     args = parser.parse_args()
     if args.wrk is None and "gateway" not in args.skip:
@@ -568,6 +647,7 @@ def main() -> None:
                         args.quick,
                         loads,
                         poisson,
+                        (args.profile, args.out) if args.profile > 0 else None,
                     )
                 except (Exception, SystemExit):  # report what was measured before the failure
                     traceback.print_exc()

@@ -1,6 +1,6 @@
 """The gateway in front of Triton against NVIDIA's perf_analyzer on the same Triton, in one run.
 
-PAPER.md's comparison: the perf client (raw tensors, no files) reached 458 img/s and the async gRPC
+The study's (docs/study.md) comparison: the perf client (raw tensors, no files) reached 458 img/s and the async gRPC
 application (JPEG files) 410 img/s, a ratio of 0.895. Here, for each model:
 
 * (a) perf_analyzer, gRPC, batch --batch-size, raw uint8 tensors, at several concurrencies;
@@ -41,7 +41,7 @@ def gateway_point(url: str, pid: int, photos: list[bytes], concurrency: int, ima
 
 
 def small_jpegs() -> list[bytes]:
-    """The sample photos centre-cropped and resized to 224x224, as PAPER.md pre-resized its data."""
+    """The sample photos centre-cropped and resized to 224x224, as the study (docs/study.md) pre-resized its data."""
     out = []
     for _, data in sample_photos():
         rgb = cv2.imdecode(np.frombuffer(data, np.uint8), cv2.IMREAD_COLOR)
@@ -68,7 +68,7 @@ def run_model(args: argparse.Namespace, model: str, models_dir: Path, workdir: P
             points.append(perf_analyzer(triton.grpc_url, model, args.batch_size, c, args.interval_ms, shm=False))
         gateways = [
             ("gateway grpc", ["--triton-url", triton.grpc_url]),
-            ("gateway grpc shm", ["--triton-url", triton.grpc_url, "--triton-shared-memory", "true"]),
+            ("gateway grpc shm", ["--triton-url", triton.grpc_url, "--triton-shared-memory"]),
             ("gateway http", ["--triton-url", triton.http_url, "--triton-protocol", "http"]),
         ]
         gw_one = None

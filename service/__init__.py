@@ -1,3 +1,3 @@
 """Async inference gateway: HTTP in, dynamic batches out to an inference backend."""
 
-__version__ = "0.1.0"
+__version__ = "0.9.0"

@@ -105,6 +105,7 @@ class QueueFull(GatewayError):
 
     def __init__(self, detail: str, *, retry_after: int = 1) -> None:
         super().__init__(detail, headers={"Retry-After": str(retry_after)})
+        self.retry_after = retry_after
 
 
 class DeadlineUnmeetable(QueueFull):
@@ -155,11 +156,12 @@ def printable(text: str) -> str:
     return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
-def error_body(error: str, detail: str) -> dict[str, Any]:
+def error_body(error: str, detail: str, request_id: str | None = None) -> dict[str, Any]:
     """The one JSON shape of every error the gateway answers: the code, what was wrong, and the
-    request's id (also in the ``X-Request-ID`` header and on its log lines)."""
+    request's id (also in the ``X-Request-ID`` header and on its log lines; by default the one of
+    the request being handled)."""
     body: dict[str, Any] = {"error": error, "detail": printable(detail)}
-    request_id = REQUEST_ID.get()
+    request_id = request_id or REQUEST_ID.get()
     if request_id is not None:
         body["request_id"] = request_id
     return body

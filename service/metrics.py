@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import platform
+import re
 from typing import TYPE_CHECKING
 
 from prometheus_client import (
@@ -11,12 +13,17 @@ from prometheus_client import (
     Gauge,
     Histogram,
     ProcessCollector,
+    disable_created_metrics,
     multiprocess,
 )
 from prometheus_client.exposition import choose_encoder
 
+from service import __version__
+from service.host.stages import stage_histogram, stage_observer
+
 if TYPE_CHECKING:  # metrics is below the parts it observes: it only reads them
-    from service.batching.batcher import BatchReport, DynamicBatcher
+    from service.batching.batcher import DynamicBatcher
+    from service.batching.items import BatchReport
     from service.images.budget import ByteBudget
 
 
@@ -25,6 +32,10 @@ LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 MODEL_LABELS = ["model", "version"]
 """Labels of the per-model series: bounded by the models file (at most 32 models x 8 versions)."""
+
+disable_created_metrics()  # type: ignore[no-untyped-call]
+"""No ``*_created`` series beside counters and histograms: a timestamp per series that no query of
+ours reads, which doubled the exposition's counter lines (prometheus_client exports them by default)."""
 
 
 def multiprocess_dir() -> str | None:
@@ -47,8 +58,8 @@ class Metrics:
         )
         self.http_duration = Histogram(
             "gateway_http_request_duration_seconds",
-            "Whole HTTP request latency, by route and status class (2xx, 4xx, 5xx).",
-            ["route", "status_class"],
+            "Whole HTTP request latency, by route and status code (the label of gateway_http_requests_total).",
+            ["route", "status"],
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
@@ -90,6 +101,9 @@ class Metrics:
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
+        self.stages = stage_histogram(r)
+        self.observe_stage = stage_observer(self.stages)
+        """``observe(stage, seconds)``: ``service.host.stages``."""
         self.queue_wait = Histogram(
             "gateway_queue_wait_seconds",
             "Time an image waited in the batcher before its batch left, by model and version.",
@@ -131,8 +145,8 @@ class Metrics:
             registry=r,
             multiprocess_mode="livesum",
         )
-        self.decode_bytes_reserved = Gauge(
-            "gateway_decode_bytes_reserved",
+        self.decode_reserved_bytes = Gauge(
+            "gateway_decode_reserved_bytes",
             "Decoder memory reserved by the images being decoded (GATEWAY_MAX_DECODE_BYTES bounds it).",
             registry=r,
             multiprocess_mode="livesum",
@@ -172,10 +186,23 @@ class Metrics:
             registry=r,
             multiprocess_mode="livesum",
         )
-        self.arrival_rate = Gauge(
-            "gateway_batcher_arrival_rate",
-            "Images per second admitted to the batcher, as the adaptive policy estimates it.",
+        self.arrivals = Counter(
+            "gateway_batcher_arrivals_total",
+            "Images queued in a model version's batcher (rate() of it: the arrival rate; counted each second).",
             MODEL_LABELS,
+            registry=r,
+        )
+        self.build_info = Gauge(
+            "gateway_build_info",
+            "Always 1: the gateway's version and Python's, as labels.",
+            ["version", "python"],
+            registry=r,
+            multiprocess_mode="max",
+        )
+        self.build_info.labels(__version__, platform.python_version()).set(1)
+        self.http_in_flight = Gauge(
+            "gateway_http_requests_in_flight",
+            "HTTP requests being handled (admitted past the protocol's own refusals, not yet answered).",
             registry=r,
             multiprocess_mode="livesum",
         )
@@ -337,7 +364,7 @@ class Metrics:
             served.sample()
         budget = getattr(self, "_budget", None)
         if budget is not None:
-            self.decode_bytes_reserved.set(budget.reserved)
+            self.decode_reserved_bytes.set(budget.reserved)
 
     def exposition(self, accept: str = "") -> tuple[bytes, str]:
         """The body and content type for /metrics: this registry, or with several uvicorn workers
@@ -350,6 +377,7 @@ class Metrics:
         encoder, content_type = choose_encoder(accept)
         if not self.multiprocess:
             return encoder(self.registry), content_type
+        forget_dead_processes(os.environ["PROMETHEUS_MULTIPROC_DIR"])
         registry = CollectorRegistry()
         multiprocess.MultiProcessCollector(registry)  # type: ignore[no-untyped-call]
         ProcessCollector(registry=registry)  # the answering worker's own process
@@ -376,13 +404,18 @@ class ModelMetrics:
         self._target = metrics.batch_target.labels(*labels)
         self._per_image = metrics.batch_model.labels("per_image", *labels)
         self._per_batch = metrics.batch_model.labels("per_batch", *labels)
-        self._rate = metrics.arrival_rate.labels(*labels)
+        self._arrivals = metrics.arrivals.labels(*labels)
+        self._arrived = 0
+        """The batcher's arrivals already counted."""
         self._batcher: DynamicBatcher | None = None
 
     def bind(self, batcher: DynamicBatcher) -> None:
         """The batcher whose gauges ``sample`` copies (set_function gauges do not work in
-        multiprocess mode, so they are sampled instead)."""
-        self._batcher = batcher
+        multiprocess mode, so they are sampled instead). A new batcher (a reload) counts its
+        arrivals from its own zero, once the old one's last are counted."""
+        if batcher is not self._batcher:
+            self.sample()
+            self._batcher, self._arrived = batcher, 0
         self.sample()
 
     def sample(self) -> None:
@@ -392,11 +425,13 @@ class ModelMetrics:
         self._queue_depth.set(batcher.queue_depth)
         self._inflight.set(batcher.inflight_batches)
         self._target.set(batcher.target)
+        if (new := batcher.arrived - self._arrived) > 0:
+            self._arrivals.inc(new)
+            self._arrived = batcher.arrived
         if batcher.model is not None:
             fit = batcher.model.fit
             self._per_image.set(fit.a if fit else float("nan"))
             self._per_batch.set(fit.b if fit else float("nan"))
-            self._rate.set(batcher.rate)
 
     def observe_batch(self, report: BatchReport) -> None:
         self._batch_size.observe(report.size)
@@ -410,3 +445,22 @@ class ModelMetrics:
             self._queue_wait.observe(wait, {"trace_id": trace_id} if trace_id is not None else None)
         if report.error is not None:
             self._backend_errors.labels(self.backend, report.error, *self._labels).inc()
+
+
+_LIVE_FILE = re.compile(r"gauge_live(?:sum|all|max|min|mostrecent)_(\d+)\.db")
+
+
+def forget_dead_processes(directory: str) -> None:
+    """Drop the live gauges of worker processes that are gone (killed, crashed, restarted by
+    uvicorn): prometheus_client's ``mark_process_dead``, for every pid whose ``live`` files remain
+    and that no longer runs. Without it a dead worker's requests in flight stayed in the sum."""
+    for entry in os.listdir(directory):
+        if (found := _LIVE_FILE.fullmatch(entry)) is None:
+            continue
+        pid = int(found.group(1))
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            multiprocess.mark_process_dead(pid, directory)  # type: ignore[no-untyped-call]
+        except PermissionError:
+            pass  # a process runs there (another user's): not ours to judge

@@ -21,7 +21,7 @@ from skimage import data as skdata
 from service.backends.base import Backend
 from service.grpc.server import grpc_front
 from service.http.app import create_app
-from service.http.protocol import http_protocol
+from service.http.refusing import http_protocol
 from service.models.profiles import get_profile
 from service.models.store import ensure_model
 from service.serving.catalog import Catalog
@@ -34,6 +34,16 @@ collect_ignore = [] if os.environ.get("GATEWAY_TEST_IMAGE") else ["image"]
 # Gateways the tests start (in this process and as `gateway serve`) leave gRPC off unless a test asks
 # for it on a free port: several at once cannot all have the default one.
 os.environ["GATEWAY_GRPC_PORT"] = "0"
+
+FIRST = ("tests/jobs/test_cluster.py", "tests/tune/test_tune.py", "tests/tune/test_tune_triton.py")
+"""The modules that take longest (minutes each), collected first: run in parallel (scripts/test),
+they start while the many short ones fill the other processes, rather than ending the run alone."""
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    rank = {module: i for i, module in enumerate(FIRST)}
+    items.sort(key=lambda item: rank.get(item.nodeid.split("::", 1)[0], len(FIRST)))  # stable: else as collected
+
 
 CAT_CLASSES = {281, 282, 283, 284, 285, 286, 287}  # tabby, tiger cat, Persian, Siamese, Egyptian, cougar, lynx
 ESPRESSO = 967

@@ -167,3 +167,141 @@ def test_serve_listens_before_it_loads_and_answers_who_waited(tmp_path: Path) ->
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.communicate(timeout=30)
+
+
+def _help(*words: str) -> str:
+    return subprocess.run(
+        [sys.executable, "-m", "service", *words, "--help"], capture_output=True, text=True, timeout=60, check=True
+    ).stdout
+
+
+def test_each_command_shows_only_the_settings_it_uses_grouped_by_concern() -> None:
+    """``serve --help``: a one-line usage, then a group per concern, each about a screenful, each flag
+    with its default and variable; the other commands show only the groups they use."""
+    from service.cli.flags import GROUPS
+
+    serve = _help("serve")
+    assert serve.startswith("usage: gateway serve [options]\n")
+    sections = re.split(r"\n(?=[A-Za-z][^\n]*\):\n)", serve)
+    titles = [section.split(" (", 1)[0] for section in sections[1:]]
+    assert titles == list(GROUPS)
+    assert all(len(section.splitlines()) <= 70 for section in sections), [len(s.splitlines()) for s in sections]
+    words = " ".join(serve.split())
+    assert "--port N TCP port of the HTTP server (0 picks a free one) [default: 8000; env GATEWAY_PORT]" in words
+    assert "--url-inputs, --no-url-inputs" in serve  # a switch, not --url-inputs URL_INPUTS
+    alive = _help("alive")
+    assert "GATEWAY_" not in alive
+    assert len(alive.splitlines()) < 10
+    engine, policies = _help("engine"), _help("queues", "policies")
+    assert "--webhook-secret" not in engine
+    assert "--max-batch-size" in engine
+    assert set(re.findall(r"^(\w[^\n(]*) \(", policies, re.M)) == {"offline"}
+
+
+def test_booleans_are_switches_and_an_absent_one_leaves_the_environment_to_decide(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from service.cli.common import load_settings as _settings
+
+    parse = build_parser().parse_args
+    assert _settings(parse(["serve", "--no-url-inputs"])).url_inputs is False
+    monkeypatch.setenv("GATEWAY_ACCESS_LOG", "true")
+    assert _settings(parse(["serve"])).access_log is True  # not given: the environment's
+    assert _settings(parse(["serve", "--no-access-log"])).access_log is False  # the flag over it
+
+
+def test_a_flag_missing_its_value_says_so_in_two_lines_naming_the_variable() -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "service", "serve", "--max-delay"], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 2
+    assert done.stderr.splitlines() == [
+        "gateway serve: error: --max-delay / GATEWAY_MAX_DELAY: expected one argument; expected SECONDS",
+        "(see: gateway serve --help)",
+    ]
+
+
+def test_settings_effective_says_where_each_value_came_from_and_masks_secrets() -> None:
+    env = {
+        **os.environ,
+        "GATEWAY_MAX_BATCH_SIZE": "8",
+        "GATEWAY_API_KEYS": "a-very-secret-key",
+        "GATEWAY_BROKER_URL": "amqp://user:hunter2@rabbit:5672/",
+        "GATEWAY_TRACING_ENDPOINT": "http://otel:s3cret@collector:4317",
+        "gateway_log_level": "debug",
+    }
+    env.pop("GATEWAY_MAX_DELAY", None)
+    done = subprocess.run(
+        [sys.executable, "-m", "service", "settings", "--effective", "--port", "9001", "--no-url-inputs"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+    )
+    assert done.returncode == 0, done.stderr
+    rows = {line.split()[0]: line.split(None, 2)[1:] for line in done.stdout.splitlines()}
+    assert rows["GATEWAY_PORT"] == ["flag", "9001"]
+    assert rows["GATEWAY_URL_INPUTS"] == ["flag", "false"]
+    assert rows["GATEWAY_MAX_BATCH_SIZE"] == ["environment", "8"]
+    assert rows["GATEWAY_MAX_DELAY"] == ["default", "0.005"]
+    assert rows["GATEWAY_API_KEYS"] == ["environment", "********"]
+    assert rows["GATEWAY_BROKER_URL"] == ["environment", "amqp://user:***@rabbit:5672/"]
+    assert rows["GATEWAY_TRACING_ENDPOINT"] == ["environment", "http://otel:***@collector:4317"]
+    assert rows["GATEWAY_LOG_LEVEL"] == ["environment", "debug"]  # the variable in any case, as it is read
+    assert rows["GATEWAY_MAX_BUFFERED_BODY_BYTES"][0] == "default"
+    assert rows["GATEWAY_MAX_BUFFERED_BODY_BYTES"][1].startswith("0 (in effect: ")  # the figure it works out
+    assert "a-very-secret-key" not in done.stdout
+    assert "hunter2" not in done.stdout
+    assert "s3cret" not in done.stdout
+    assert set(rows) == {f"GATEWAY_{name.upper()}" for name in Settings.model_fields}
+
+
+def test_the_cli_reference_page_is_made_from_the_parser() -> None:
+    """docs/cli.md is what ``gateway settings --cli-reference`` prints: a command or flag added or
+    changed without regenerating the page fails here."""
+    from service.cli.reference import cli_reference
+
+    page = (Path(__file__).resolve().parents[1] / "docs" / "cli.md").read_text()
+    assert page == cli_reference(build_parser()), "docs/cli.md is out of date: gateway settings --cli-reference"
+    assert "## gateway serve\n" in page
+    assert "## gateway models check\n" in page
+
+
+def test_each_command_takes_the_settings_its_code_reads() -> None:
+    """Flags a command's own code reads: the worker's metrics listen on --host and its models run on
+    the GPU; the engine sizes its queue by --workers; models are built for a --torch-device; ingest
+    checks --model against the --models-file."""
+    parse = build_parser().parse_args
+    worker = parse(["worker", "--host", "0.0.0.0", "--torch-device", "cpu", "--webhook-secret", "s"])
+    assert (worker.host, worker.torch_device) == ("0.0.0.0", "cpu")
+    engine = parse(
+        ["engine", "--socket", "e.sock", "--workers", "4", "--torch-precision", "fp16", "--model", "resnet50"]
+    )
+    assert (engine.workers, engine.torch_precision, engine.model) == ("4", "fp16", "resnet50")
+    assert parse(["models", "build", "--torch-device", "cpu"]).torch_device == "cpu"
+    assert parse(["models", "check", "m.onnx", "--torch-device", "cpu"]).torch_device == "cpu"
+    ingest = parse(["ingest", "photos", "--out", "o.jsonl", "--models-file", "models.yaml", "--model", "lite"])
+    assert (ingest.models_file, ingest.target_model, getattr(ingest, "model", None)) == ("models.yaml", "lite", None)
+
+
+def _usage_error(*words: str) -> list[str]:
+    done = subprocess.run([sys.executable, "-m", "service", *words], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2, done
+    return done.stderr.splitlines()
+
+
+def test_a_switch_given_a_value_is_refused_not_read_as_a_path() -> None:
+    """``--access-log false`` (the old form) must not make ``false`` a photo folder to ingest."""
+    assert _usage_error("ingest", "--out", "o.jsonl", "--access-log", "false", "photos")[0] == (
+        "gateway ingest: error: --access-log / GATEWAY_ACCESS_LOG: a switch takes no value ('false'); "
+        "a switch: --access-log turns it on, --no-access-log off"
+    )
+    assert _usage_error("serve", "--url-inputs=no")[0].startswith(
+        "gateway serve: error: --url-inputs / GATEWAY_URL_INPUTS: ignored explicit argument 'no'"
+    )
+
+
+def test_flags_are_not_abbreviated_and_a_commands_own_flags_keep_their_names() -> None:
+    assert _usage_error("serve", "--max-batch", "8")[0].endswith("error: unrecognized arguments: --max-batch 8")
+    top_k = _usage_error("ingest", "photos", "--out", "o.jsonl", "--model")[0]
+    assert top_k == "gateway ingest: error: argument --model: expected one argument"  # ingest's, not GATEWAY_MODEL

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import re
 import subprocess
 from collections.abc import Callable
 from pathlib import Path
@@ -11,6 +13,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 
 from service.backends.fake import FakeBackend
 from service.host.gpu import GpuSampler
+from service.metrics import Metrics, forget_dead_processes
 from service.settings import Settings
 from tests.conftest import png_bytes, running_gateway, solid_image
 
@@ -54,6 +57,14 @@ async def test_api_exports_the_tuning_metrics(gateway_factory: Callable[..., Set
     assert 'gateway_rejections_total{reason="queue_full"} 0.0' in text
     assert "process_resident_memory_bytes" in text
     assert "process_cpu_seconds_total" in text
+    # Prometheus's conventions: a build series, requests in flight, arrivals as a counter, no _created
+    assert re.search(r'^gateway_build_info\{python="[\d.]+",version="\d+\.\d+\.\d+"\} 1\.0$', text, re.M)
+    assert "gateway_http_requests_in_flight 1.0" in text  # this request, the /metrics one
+    assert 'gateway_batcher_arrivals_total{model="efficientnet-lite0",version="1"} 3.0' in text
+    assert "gateway_decode_reserved_bytes 0.0" in text
+    assert "_created" not in text
+    assert "gateway_batcher_arrival_rate" not in text
+    assert "gateway_decode_bytes_reserved" not in text
     # no GPU here: no GPU series at all (not zeros), and /readyz says so
     assert "gateway_gpu_" not in text
     assert readyz["checks"]["gpu"].startswith("none visible")
@@ -76,3 +87,33 @@ def test_gpu_sampler_exports_each_gpu() -> None:
     assert 'gateway_gpu_utilization_ratio{gpu="1"} 0.91' in text
     assert 'gateway_gpu_memory_used_bytes{gpu="1"} 7.516192768e+10' in text  # 70 GiB
     assert 'gateway_gpu_memory_total_bytes{gpu="0"} 8.589934592e+10' in text  # 80 GiB
+
+
+def test_arrivals_keep_counting_when_a_new_batcher_is_bound() -> None:
+    """A reload binds a new batcher whose own count starts again at zero: its arrivals are
+    counted from there, after the old batcher's last ones."""
+    metrics = Metrics()
+    served = metrics.model("m", "1", "fake")
+    old = SimpleNamespace(arrived=0, queue_depth=0, inflight_batches=0, target=1, model=None)
+    served.bind(old)  # type: ignore[arg-type]
+    old.arrived = 5
+    served.sample()
+    old.arrived = 7  # arrived after the last sample, before the reload
+    new = SimpleNamespace(arrived=2, queue_depth=0, inflight_batches=0, target=1, model=None)
+    served.bind(new)  # type: ignore[arg-type]
+    new.arrived = 3
+    served.sample()
+    assert metrics.arrivals.labels("m", "1")._value.get() == 10  # 7 + 3
+
+
+def test_a_dead_workers_live_gauges_leave_the_sum(tmp_path: Path) -> None:
+    """Requests in flight (a ``livesum`` gauge) of a worker that died are no longer counted."""
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    for pid in (gone.pid, os.getpid()):
+        (tmp_path / f"gauge_livesum_{pid}.db").write_bytes(b"")
+    (tmp_path / f"counter_{gone.pid}.db").write_bytes(b"")  # its counts stay: they happened
+    forget_dead_processes(str(tmp_path))
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        [f"gauge_livesum_{os.getpid()}.db", f"counter_{gone.pid}.db"]
+    )

@@ -19,6 +19,7 @@ from loadtests.harness.http_load import start_gateway, stop_process
 ROOT = Path(__file__).resolve().parents[1]
 DECLARATION = "--labels imagenet.txt --scale 1 --mean 127 --std 128 --output logits"
 CAT_WORDS = ("Egyptian cat", "tabby", "tiger cat")
+CURL = "curl -F file=@examples/cat.jpg localhost:8000/classify"
 
 
 def _run(folder: Path, command: str) -> str:
@@ -41,9 +42,9 @@ def _page_commands() -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def folder(tmp_path_factory: pytest.TempPathFactory, cat_jpeg: bytes) -> Iterator[Path]:
+def folder(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """A folder like a checkout's root: the page's commands use its examples (and their cat)."""
     folder = tmp_path_factory.mktemp("own-models")
-    (folder / "cat.jpg").write_bytes(cat_jpeg)
     (folder / "examples").symlink_to(ROOT / "examples")
     return folder
 
@@ -68,9 +69,9 @@ def test_the_pages_commands_are_the_ones_run_here() -> None:
     assert (
         ".venv/bin/python examples/export_efficientnet_lite.py lite2 --out lite2.onnx --labels imagenet.txt" in commands
     )
-    assert f".venv/bin/gateway models check lite2.onnx {DECLARATION} --photo cat.jpg" in commands
+    assert f".venv/bin/gateway models check lite2.onnx {DECLARATION} --photo examples/cat.jpg" in commands
     assert f".venv/bin/gateway serve --model-path lite2.onnx {DECLARATION}" in commands
-    assert "curl -F file=@cat.jpg localhost:8000/classify" in commands
+    assert CURL in commands
     assert ".venv/bin/ovc lite2.onnx --output_model lite2.xml" in commands
 
 
@@ -79,13 +80,13 @@ def test_a_pytorch_export_is_checked_served_and_answers_as_the_page_says(folder:
     _run(folder, commands[0])  # the export
     checked = _run(folder, next(c for c in commands if c.startswith(".venv/bin/gateway models check")))
     assert "input  'input' [?, 3, 260, 260] float32" in checked
-    answer_line = next(line for line in checked.splitlines() if line.startswith("cat.jpg: "))
-    assert answer_line.removeprefix("cat.jpg: ").startswith(CAT_WORDS), answer_line
+    answer_line = next(line for line in checked.splitlines() if line.startswith("examples/cat.jpg: "))
+    assert answer_line.removeprefix("examples/cat.jpg: ").startswith(CAT_WORDS), answer_line
     assert "note:" not in checked  # logits declared as such
     serve = next(c for c in commands if c.startswith(".venv/bin/gateway serve --model-path lite2.onnx"))
     proc, url = start_gateway(_served(serve), folder / "cache", cwd=folder)
     try:
-        answer = _curl(url, "curl -F file=@cat.jpg localhost:8000/classify", folder)
+        answer = _curl(url, CURL, folder)
     finally:
         stop_process(proc)
     assert answer["model"] == {"name": "lite2", "version": "1", "random_weights": False}
@@ -113,7 +114,7 @@ def test_the_embedding_and_the_openvino_ir_of_the_page_answer(folder: Path) -> N
     serve = next(c for c in commands if "--model-path lite2.xml" in c)
     proc, url = start_gateway(_served(serve), folder / "cache", cwd=folder)
     try:
-        answer = _curl(url, "curl -F file=@cat.jpg localhost:8000/classify", folder)
+        answer = _curl(url, CURL, folder)
     finally:
         stop_process(proc)
     assert answer["results"][0]["labels"][0]["label"] in CAT_WORDS  # type: ignore[index]

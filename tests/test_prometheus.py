@@ -80,16 +80,14 @@ async def test_prometheus_scrapes_the_gateway(gateway_factory: Callable[..., Set
                         break
                     await asyncio.sleep(0.25)
             assert float((await query(prom, 'up{job="gateway"}'))[0]["value"][1]) == 1
-            count = await query(
-                prom, 'gateway_http_request_duration_seconds_count{route="/classify",status_class="2xx"}'
-            )
+            count = await query(prom, 'gateway_http_request_duration_seconds_count{route="/classify",status="200"}')
             assert float(count[0]["value"][1]) == 7
             rejected = await query(prom, 'gateway_rejections_total{reason="bad_image"}')
             assert float(rejected[0]["value"][1]) == 1
             p99 = await query(
                 prom,
                 "histogram_quantile(0.99, sum by (le) (gateway_http_request_duration_seconds_bucket"
-                '{route="/classify",status_class="2xx"}))',
+                '{route="/classify",status="200"}))',
             )
             assert 0 < float(p99[0]["value"][1]) <= 10
             batches = await query(prom, "gateway_batch_size_sum")

@@ -127,7 +127,7 @@ ROWS: list[tuple[str, list[dict[str, Any]]]] = [
             {
                 "title": "Request latency by route (2xx)",
                 "unit": "s",
-                "targets": quantiles("gateway_http_request_duration_seconds", f'{TRAFFIC},status_class="2xx"', "route"),
+                "targets": quantiles("gateway_http_request_duration_seconds", f'{TRAFFIC},status=~"2.."', "route"),
                 "exemplars": True,
             },
             {
@@ -148,6 +148,18 @@ ROWS: list[tuple[str, list[dict[str, Any]]]] = [
                     )
                 ],
                 "exemplars": True,
+            },
+            {
+                # what makes the tail, stage by stage (service/host/stages.py): the stage whose p99 is
+                # near the requests' p99 is where to look; loop lag and GC pauses delay every stage
+                "title": "Where the p99 goes: each stage's p99",
+                "unit": "s",
+                "targets": [
+                    (
+                        "{{stage}}",
+                        "histogram_quantile(0.99, sum by (le, stage) (rate(gateway_stage_seconds_bucket[1m])))",
+                    )
+                ],
             },
             {
                 "title": "Triton time per request: queue vs compute",
@@ -224,7 +236,10 @@ ROWS: list[tuple[str, list[dict[str, Any]]]] = [
                 "title": "Arrivals and the batch size waited for",
                 "unit": "short",
                 "targets": [
-                    ("images/s {{instance}}", "gateway_batcher_arrival_rate"),
+                    (
+                        "images/s {{model}}/{{version}}",
+                        "sum by (model, version) (rate(gateway_batcher_arrivals_total[1m]))",
+                    ),
                     ("target batch {{instance}}", "gateway_batch_target_size"),
                     (
                         "refused: deadline unmeetable /s",

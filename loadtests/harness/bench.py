@@ -1,4 +1,4 @@
-"""Run PAPER.md's experiment grid over deployments this command starts, and write a report.
+"""Run the study's (docs/study.md) experiment grid over deployments this command starts, and write a report.
 
     python -m loadtests --quick --out bench-report          # < 5 minutes on 2 cores
     python -m loadtests --profile full --price-per-hour 3.06 --out bench-report   # GPU hosts
@@ -161,7 +161,7 @@ class Bench:
         model = self.profile.model
         async with AsyncExitStack() as stack:
             # one gateway per architecture, protocol and submission mode: a process's peak memory
-            # then belongs to one mode (PAPER.md compares async and sync peaks)
+            # then belongs to one mode (the study (docs/study.md) compares async and sync peaks)
             keys = dict.fromkeys((c.architecture, c.protocol, c.submission) for c in configs if c.client == "gateway")
             for key in keys:
                 architecture, protocol, _ = key

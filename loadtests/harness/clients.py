@@ -36,7 +36,7 @@ class Photos(Protocol):
 
 
 class FilePhotos:
-    """Photos the client reads from disk each time it sends one, as PAPER.md's application did."""
+    """Photos the client reads from disk each time it sends one, as the study's (docs/study.md) application did."""
 
     def __init__(self, paths: list[Path]) -> None:
         self.paths = paths
@@ -173,7 +173,7 @@ async def warm_up(url: str, photo: bytes, batch: int, in_flight: int) -> None:
 
 
 async def direct(backend: EmbeddedBackend, tensors: list[np.ndarray], batch: int, images: int) -> Measurement:
-    """Batches of ready tensors straight into the embedded model: PAPER.md's "(1) without files"."""
+    """Batches of ready tensors straight into the embedded model: the study's (docs/study.md) "(1) without files"."""
     latencies: list[float] = []
     done = 0
     start = time.perf_counter()

@@ -1,4 +1,4 @@
-"""Build a benchmark dataset the way PAPER.md did: photos pre-resized to 224x224 (so resizing is
+"""Build a benchmark dataset the way the study (docs/study.md) did: photos pre-resized to 224x224 (so resizing is
 out of the measurement), optionally the same set copied N times (its 13,500-file set was 1,500
 photos x 9), reproducible with a seed.
 
@@ -26,7 +26,7 @@ from loadtests.harness.photos import SAMPLE_PHOTOS
 from service.images.preprocess import centre_crop_resize
 
 SIDE = 224
-SMALLEST = 2052  # PAPER.md dropped files under 2,052 bytes
+SMALLEST = 2052  # the study (docs/study.md) dropped files under 2,052 bytes
 
 
 @dataclass(frozen=True)
@@ -111,7 +111,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--count", type=int, default=1500)
-    parser.add_argument("--copies", type=int, default=1, help="9 gives PAPER.md's 13,500-file set from 1,500")
+    parser.add_argument(
+        "--copies", type=int, default=1, help="9 gives the study's (docs/study.md) 13,500-file set from 1,500"
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--from", dest="source", type=Path, default=None, help="folder of your own photos")
     args = parser.parse_args()

@@ -75,7 +75,7 @@ def _headline(runs: list[Run], gpu_hour_usd: float) -> list[str]:
         lines.append(
             f"- gateway, end to end: **{best.images_per_s:,.0f} img/s** ({best.name}), GPU utilisation mean "
             f"{_fmt(best.gpu_util_mean)} %, {_fmt(best.server_cpu_ms_per_image, 2)} ms of CPU per image; "
-            "gateway / backend alone in PAPER.md: 410/458 = 0.895"
+            "gateway / backend alone in the study (docs/study.md): 410/458 = 0.895"
         )
         alike = [r for r in backend if r.config.get("mode") == best.config.get("mode")]
         for what, rows in ((f"in the gateway's mode ({best.config.get('mode')})", alike), ("any mode", backend)):

@@ -206,15 +206,21 @@ class GatewaySpec:
     sync: str = "blocking"
     engine: str = "per-worker"
     policy: str = "fixed"
+    decode_threads: int = 0
+    """Decode threads per worker (``tN``; 0: two per worker or more, to twice the cores in all)."""
 
     @classmethod
     def parse(cls, text: str) -> GatewaySpec:
         workers, *options = text.split(":")
-        chosen: dict[str, str] = {}
+        chosen: dict[str, Any] = {}
         for option in options:
+            if option[:1] == "t" and option[1:].isdigit() and int(option[1:]) > 0 and "decode_threads" not in chosen:
+                chosen["decode_threads"] = int(option[1:])
+                continue
             name = _SPEC_OPTIONS.get(option)
             if name is None or name in chosen:
-                raise ValueError(f"not a gateway spec: {text!r} (WORKERS{''.join(f'[:{c}]' for c in _SPEC_CHOICES)})")
+                choices = "".join(f"[:{c}]" for c in (*_SPEC_CHOICES, "tTHREADS"))
+                raise ValueError(f"not a gateway spec: {text!r} (WORKERS{choices})")
             chosen[name] = option
         spec = cls(int(workers), **chosen)
         if spec.workers < 1:
@@ -234,6 +240,7 @@ class GatewaySpec:
             "sync": "{} wait",
             "engine": "{} engine",
             "policy": "{} batching",
+            "decode_threads": "{} decode threads",
         }
         default = GatewaySpec(self.workers)
         return "".join(

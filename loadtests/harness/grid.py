@@ -1,4 +1,4 @@
-"""The experiment grid of PAPER.md: which configurations a benchmark run measures.
+"""The experiment grid of the study (docs/study.md): which configurations a benchmark run measures.
 
 A configuration is one point of the study's factors:
 
@@ -16,7 +16,7 @@ A configuration is one point of the study's factors:
   gateway forms the batches);
 * ``batch``: the batch size (the gateway's ``--max-batch-size``; perf_analyzer's ``-b``);
 * ``dataset``: ``files`` (the client reads each photo from disk as it sends it), ``files-x9`` (the
-  same over the set copied 9 times, PAPER.md's 13,500 files), ``memory`` (photos already in the
+  same over the set copied 9 times, the study's (docs/study.md) 13,500 files), ``memory`` (photos already in the
   client's memory) or ``tensors`` (decoded tensors, no photos at all).
 """
 
@@ -82,7 +82,7 @@ class Profile:
     images: int
     """Photos per run (at least ``4 * ASYNC_DEPTH * batch`` are sent)."""
     dataset_count: int
-    """Distinct photos in the dataset (PAPER.md: 1,500)."""
+    """Distinct photos in the dataset (the study (docs/study.md): 1,500)."""
     model: str
     perf_interval_ms: int
     variant_batches: tuple[int, ...] | None = None

@@ -34,7 +34,7 @@ import os
 import signal
 import socket
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any, cast
 from urllib.parse import urlsplit
@@ -95,6 +95,16 @@ class Result:
     """Open loop: seconds between each arrival's scheduled time and its dispatch by the generator."""
     waited: int = 0
     """Open loop: arrivals that found every connection busy and waited for one."""
+    finished: float = 0.0
+    """Seconds from the start to the last answer counted (an open loop's answers may come after
+    its ``seconds``: a server that queues, or arrivals that waited for a connection)."""
+
+    @property
+    def goodput(self) -> float:
+        """Answers 200 per second, over the time it took to get them (``throughput`` divides an
+        open loop's by its ``seconds``, the arrivals' time)."""
+        span = max(self.load.seconds, self.finished)
+        return self.completed / span if span > 0 else 0.0
 
     @property
     def completed(self) -> int:
@@ -354,6 +364,7 @@ def run(load: Load) -> Result:
         elapsed=max(load.seconds, max(f["last"] for f in found)) if load.rate is None else load.seconds,
         sender_lag=np.array([x for f in found for x in f.get("lag", [])], dtype=np.float64),
         waited=sum(f.get("waited", 0) for f in found),
+        finished=max(f["last"] for f in found),
     )
 
 
@@ -470,20 +481,36 @@ def ceiling(load: Load, server_processes: int | None = None) -> Result:
         return run(replace(load, url=server.url, rate=None))
 
 
-def find_rate(load: Load, p99_ms: float, low: float, high: float, steps: int = 6) -> tuple[float, list[Result]]:
-    """The highest open-loop rate in [low, high) whose p99 stays within ``p99_ms`` with no errors,
-    by bisection in ``steps`` runs (the first at ``low``); the runs, for the report. 0.0 when even
-    ``low`` misses."""
+def find_rate(
+    load: Load,
+    p99_ms: float,
+    low: float,
+    high: float,
+    steps: int = 6,
+    measure: Callable[[Load], Result] | None = None,
+    climb: float | None = None,
+    rest: float = 0.0,
+) -> tuple[float, list[Result]]:
+    """The highest open-loop rate in [low, high) whose p99 stays within ``p99_ms`` with no errors, in
+    ``steps`` runs (the first at ``low``); the runs, for the report. 0.0 when even ``low`` misses.
+
+    By bisection; or, with ``climb`` (a factor over 1), up from ``low`` by that factor until a run
+    misses, then by bisection between the last rate met and the first missed: no run goes far past
+    what the server can take, whose backlog would be the next run's. ``rest``: seconds between runs,
+    for the server to drain. ``measure``: what runs each step (default ``run``; e.g. one that also
+    reads the server's metrics around it)."""
     runs: list[Result] = []
-    best, rate = 0.0, low
+    best, rate, missed = 0.0, low, False
     for step in range(steps):
-        result = run(replace(load, rate=rate))
+        if step and rest > 0:
+            time.sleep(rest)
+        result = (measure or run)(replace(load, rate=rate))
         runs.append(result)
         if result.errors == 0 and result.percentile_ms(99) <= p99_ms:
             best = low = rate
         elif step == 0:
             return 0.0, runs
         else:
-            high = rate
-        rate = (low + high) / 2
+            high, missed = rate, True
+        rate = low * climb if climb is not None and not missed and low * climb < high else (low + high) / 2
     return best, runs

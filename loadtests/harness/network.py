@@ -1,4 +1,4 @@
-"""An emulated network between the client host and the inference server: PAPER.md's distributed
+"""An emulated network between the client host and the inference server: the study's (docs/study.md) distributed
 architecture (application on one node, Triton on another, 5 Gbit/s between them) on one machine.
 
 Triton runs in its own network namespace behind a veth pair; both directions are shaped with

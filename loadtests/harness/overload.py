@@ -94,23 +94,34 @@ async def drive(url: str, body: bytes, clients: int, seconds: float, report: Rep
             report.server_rejection_p99_ms = 1000 * histogram_quantile(await r.text(), 0.99)
 
 
-def histogram_quantile(metrics: str, q: float) -> float:
-    """Upper bound of the bucket holding quantile q of /classify's 4xx request durations."""
-    buckets = []
+def refusal_buckets(metrics: str) -> dict[float, float]:
+    """/classify's 4xx request durations from a /metrics text: cumulative count by bucket bound,
+    summed over the 4xx status codes."""
+    buckets: dict[float, float] = {}
     for line in metrics.splitlines():
         if (
             line.startswith("gateway_http_request_duration_seconds_bucket{")
             and 'route="/classify"' in line
-            and 'status_class="4xx"' in line
+            and 'status="4' in line
         ):
             le = line.split('le="', 1)[1].split('"', 1)[0]
-            buckets.append((float("inf") if le == "+Inf" else float(le), float(line.rsplit(" ", 1)[1])))
-    buckets.sort()
-    total = buckets[-1][1] if buckets else 0.0
-    for bound, count in buckets:
-        if count >= q * total:
-            return bound
-    return float("nan")
+            bound = float("inf") if le == "+Inf" else float(le)
+            buckets[bound] = buckets.get(bound, 0.0) + float(line.rsplit(" ", 1)[1])
+    return buckets
+
+
+def quantile_bound(buckets: dict[float, float], q: float, before: dict[float, float] | None = None) -> float:
+    """Upper bound (seconds) of the bucket holding quantile q, of what was counted since ``before``."""
+    counts = sorted((bound, count - (before or {}).get(bound, 0.0)) for bound, count in buckets.items())
+    total = counts[-1][1] if counts else 0.0
+    if total <= 0:
+        return float("nan")
+    return next((bound for bound, count in counts if count >= q * total), float("nan"))
+
+
+def histogram_quantile(metrics: str, q: float) -> float:
+    """Upper bound of the bucket holding quantile q of /classify's 4xx request durations."""
+    return quantile_bound(refusal_buckets(metrics), q)
 
 
 def run(seconds: float = 30.0, admitted: int = 32, factor: int = 10, fake_delay: float = 0.1) -> Report:

@@ -1,5 +1,5 @@
 """NVIDIA's perf_analyzer (built by ``scripts/perf-analyzer``) run against a Triton server: the
-client that sends ready tensors, PAPER.md's reference for what the server can do; and against the
+client that sends ready tensors, the study's (docs/study.md) reference for what the server can do; and against the
 gateway's Open Inference Protocol fronts (gRPC and REST), with encoded photos as its BYTES input."""
 
 from __future__ import annotations

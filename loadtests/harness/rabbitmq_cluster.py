@@ -25,6 +25,19 @@ stream). Its AMQP port and the other nodes' links are untouched, so clients see 
 partitioned host sees: a node that is up, then (pause_minority) one that closes its connections
 and refuses new ones. The chains and groups have fixed names, like the ports: one cluster per
 machine at a time.
+
+Every RabbitMQ command (the server, ``rabbitmqctl``) is started through util-linux's ``setpriv``,
+which takes the node's user and groups, and not with ``subprocess``'s ``user``/``group``/
+``extra_groups``: those make Python ``fork()`` (it can only ``vfork()`` without them), and a fork
+runs the ``pthread_atfork`` handlers of every library in the calling process. In a test process
+that has used gRPC (the suite's gRPC and Triton tests), gRPC's handlers restart its event engine's
+threads in the child, which abort it (SIGABRT, SIGSEGV) before it execs: ``rabbitmqctl wait``
+"failed" with only gRPC's "epoll_wait error: Bad file descriptor" as output, never having run (in
+about 1 fork of 60 there). ``vfork()`` runs no such handler.
+
+``ensure_healthy`` checks that every node is up, serves AMQP and is clustered, waits for one still
+booting and restarts one that is not, or says why it cannot: the tests call it before each test, so
+a failed restart in one test does not break the next.
 """
 
 from __future__ import annotations
@@ -44,6 +57,8 @@ from pathlib import Path
 from types import TracebackType
 
 SERVER = Path("/usr/lib/rabbitmq/bin/rabbitmq-server")
+SETPRIV = "setpriv"
+"""util-linux's: runs a command as another user, with the groups given (see the module's doc)."""
 CTL = Path("/usr/lib/rabbitmq/bin/rabbitmqctl")
 USER = "rabbitmq"
 NET_TICKTIME = 10
@@ -56,6 +71,20 @@ CUT_CHAIN = "GATEWAY-CLUSTER-CUT"
 
 class ClusterUnavailable(RuntimeError):
     """This machine cannot run the cluster (no RabbitMQ install, not root)."""
+
+
+class ClusterUnhealthy(RuntimeError):
+    """A node is down, not serving or not clustered, and restarting it did not bring it back."""
+
+
+def exit_status(code: int) -> str:
+    """A subprocess's return code in words: a negative one is the signal that killed it."""
+    if code >= 0:
+        return f"exit status {code}"
+    try:
+        return f"killed by {signal.Signals(-code).name}"
+    except ValueError:
+        return f"killed by signal {-code}"
 
 
 @dataclass(frozen=True)
@@ -77,10 +106,20 @@ class Node:
         return self.base / "pid"
 
 
+def _process_state(pid: int) -> str | None:
+    """A process's state letter (R, S, D, Z...: ``/proc/<pid>/stat``), None once its pid is free."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return None
+
+
 def check() -> str | None:
     """Why a cluster cannot run here, or None."""
     if not SERVER.exists() or not CTL.exists():
         return f"no RabbitMQ install ({SERVER})"
+    if shutil.which(SETPRIV) is None:
+        return f"no {SETPRIV} (util-linux) to run the nodes as {USER}"
     if os.geteuid() != 0:
         return "starting RabbitMQ nodes as its user needs root"
     try:
@@ -110,6 +149,7 @@ class RabbitCluster:
             for i in range(size)
         ]
         self._account = pwd.getpwnam(USER)
+        self._setpriv = shutil.which(SETPRIV) or SETPRIV
         self._no_partitions: str | None = None
         """Why ``partition`` cannot work here (None: it can)."""
 
@@ -138,23 +178,34 @@ class RabbitCluster:
     def _as_rabbitmq(
         self, node: Node, *argv: str, timeout: float = 120, groups: tuple[int, ...] = ()
     ) -> subprocess.CompletedProcess[str]:
+        """``argv`` as the RabbitMQ user, with ``groups`` as its only supplementary groups. The
+        switch is ``setpriv``'s, after the exec: no ``user``/``group`` here, so that Python vforks
+        (see the module's doc: a fork from a process with gRPC threads may die before its exec)."""
+        account = self._account
+        as_user = [
+            self._setpriv,
+            f"--reuid={account.pw_uid}",
+            f"--regid={account.pw_gid}",
+            f"--groups={','.join(map(str, groups))}" if groups else "--clear-groups",
+            "--",
+        ]
         return subprocess.run(
-            list(argv),
+            [*as_user, *argv],
             env=self._env(node),
-            cwd=self._account.pw_dir,
-            user=self._account.pw_uid,
-            group=self._account.pw_gid,
-            extra_groups=list(groups),
+            cwd=account.pw_dir,
             capture_output=True,
             text=True,
             timeout=timeout,
         )
 
     def ctl(self, node: Node, *args: str, timeout: float = 120) -> str:
-        """``rabbitmqctl -n <node> ...``; raises with its output when it fails."""
+        """``rabbitmqctl -n <node> ...``; raises with its exit status and output when it fails."""
         done = self._as_rabbitmq(node, str(CTL), "-n", node.name, *args, timeout=timeout)
         if done.returncode != 0:
-            raise RuntimeError(f"rabbitmqctl -n {node.name} {' '.join(args)}: {done.stdout}{done.stderr}".strip())
+            raise RuntimeError(
+                f"rabbitmqctl -n {node.name} {' '.join(args)}: {exit_status(done.returncode)}: "
+                f"{done.stdout}{done.stderr}".strip()
+            )
         return done.stdout
 
     def _prepare(self, node: Node) -> None:
@@ -168,29 +219,40 @@ class RabbitCluster:
         for path in [node.base, *node.base.rglob("*")]:
             os.chown(path, self._account.pw_uid, self._account.pw_gid)
 
+    def _is_node_process(self, proc: Path, node: Node) -> bool:
+        """Whether ``/proc/<pid>`` is a live process of ``node``: the RabbitMQ user's, with the
+        node's ``RABBITMQ_NODENAME`` in its environment (the name is not on its command line). A
+        dying process's or a zombie's environment cannot be read: a killed VM is not running."""
+        try:
+            if proc.stat().st_uid != self._account.pw_uid:
+                return False
+            return f"RABBITMQ_NODENAME={node.name}".encode() in (proc / "environ").read_bytes().split(b"\0")
+        except OSError:
+            return False
+
     def _kill_leftover(self, node: Node) -> None:
         """A node of this name left by a run that was killed (its VM still up, known to epmd): its
-        data folder is gone, so it is stopped hard before the name is used again. Found by the
-        ``RABBITMQ_NODENAME`` in its environment (the name is not on its command line)."""
-        wanted = f"RABBITMQ_NODENAME={node.name}".encode()
+        data folder is gone, so it is stopped hard before the name is used again."""
         for proc in Path("/proc").glob("[0-9]*"):
-            try:
-                if proc.stat().st_uid == self._account.pw_uid and wanted in (proc / "environ").read_bytes().split(
-                    b"\0"
-                ):
+            if self._is_node_process(proc, node):
+                with suppress(OSError, ValueError):
                     os.kill(int(proc.name), signal.SIGKILL)
-            except (OSError, ValueError):
-                continue
 
     def start_node(self, node: Node, timeout: float = 120) -> None:
-        """Start one node (its data kept: a restarted node rejoins its cluster) and wait for it."""
+        """Start one node (its data kept: a restarted node rejoins its cluster) and wait until its
+        ``rabbit`` app has booted; a node already running is only waited for."""
         if not self.running(node):
             self._kill_leftover(node)
-        self._prepare(node)
-        done = self._as_rabbitmq(node, str(SERVER), "-detached", timeout=30, groups=(node.group,))
-        if done.returncode != 0:
-            raise RuntimeError(f"{node.name} did not start: {done.stdout}{done.stderr}")
-        self.ctl(node, "wait", str(node.pid_file), "--timeout", str(int(timeout)), timeout=timeout + 10)
+            # A SIGKILLed VM leaves its pid file: ``rabbitmqctl wait`` would read that pid (dead, or
+            # by now another process's) until the new VM writes its own.
+            node.pid_file.unlink(missing_ok=True)
+            self._prepare(node)
+            done = self._as_rabbitmq(node, str(SERVER), "-detached", timeout=30, groups=(node.group,))
+            if done.returncode != 0:
+                raise RuntimeError(
+                    f"{node.name} did not start: {exit_status(done.returncode)}: {done.stdout}{done.stderr}".strip()
+                )
+            self.ctl(node, "wait", str(node.pid_file), "--timeout", str(int(timeout)), timeout=timeout + 10)
         self.ctl(node, "await_startup", "--timeout", str(int(timeout)), timeout=timeout + 10)
 
     def start(self, policies: list[list[str]] | None = None) -> None:
@@ -222,33 +284,113 @@ class RabbitCluster:
         return f"{node.name} cluster_status:\n{done.stdout}{done.stderr}\nlog tail:\n" + "\n".join(tail)
 
     def pid(self, node: Node) -> int | None:
+        """The pid of the node's running Erlang VM, from its pid file; None when the file is
+        missing or names a process that is gone or is not this node's (a pid used again)."""
         try:
-            return int(node.pid_file.read_text().strip())
+            pid = int(node.pid_file.read_text().strip())
         except (OSError, ValueError):
             return None
+        return pid if self._is_node_process(Path(f"/proc/{pid}"), node) else None
 
     def running(self, node: Node) -> bool:
-        pid = self.pid(node)
-        if pid is None:
-            return False
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return False
-        return True
+        return self.pid(node) is not None
 
     def kill(self, node: Node) -> None:
-        """SIGKILL the node's Erlang VM, as a crashed host: no goodbye to its peers or clients."""
+        """SIGKILL the node's Erlang VM, as a crashed host: no goodbye to its peers or clients.
+        Returns once the VM is gone, its pid file removed."""
         pid = self.pid(node)
-        if pid is None:
-            return
+        if pid is not None:
+            with suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+            # Wait for its pid to be released, not for pid() to lose it: a dying process's
+            # environment goes before it has closed its sockets, and callers expect the clients to
+            # have lost their connections by the return. Its parent is init, which reaps orphans
+            # every 1-2 s here; one still a zombie after 30 s is dead all the same.
+            deadline = time.monotonic() + 30
+            while (state := _process_state(pid)) is not None:
+                if time.monotonic() > deadline:
+                    if state in "ZX":
+                        break
+                    raise RuntimeError(f"{node.name} (pid {pid}) still runs 30 s after its SIGKILL")
+                time.sleep(0.05)
+        node.pid_file.unlink(missing_ok=True)
+
+    def serves_amqp(self, node: Node, timeout: float = 5) -> bool:
+        """Whether the node answers an AMQP 0-9-1 protocol header with ``connection.start``: its
+        ``rabbit`` app runs (a node without it, booting or paused, has no listener)."""
         try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            return
-        deadline = time.monotonic() + 30
-        while self.running(node) and time.monotonic() < deadline:
-            time.sleep(0.05)
+            with socket.create_connection(("127.0.0.1", node.amqp_port), timeout=timeout) as sock:
+                sock.sendall(b"AMQP\x00\x00\x09\x01")
+                answer = b""
+                while len(answer) < 11 and (chunk := sock.recv(11 - len(answer))):
+                    answer += chunk
+        except OSError:
+            return False
+        # a method frame (type 1) on channel 0, its size, then class 10 method 10: connection.start
+        return answer[:3] == b"\x01\x00\x00" and answer[7:11] == b"\x00\x0a\x00\x0a"
+
+    def problems(self) -> dict[str, str]:
+        """Why each node that is not serving in the cluster is not, by node name; empty when every
+        node runs, answers AMQP and is among the running nodes as the first of them sees it."""
+        wrong: dict[str, str] = {}
+        for node in self.nodes:
+            if not self.running(node):
+                wrong[node.name] = "its VM is not running"
+            elif not self.serves_amqp(node):
+                wrong[node.name] = f"its VM runs, but nothing answers AMQP on {node.amqp_port} (no 'rabbit' app)"
+        serving = [node for node in self.nodes if node.name not in wrong]
+        if serving:
+            try:
+                members = self.members(serving[0])
+            except (RuntimeError, subprocess.TimeoutExpired) as exc:
+                wrong[serving[0].name] = f"cluster_status failed: {exc}"
+            else:
+                for node in serving:
+                    if node.name not in members:
+                        wrong[node.name] = f"it serves, but {serving[0].name} lists it not among {members}"
+        return wrong
+
+    def _booted(self, node: Node, timeout: float) -> bool:
+        done = self._as_rabbitmq(
+            node, str(CTL), "-n", node.name, "await_startup", "--timeout", str(int(timeout)), timeout=timeout + 10
+        )
+        return done.returncode == 0
+
+    def ensure_healthy(self, timeout: float = 120, boot_wait: float = 60) -> list[str]:
+        """Make the cluster whole, as an operator would: heal any partition; wait up to
+        ``boot_wait`` for a node whose VM runs without its app (still booting after a restart, or
+        stopped: a paused node); restart (SIGKILL, then start, its data kept, ``timeout`` for it)
+        one that is down, still without its app, or not clustered. Returns what was wrong and what
+        was done, one line per node (empty: nothing was); raises ClusterUnhealthy, with the nodes'
+        own account, when the cluster is not whole after that."""
+        if self._no_partitions is None:
+            self.heal()
+        wrong = self.problems()
+        if not wrong:
+            return []
+        found = dict(wrong)
+        booting = [n for n in self.nodes if n.name in wrong and self.running(n)]
+        for node in booting:
+            self._booted(node, boot_wait)
+        if booting:
+            wrong = self.problems()
+        done = [f"{name}: {why}; waited for its boot" for name, why in found.items() if name not in wrong]
+        for node in [n for n in self.nodes if n.name in wrong]:
+            try:
+                self.kill(node)
+                self.start_node(node, timeout)
+            except (RuntimeError, subprocess.TimeoutExpired) as exc:
+                raise ClusterUnhealthy(
+                    f"{node.name}: {wrong[node.name]}; restarting it failed: {exc}\n{self.diagnose(node)}"
+                ) from exc
+            done.append(f"{node.name}: {wrong[node.name]}; restarted")
+        deadline = time.monotonic() + 30  # a restarted node's peers list it once they have seen it
+        while (wrong := self.problems()) and time.monotonic() < deadline:
+            time.sleep(1)
+        if wrong:
+            accounts = "\n".join(self.diagnose(n) for n in self.nodes if n.name in wrong)
+            raise ClusterUnhealthy(f"after {done}, still: {wrong}\n{accounts}")
+        return done
 
     def stop_node(self, node: Node) -> None:
         """A clean stop, as in maintenance (a rolling restart stops and starts one node at a time)."""
@@ -316,11 +458,10 @@ class RabbitCluster:
 
     def stop(self) -> None:
         for node in self.nodes:
-            try:
+            with suppress(RuntimeError, subprocess.TimeoutExpired):
                 self.stop_node(node)
-            except (RuntimeError, subprocess.TimeoutExpired):
+            with suppress(RuntimeError):  # one VM that outlives its SIGKILL must not keep the others up
                 self.kill(node)
-            self.kill(node)
         if self._no_partitions is None:  # after the nodes: a stuck iptables must not leave them running
             with suppress(ClusterUnavailable, subprocess.TimeoutExpired):
                 self._remove_chain("filter", CUT_CHAIN)

@@ -1,4 +1,4 @@
-"""Per-process resource sampling during a benchmark run (PAPER.md's Table 2): CPU use and resident
+"""Per-process resource sampling during a benchmark run (the study's (docs/study.md) Table 2): CPU use and resident
 memory of each process (client app, gateway, worker, Triton), mean / max / min, and GPU
 utilisation and memory through NVML when a GPU is visible."""
 

@@ -59,6 +59,22 @@ class Capabilities:
     """The declared model files it runs (none: built-in profiles only)."""
     only_profiles: frozenset[str] | None = None
     """The built-in profiles it runs, where not every one (None: all)."""
+    batches_on_own_cores: bool = False
+    """Its batches in flight each run on their own part of the CPU (the in-process CPU runtimes
+    split the cores between ``max_inflight_batches``): a free batch slot is idle cores, so the
+    batcher sends what is queued at once rather than wait for a fuller batch while another runs.
+    Without (Triton, a GPU), any batch in flight keeps the device busy, and waiting fills the next."""
+    merges_batches: bool = False
+    """It merges what it is sent into batches of its own (the shared engine, across the workers): a
+    worker's batch waiting to fill behind its other batch in flight only adds that wait to the
+    engine's own, so a free slot sends at once (on an H200 at 2,000 requests/s that wait was half of
+    the p99: docs/bench/gpu/issue49)."""
+
+    @property
+    def sends_at_once(self) -> bool:
+        """A free batch slot sends what is queued at once, not waiting for a fuller batch while
+        another batch runs (``DynamicBatcher``'s ``busy_at``: every slot, not one)."""
+        return self.batches_on_own_cores or self.merges_batches
 
 
 _ENGINE_PROFILES = frozenset({"resnet50"})
@@ -72,6 +88,7 @@ CAPABILITIES: dict[str, Capabilities] = {
         on_triton=False,
         precision=_fp32,
         declared_formats=frozenset({"onnx"}),
+        batches_on_own_cores=True,
     ),
     "openvino": Capabilities(
         "openvino",
@@ -81,6 +98,7 @@ CAPABILITIES: dict[str, Capabilities] = {
         on_triton=False,
         precision=_openvino_precision,
         declared_formats=frozenset({"onnx", "openvino"}),
+        batches_on_own_cores=True,
     ),
     "torch": Capabilities(
         "torch",
@@ -100,6 +118,7 @@ CAPABILITIES: dict[str, Capabilities] = {
         estimates_memory=False,
         on_triton=False,
         precision=_torch_precision,
+        merges_batches=True,
     ),
     # the file as ``gateway models triton-repo`` writes it into Triton's repository, or a model
     # already in the user's Triton (``triton``)

@@ -1,4 +1,4 @@
-"""The embedded backend: ONNX Runtime on CPU inside the gateway's process (PAPER.md's "simple"
+"""The embedded backend: ONNX Runtime on CPU inside the gateway's process (the study's (docs/study.md) "simple"
 architecture). ``InferenceSession.run`` releases the GIL and is thread-safe, so one session serves
 every in-flight batch."""
 

@@ -41,6 +41,7 @@ from service.backends.engine import (
 from service.backends.factory import build_backend
 from service.batching.batcher import DynamicBatcher
 from service.errors import BackendUnavailable, DeadlineExceeded, GatewayError, QueueFull, public_text
+from service.host.stages import PauseWatch, stage_histogram, stage_observer
 from service.models.profiles import get_profile
 from service.settings import Settings
 
@@ -68,6 +69,10 @@ class EngineServer:
             buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512),
             registry=registry,
         )
+        self.observe_stage = stage_observer(
+            stage_histogram(registry), renamed={"batch_wait": "engine_wait", "backend": "gpu", "wake": "engine_wake"}
+        )
+        """The engine's stages (``service.host.stages``): its batcher's wait and the backend's call."""
         self._connections: set[asyncio.Task[None]] = set()
 
     def observe(self, size: int) -> None:
@@ -211,12 +216,18 @@ class EngineServer:
             return _REPLY.pack(request_id, status, 0, len(message)) + message
 
 
-async def run_engine(socket_path: str, stop: asyncio.Event, on_ready: Callable[[], None] | None = None) -> None:
-    """The engine process's life: load the backend, then serve the workers until ``stop``;
-    ``on_ready`` is called once it listens."""
-    inflight = Settings().engine_inflight_batches  # type: ignore[call-arg]
-    settings = Settings(  # type: ignore[call-arg]
-        torch_engine="per-worker", engine_socket=None, max_inflight_batches=inflight
+async def run_engine(
+    settings: Settings, socket_path: str, stop: asyncio.Event, on_ready: Callable[[], None] | None = None
+) -> None:
+    """The engine process's life (``gateway engine``'s settings: its flags over the environment
+    serve hands it): load the backend, then serve the workers until ``stop``; ``on_ready`` is
+    called once it listens."""
+    settings = settings.model_copy(
+        update={
+            "torch_engine": "per-worker",
+            "engine_socket": None,
+            "max_inflight_batches": settings.engine_inflight_batches,
+        }
     )
     profile = get_profile(settings.model)
     backend = await build_backend(settings, profile)
@@ -233,10 +244,13 @@ async def run_engine(socket_path: str, stop: asyncio.Event, on_ready: Callable[[
         on_batch=lambda report: engine.observe(report.size),  # bound below, before the first batch
         backend_name=backend.name,
         policy=settings.batch_policy,
+        on_stage=lambda stage, seconds: engine.observe_stage(stage, seconds),
     )
     detail = f"engine shared by the workers: {backend.detail or backend.name}"
     engine = EngineServer(batcher, Geometry(profile.height, profile.outputs), detail)
     batcher.start()
+    pauses = PauseWatch(engine.observe_stage)
+    pauses.start()
     serving = asyncio.create_task(engine.serve(engine.listen(socket_path)), name="engine-accept")
     logger.info("engine: %s, serving", detail)
     logger.debug("engine: serving %s", socket_path)
@@ -248,6 +262,7 @@ async def run_engine(socket_path: str, stop: asyncio.Event, on_ready: Callable[[
         if serving.done():  # no longer listening: exit, so that the supervisor starts another engine
             raise SystemExit(f"engine: stopped accepting workers: {serving.exception()!r}")
     finally:
+        pauses.stop()
         stopping.cancel()
         serving.cancel()
         await asyncio.gather(serving, return_exceptions=True)

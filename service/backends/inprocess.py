@@ -1,4 +1,4 @@
-"""What the in-process backends share (PAPER.md's "simple" architecture: the model runs inside the
+"""What the in-process backends share (the study's (docs/study.md) "simple" architecture: the model runs inside the
 gateway's process): the model is loaded and batches run in a small dedicated thread pool, one thread
 per batch allowed in flight, so the event loop never waits on inference. The runtimes used here
 (ONNX Runtime, OpenVINO) release the GIL while they compute.

@@ -1,4 +1,4 @@
-"""The ``torch`` backend: ResNet-50 in PyTorch inside the gateway's process, on a CUDA GPU (PAPER.md's
+"""The ``torch`` backend: ResNet-50 in PyTorch inside the gateway's process, on a CUDA GPU (the study's (docs/study.md)
 "simple" architecture on a GPU), or on the CPU where there is none (what the tests run).
 
 Per batch: the decoded images are copied once, into this thread's ``BatchBuffer``, whose arrays are

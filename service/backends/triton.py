@@ -29,6 +29,7 @@ from tritonclient.utils import InferenceServerException
 
 from service.backends.arithmetic import model_input, rows
 from service.backends.base import BackendDefaults, BatchBuffer, Images
+from service.backends.triton_clients import client_module
 from service.backends.triton_datatypes import DATATYPES
 from service.backends.triton_declared import check_on_triton
 from service.backends.triton_shm import SharedMemoryPool
@@ -90,10 +91,7 @@ class TritonBackend(BackendDefaults):
         self._learning = asyncio.Lock()
 
     async def start(self) -> None:
-        if self.protocol == "grpc":
-            import tritonclient.grpc.aio as mod
-        else:
-            import tritonclient.http.aio as mod
+        mod = client_module(self.protocol, aio=True)
         self._mod = mod
         self._client = mod.InferenceServerClient(self.url)
         if self._use_shm:

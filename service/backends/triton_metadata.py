@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import numpy as np
 from tritonclient.utils import InferenceServerException
 
+from service.backends.triton_clients import client_module
 from service.models.declaration import DeclarationError
 
 if TYPE_CHECKING:
@@ -62,13 +63,9 @@ class TritonAsker:
         self.protocol = protocol
         self.where = where
         self.wait = STARTUP_WAIT if wait is None else wait
-        if protocol == "grpc":
-            import tritonclient.grpc as mod
-        else:
-            from tritonclient import http as mod  # gevent, for HTTP users only
-        self._mod: Any = mod
+        self._mod: Any = client_module(protocol)  # HTTP's needs gevent: the triton extra
         kwargs = {} if protocol == "grpc" else {"connection_timeout": CALL_TIMEOUT, "network_timeout": CALL_TIMEOUT}
-        self._client: Any = mod.InferenceServerClient(url, **kwargs)
+        self._client: Any = self._mod.InferenceServerClient(url, **kwargs)
 
     def __enter__(self) -> TritonAsker:
         return self

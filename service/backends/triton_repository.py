@@ -14,6 +14,7 @@ from typing import Any, Literal
 import aiohttp
 from tritonclient.utils import InferenceServerException
 
+from service.backends.triton_clients import client_module
 from service.errors import BackendUnavailable, BadRequest
 
 logger = logging.getLogger(__name__)
@@ -38,11 +39,7 @@ class TritonRepository:
         self.protocol = protocol
 
     async def _call(self, method: str, *args: Any, **kwargs: Any) -> Any:
-        if self.protocol == "grpc":
-            import tritonclient.grpc.aio as mod
-        else:
-            import tritonclient.http.aio as mod
-        client = mod.InferenceServerClient(self.url)
+        client = client_module(self.protocol, aio=True).InferenceServerClient(self.url)
         try:
             async with asyncio.timeout(TIMEOUT):
                 return await getattr(client, method)(*args, **kwargs)

@@ -1,9 +1,10 @@
 """The dynamic batcher: groups single images into backend batches.
 
 * It waits on an Event, never polls. The clock is the event loop's (monotonic).
-* An idle backend gets whatever is queued at once, so a lone request pays no delay. While other
-  batches are in the backend, a new batch may wait up to ``max_delay`` (from its oldest image) to
-  fill; it leaves early when it is full or when the backend goes idle.
+* An idle backend gets whatever is queued at once, so a lone request pays no delay. While the
+  backend is busy (``busy_at`` batches in it: any one for a GPU or Triton; every slot for an
+  in-process CPU runtime, whose free slot is idle cores), a new batch may wait up to ``max_delay``
+  (from its oldest image) to fill; it leaves early when it is full or when the backend goes idle.
 * ``max_inflight_batches`` batches may be in the backend at once, so the next batch forms while
   one runs.
 * Admission is all-or-nothing per request and bounded by ``max_queue_size`` (``QueueFull``).
@@ -35,7 +36,6 @@ from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import Executor
 from contextlib import nullcontext, suppress
-from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, Literal, Protocol
 
@@ -44,6 +44,7 @@ from opentelemetry import trace
 from opentelemetry.trace import Link, SpanContext, SpanKind, StatusCode
 
 from service.batching.adaptive import AdaptivePolicy, BatchLatencyModel
+from service.batching.items import NO_IMAGE, BatchReport, Item, expire, fail
 from service.errors import (
     BackendError,
     BackendUnavailable,
@@ -53,6 +54,7 @@ from service.errors import (
     QueueFull,
     public_text,
 )
+from service.host.stages import ObserveStage
 from service.tracing import Tracing, epoch_ns, trace_id_hex
 
 logger = logging.getLogger(__name__)
@@ -60,50 +62,6 @@ logger = logging.getLogger(__name__)
 
 class InferFn(Protocol):
     def __call__(self, images: list[np.ndarray], *, timeout: float | None = None) -> Awaitable[np.ndarray]: ...
-
-
-@dataclass(eq=False)
-class _Item:
-    image: np.ndarray
-    future: asyncio.Future[Any]
-    """Its score row, or the row's answer when the batcher ranks."""
-    deadline: float | None
-    enqueued: float
-    trace: SpanContext | None = None
-    """The request's span context when its trace is sampled."""
-    dispatched: bool = False
-    """Taken into a batch (sent to the backend)."""
-
-
-_NO_IMAGE = np.empty(0, np.uint8)
-"""An item's image until it is prepared."""
-
-
-def _fail(item: _Item, exc: Exception) -> None:
-    if not item.future.done():
-        item.future.set_exception(exc)
-
-
-def _expire(items: list[_Item]) -> None:
-    for item in items:
-        if not item.future.done():
-            item.future.set_exception(DeadlineExceeded("the request deadline passed before inference finished"))
-
-
-@dataclass(frozen=True)
-class BatchReport:
-    """What happened to one batch, for metrics."""
-
-    size: int
-    queue_waits: list[float] = field(repr=False)
-    """Seconds each image waited between admission and dispatch."""
-    backend_seconds: float
-    error: str | None
-    """The error code when the batch failed, else None."""
-    trace_ids: list[str | None] = field(default_factory=list, repr=False)
-    """Each image's trace id when its trace is sampled (empty when none is): metrics exemplars."""
-    predicted_seconds: float | None = None
-    """What the adaptive policy's model predicted for this batch (None: fixed policy, or not ready)."""
 
 
 Policy = Literal["fixed", "adaptive"]
@@ -124,18 +82,28 @@ class DynamicBatcher:
         policy: Policy = "fixed",
         rank: Callable[[np.ndarray], Sequence[Any]] | None = None,
         on_abandon: Callable[[int], None] | None = None,
+        busy_at: int = 1,
+        on_stage: ObserveStage | None = None,
     ) -> None:
-        """``rank``, when given, turns a batch's scores into one answer per row, once per batch
-        (e.g. every row's top classes); each request then gets its rows' answers instead of the
-        score rows themselves. ``on_abandon`` gets the number of images of a cancelled request that
-        never reached the backend (dropped from the queue, or before their decode)."""
-        if max_batch_size < 1 or max_queue_size < 1 or max_inflight_batches < 1 or max_delay < 0:
+        """``busy_at``: the batches in flight at which the backend is busy, so that the next batch
+        waits to fill (1: any; ``max_inflight_batches``: every slot, for a backend whose batches
+        each run on their own cores, where a free slot is idle compute). ``rank``, when given,
+        turns a batch's scores into one answer per row, once per batch (e.g. every row's top
+        classes); each request then gets its rows' answers instead of the score rows themselves.
+        ``on_abandon`` gets the number of images of a cancelled request that never reached the
+        backend (dropped from the queue, or before their decode). ``on_stage`` gets each image's
+        stage times (``service.host.stages``: its decode's, its wait here, its batch's backend call,
+        its task's wake-up)."""
+        if max_batch_size < 1 or max_queue_size < 1 or max_inflight_batches < 1 or max_delay < 0 or busy_at < 1:
             raise ValueError("batcher limits must be positive")
+        self.busy_at = min(busy_at, max_inflight_batches)
         self.policy = policy
         self.adaptive = AdaptivePolicy(max_batch_size, max_inflight_batches) if policy == "adaptive" else None
         """The adaptive policy's learned batch times and arrival rate (None: fixed policy)."""
         self.target = max_batch_size
         """The batch size the policy last waited for."""
+        self.arrived = 0
+        """Images queued since the start (``gateway_batcher_arrivals_total``)."""
         self._preparing = 0
         """Images of ``submit_prepared`` requests being decoded or waiting for a decode thread: they
         will be queued ahead of anything admitted now."""
@@ -147,9 +115,10 @@ class DynamicBatcher:
         self.max_inflight_batches = max_inflight_batches
         self._on_batch = on_batch
         self._on_abandon = on_abandon
+        self._on_stage = on_stage
         self._tracing = tracing
         self._backend_name = backend_name
-        self._queue: deque[_Item] = deque()
+        self._queue: deque[Item] = deque()
         self._wake = asyncio.Event()
         self._wanted = 1
         """Queued images at which ``submit`` wakes the batcher: 1 when it waits for work, a full
@@ -208,16 +177,12 @@ class DynamicBatcher:
                 retry_after=max(1, math.ceil(wait)),
             )
 
-    @property
-    def rate(self) -> float:
-        """The latest arrival-rate estimate, images per second (adaptive policy)."""
-        return self.adaptive.rate if self.adaptive is not None else 0.0
-
     def _target(self, now: float) -> int:
         """How many images the next batch waits for while the backend is busy."""
         return self.adaptive.target(now) if self.adaptive is not None else self.max_batch_size
 
-    def _enqueue(self, items: list[_Item]) -> None:
+    def _enqueue(self, items: list[Item]) -> None:
+        self.arrived += len(items)
         if self.adaptive is not None:
             self.adaptive.arrived(len(items))
         self._queue.extend(items)
@@ -225,15 +190,19 @@ class DynamicBatcher:
         if len(self._queue) >= self._wanted:
             self._wake.set()
 
-    async def _results(self, items: list[_Item], deadline: float | None) -> list[Any]:
+    async def _results(self, items: list[Item], deadline: float | None) -> list[Any]:
         """Wait for the items' rows; at the deadline (one timer per request, not an asyncio
         timeout: this is the serving path's hottest code) the unfinished ones fail."""
         loop = asyncio.get_running_loop()
-        expiry = None if deadline is None else loop.call_at(deadline, _expire, items)
+        expiry = None if deadline is None else loop.call_at(deadline, expire, items)
         try:
             if len(items) == 1:  # the common case: no gathering future
-                return [await items[0].future]
-            return list(await asyncio.gather(*(item.future for item in items)))
+                rows = [await items[0].future]
+            else:
+                rows = list(await asyncio.gather(*(item.future for item in items)))
+            if self._on_stage is not None and items[-1].answered:
+                self._on_stage("wake", time.perf_counter() - items[-1].answered)
+            return rows
         finally:
             if expiry is not None:
                 expiry.cancel()
@@ -253,7 +222,10 @@ class DynamicBatcher:
         self._check_room(len(images), deadline)
         loop = asyncio.get_running_loop()
         now = loop.time()
-        items = [_Item(img, loop.create_future(), deadline, now, parent) for img in images]
+        items = [Item(img, loop.create_future(), deadline, now, parent) for img in images]
+        if self._on_stage is not None:
+            for item in items:
+                item.timed_into_queue(self._on_stage)
         self._enqueue(items)
         return await self._results(items, deadline)
 
@@ -275,21 +247,24 @@ class DynamicBatcher:
         if self.model is not None and deadline is not None:  # refuse before spending a decode on it
             self._check_deadline(1, deadline)
         loop = asyncio.get_running_loop()
-        item = _Item(_NO_IMAGE, loop.create_future(), deadline, 0.0, parent)
+        item = Item(NO_IMAGE, loop.create_future(), deadline, 0.0, parent)
 
         def work() -> None:
             done: Callable[[], None]
             if item.future.done():  # cancelled or timed out while waiting for a thread: no decode
                 done = self._prepared_none
             else:
+                item.picked = time.perf_counter()
                 try:
                     done = partial(self._admit, item, prepare())
+                    item.prepared = time.perf_counter()
                 except Exception as exc:
                     done = partial(self._prepare_failed, item, exc)
             with suppress(RuntimeError):  # the loop has closed: nobody waits any more
                 loop.call_soon_threadsafe(done)
 
         self._preparing += 1
+        item.submitted = time.perf_counter()
         try:
             executor.submit(work)
         except RuntimeError:  # the pool has shut down
@@ -301,11 +276,11 @@ class DynamicBatcher:
     def _prepared_none(self) -> None:
         self._preparing -= 1
 
-    def _prepare_failed(self, item: _Item, exc: Exception) -> None:
+    def _prepare_failed(self, item: Item, exc: Exception) -> None:
         self._preparing -= 1
-        _fail(item, exc)
+        fail(item, exc)
 
-    def _admit(self, item: _Item, image: np.ndarray) -> None:
+    def _admit(self, item: Item, image: np.ndarray) -> None:
         """Queue a prepared image (on the loop), unless its request is over or there is no room."""
         self._preparing -= 1
         if item.future.done():
@@ -318,9 +293,11 @@ class DynamicBatcher:
             return
         item.image = image
         item.enqueued = item.future.get_loop().time()
+        if self._on_stage is not None:
+            item.timed_into_queue(self._on_stage)
         self._enqueue([item])
 
-    def _forget(self, items: list[_Item]) -> None:
+    def _forget(self, items: list[Item]) -> None:
         """Drop a finished, failed or cancelled request's items that are still waiting."""
         if self._on_abandon is not None:
             # cancelled from outside (the request's task) before dispatch; not those cancelled below
@@ -362,7 +339,8 @@ class DynamicBatcher:
             del batch, task  # not held while idle: the images (the shared engine's cells) go with their requests
 
     async def _fill(self, loop: asyncio.AbstractEventLoop) -> None:
-        """While the backend is busy, wait for a full batch or until the oldest image's delay is up.
+        """While the backend is busy (``busy_at`` batches in it besides the one being formed), wait
+        for a full batch or until the oldest image's delay is up.
 
         Woken once per batch, not per request: ``submit`` sets the event only when the queue reaches
         ``_wanted`` images, a finished batch sets it (the backend may be idle now), and one timer
@@ -376,20 +354,20 @@ class DynamicBatcher:
         fit = self.model.fit if self.model is not None else None
         if fit is not None and oldest.deadline is not None:  # leave the oldest time to be answered
             flush_at = min(flush_at, oldest.deadline - fit.seconds(target))
-        if self._inflight == 0 or len(self._queue) >= target or flush_at <= now:
+        if self._inflight < self.busy_at or len(self._queue) >= target or flush_at <= now:
             return
         self._wanted = target
         timer = loop.call_at(flush_at, self._wake.set)
         try:
-            while self._inflight and len(self._queue) < target and loop.time() < flush_at:
+            while self._inflight >= self.busy_at and len(self._queue) < target and loop.time() < flush_at:
                 self._wake.clear()
                 await self._wake.wait()
         finally:
             timer.cancel()
             self._wanted = 1
 
-    def _take(self, now: float) -> list[_Item]:
-        batch: list[_Item] = []
+    def _take(self, now: float) -> list[Item]:
+        batch: list[Item] = []
         while self._queue and len(batch) < self.max_batch_size:
             item = self._queue.popleft()
             if item.future.done():
@@ -401,7 +379,7 @@ class DynamicBatcher:
             batch.append(item)
         return batch
 
-    def _trace_batch(self, batch: list[_Item], traced: list[_Item], started: float) -> trace.Span:
+    def _trace_batch(self, batch: list[Item], traced: list[Item], started: float) -> trace.Span:
         """The batch's span (child of its first sampled request, linked to all of them) and each
         sampled request's ``batch wait`` span, which ended at dispatch (``started``, now) and links
         to the batch."""
@@ -422,7 +400,7 @@ class DynamicBatcher:
             wait.end(end_time=dispatched)
         return span
 
-    async def _run_batch(self, batch: list[_Item], loop: asyncio.AbstractEventLoop) -> None:
+    async def _run_batch(self, batch: list[Item], loop: asyncio.AbstractEventLoop) -> None:
         started = loop.time()
         error: GatewayError | None = None
         fit = self.model.fit if self.model is not None else None
@@ -433,8 +411,11 @@ class DynamicBatcher:
             deadlines = [item.deadline for item in batch]
             timeout = None if None in deadlines else max(d for d in deadlines if d is not None) - started
             # the images as they are: the backend lays out its input off the loop (``BatchBuffer``)
+            sent = time.perf_counter()
             with trace.use_span(span, end_on_exit=False) if span is not None else nullcontext():
                 scores = await self._infer([item.image for item in batch], timeout=timeout)
+            if self._on_stage is not None:
+                self._stages_of(batch, sent)
             if len(scores) != len(batch):
                 raise BackendError(f"backend returned {len(scores)} results for a batch of {len(batch)} images")
             finite = np.isfinite(scores).all(axis=tuple(range(1, np.ndim(scores))))
@@ -484,6 +465,16 @@ class DynamicBatcher:
                         else [],
                     )
                 )
+
+    def _stages_of(self, batch: list[Item], sent: float) -> None:
+        """A batch's stages, its answer in hand: each image's wait, the backend call once."""
+        assert self._on_stage is not None
+        now = time.perf_counter()
+        self._on_stage("backend", now - sent)
+        for item in batch:
+            if item.queued:
+                self._on_stage("batch_wait", sent - item.queued)
+            item.answered = now
 
     async def aclose(self, drain_timeout: float = 10.0) -> None:
         """Refuse new requests, let queued and running batches finish within ``drain_timeout``,

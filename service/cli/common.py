@@ -18,21 +18,6 @@ STARTUP_FAILURE = 3
 """Exit status of a server whose start-up failed (uvicorn's)."""
 
 
-def add_setting_flags(parser: argparse.ArgumentParser, skip: frozenset[str] = frozenset()) -> None:
-    for name, field in Settings.model_fields.items():
-        if name in skip:  # the command gives the flag a meaning of its own
-            continue
-        flag, variable = setting_name(name).split(" / ")
-        parser.add_argument(
-            flag,
-            dest=name,
-            default=None,
-            metavar=name.upper(),
-            # argparse formats help with %: a description saying "99 % of" must not read as a format
-            help=f"{field.description or ''} (env {variable})".replace("%", "%%"),
-        )
-
-
 def number(low: float, high: float, *, integer: bool = False) -> Callable[[str], float]:
     """An argparse ``type`` for a flag's number: finite, within ``[low, high]`` (whole with
     ``integer``); anything else is argparse's usage error naming the flag and the range (``nan``

@@ -85,7 +85,8 @@ def engine(args: argparse.Namespace) -> int:
 
     from service.backends.engine_server import run_engine
 
-    logging_config(load_settings(args, serves=True))
+    settings = load_settings(args, serves=True)
+    logging_config(settings)
 
     def ready() -> None:  # tell the supervisor (gateway serve) that the engine listens
         if args.ready_fd is not None:
@@ -106,7 +107,7 @@ def engine(args: argparse.Namespace) -> int:
             for signum in (signal.SIGTERM, signal.SIGINT):
                 signal.signal(signum, signal.SIG_IGN)
             loop.add_reader(args.parent_fd, stop.set)  # readable at end-of-file
-        await run_engine(args.socket, stop, ready)
+        await run_engine(settings, args.socket, stop, ready)
 
     eventloop.run(main())
     return 0
@@ -117,7 +118,7 @@ def serve(args: argparse.Namespace) -> int:
     from uvicorn.supervisors import Multiprocess
 
     from service.http.listeners import ListenError, addresses, listen, probe
-    from service.http.protocol import http_protocol
+    from service.http.refusing import http_protocol
 
     settings = load_settings(args, serves=True)
     common: dict[str, Any] = {

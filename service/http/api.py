@@ -21,7 +21,7 @@ from service.classifier import ImageInput, require_embedding, require_labels
 from service.errors import BackendUnavailable, NotFound, UnsupportedMediaType
 from service.http.answers import BINARY, embedding_rows, wants_binary
 from service.http.gateway import CANCEL_ON_DISCONNECT as CANCEL_ON_DISCONNECT  # the fast path's import
-from service.http.gateway import CHECKED_QUERY, choose, gateway_of, key_of, spend_quota
+from service.http.gateway import CHECKED_QUERY, RESERVED, choose, gateway_of, key_of, spend_quota
 from service.http.gateway import Gateway as Gateway  # the composition root's import
 from service.http.image_request import MODE_DOC, TOP_K_DOC, media_type, query, read_images
 from service.http.json_body import read_urls
@@ -92,6 +92,14 @@ LABELS = Wants(("mode", "top_k"), require_labels, _labels)
 VECTORS = Wants(("mode",), require_embedding, _vectors)
 
 
+def check_before_admission(wants: Wants, served: ServedVersion, query_string: bytes) -> None:
+    """What an image route refuses before admission (its query, the model's kind of output), for
+    ``service.http.early`` to ask from a request's head: a request refused for these must not be
+    told 429 and retry for ever."""
+    query(query_string, wants.params)
+    wants.require(served.spec.profile, served.model, served.version)
+
+
 @router.post(
     "/classify",
     response_model=ClassifyResponse,
@@ -128,24 +136,25 @@ async def handle_embed(request: Request, model: str, version: str | None = None)
 
 async def handle_images(request: Request, model: str | None, version: str | None, wants: Wants) -> Response:
     """An image route's work: the body read, admitted and answered online or queued offline."""
-    top_k, mode = query(request, wants.params)
+    top_k, mode = query(request.scope["query_string"], wants.params)
     request.scope[CANCEL_ON_DISCONNECT] = mode == "online"
     gateway = gateway_of(request)
     served = choose(gateway, key_of(request), model, version)
     wants.require(served.spec.profile, served.model, served.version)  # before the body: it cannot help
     models = gateway.models
-    models.check(served)  # full now: refuse before spending time on the body
+    reserved = request.scope.get(RESERVED)  # admitted from its head: its slot is held while the body comes
+    models.check(served, reserved)  # full now: refuse before spending time on the body
     if media_type(request.headers.get("content-type")) == "application/json":
         urls = await _read_urls(request, gateway)
         spend_quota(gateway, key_of(request), len(urls), served.model)  # before fetching: the fetches are the cost
         assert gateway.fetcher is not None  # _read_urls refuses URLs where fetching is off
         async with gateway.fetcher.images(urls) as fetched:
-            models.check(served)
+            models.check(served, reserved)
             return await _admitted(request, gateway, served, fetched, top_k, mode, version, wants)
     # The body is read before taking a slot: a slow sender never holds one (its time is bounded by
     # GATEWAY_BODY_TIMEOUT, its memory by the body budget in BodyLimitMiddleware).
     images = await read_images(request, gateway.settings.max_images_per_request)
-    models.check(served)
+    models.check(served, reserved)
     spend_quota(gateway, key_of(request), len(images), served.model)
     return await _admitted(request, gateway, served, images, top_k, mode, version, wants)
 
@@ -162,13 +171,14 @@ async def _admitted(
 ) -> Response:
     """``version``: the one the request named (None: ``served`` was picked by traffic weights)."""
     models = gateway.models
+    reserved = request.scope.get(RESERVED)
     if mode == "offline":
-        with models.admitted(served):
+        with models.admitted(served, reserved):
             return await submit(request, gateway, served, images, top_k, version)
     refuse_webhook_online(request)
     deadline = asyncio.get_running_loop().time() + gateway.settings.request_timeout
     # loads it (within the deadline) if it is not, holds it loaded; a version a reload replaced: its replacement
-    async with models.hold(served, deadline) as served:
+    async with models.hold(served, deadline, reserved=reserved) as served:
         return await wants.answer(request, gateway, served, images, top_k, deadline)
 
 

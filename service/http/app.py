@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import AbstractAsyncContextManager, AsyncExitStack, asynccontextmanager
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -24,6 +25,8 @@ from service.errors import GatewayError, error_body, error_response_for, validat
 from service.http import inference_protocol, model_routes
 from service.http.answers import Answers
 from service.http.api import Gateway, router
+from service.http.docs_pages import add_docs_pages
+from service.http.early import EarlyAdmission
 from service.http.fastpath import FAST_ROUTES, ClassifyFastPath, refusal
 from service.http.fetch import Fetcher
 from service.http.middleware import (
@@ -34,6 +37,7 @@ from service.http.middleware import (
     RequestMiddleware,
 )
 from service.http.quotas import Quotas
+from service.http.refusing import EARLY_GATE, Gate
 from service.jobs.client import JobsClient
 from service.jobs.topology import Names
 from service.metrics import Metrics, multiprocess_dir
@@ -62,6 +66,19 @@ class GatewayApp(FastAPI):
 
     def build_middleware_stack(self) -> ASGIApp:
         return self.edge(super().build_middleware_stack())
+
+    def openapi(self) -> dict[str, Any]:
+        """FastAPI's description, without the 422 it adds to every route with a path parameter on
+        the Open Inference Protocol's routes: a path parameter there is any string, and the routes
+        that do answer 422 (an unknown query parameter) list it, in the protocol's shape."""
+        schema = super().openapi()
+        for path, operations in schema.get("paths", {}).items():
+            if path.startswith("/v2"):
+                for operation in operations.values():
+                    responses = operation.get("responses", {})
+                    if responses.get("422", {}).get("description") == "Validation Error":  # FastAPI's own
+                        del responses["422"]
+        return schema
 
 
 def create_app(
@@ -94,7 +111,7 @@ def create_app(
     bodies = BodyBudget(settings.max_buffered_body_bytes_effective)
 
     @asynccontextmanager
-    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+    async def lifespan(app: FastAPI) -> AsyncIterator[dict[str, Gate]]:
         try:
             async with open_models(settings, metrics, backend, tracing, catalog) as models:
                 jobs = (
@@ -164,7 +181,8 @@ def create_app(
                         for front in fronts:
                             await running.enter_async_context(front(gateway))
                         try:
-                            yield
+                            # the HTTP protocol's refusals from the headers (uvicorn's lifespan state)
+                            yield {EARLY_GATE: EarlyAdmission(gateway)}
                         finally:
                             gateway.closing = True  # not ready, while the fronts finish their calls
                 finally:
@@ -192,7 +210,10 @@ def create_app(
         # request: at 1 % sampling it cost 17 % of the serving path's throughput), and Prometheus
         # and the gateway's log lines do metrics and logs.
         telemetry={"tracing": False, "metrics": False, "logs": False},
+        docs_url=None,  # served from the gateway's own files (docs_pages), not from a CDN
+        redoc_url=None,
     )
+    add_docs_pages(app)
     app.include_router(router)
     app.include_router(model_routes.router)
     app.include_router(inference_protocol.router)

@@ -24,7 +24,7 @@ from starlette.routing import BaseRoute
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from service.errors import GatewayError, RequestTimeout, error_response
-from service.http.api import CANCEL_ON_DISCONNECT, handle_classify, handle_embed
+from service.http.api import CANCEL_ON_DISCONNECT, LABELS, VECTORS, Wants, handle_classify, handle_embed
 from service.http.inference_protocol import handle_infer, protocol_error
 from service.http.middleware import CLIENT_LEFT
 from service.http.protocol import ON_DISCONNECT, TIMED_OUT
@@ -50,6 +50,9 @@ class FastRoute:
     templates: tuple[str, str]
     handle: Handler
     render: ErrorRenderer = error_response
+    wants: Wants | None = None
+    """An image route's ``Wants`` (its query and the model's kind of output, checked before
+    admission); None: the protocol's infer route, which takes no query parameter."""
 
 
 def _classify(request: Request, model: str | None, version: str | None) -> Awaitable[Response]:
@@ -67,18 +70,20 @@ def _infer(request: Request, model: str | None, version: str | None) -> Awaitabl
 
 
 FAST_ROUTES = (
-    FastRoute("/classify", re.compile("/classify"), ("/classify", "/classify"), _classify),
+    FastRoute("/classify", re.compile("/classify"), ("/classify", "/classify"), _classify, wants=LABELS),
     FastRoute(
         "/v1/models/",
         re.compile(r"/v1/models/(?P<model>[^/]+)/(?:versions/(?P<version>[^/]+)/)?classify"),
         ("/v1/models/{name}/classify", "/v1/models/{name}/versions/{version}/classify"),
         _classify,
+        wants=LABELS,
     ),
     FastRoute(
         "/v1/models/",
         re.compile(r"/v1/models/(?P<model>[^/]+)/(?:versions/(?P<version>[^/]+)/)?embed"),
         ("/v1/models/{name}/embed", "/v1/models/{name}/versions/{version}/embed"),
         _embed,
+        wants=VECTORS,
     ),
     FastRoute(
         "/v2/models/",
@@ -89,6 +94,16 @@ FAST_ROUTES = (
     ),
 )
 """``/classify``, the models' classify and embed routes, and the Open Inference Protocol's infer routes."""
+
+
+def fast_route(path: str) -> tuple[FastRoute, str | None, str | None] | None:
+    """The online route ``path`` is, with the model and version it names (None: not named); None
+    for any other path."""
+    for fast in FAST_ROUTES:
+        if path.startswith(fast.prefix) and (match := fast.pattern.fullmatch(path)):
+            named = match.groupdict()
+            return fast, named.get("model"), named.get("version")
+    return None
 
 
 class ClassifyFastPath:
@@ -111,14 +126,10 @@ class ClassifyFastPath:
             await self.app(scope, receive, send)
             return
         path = scope["path"]
-        for fast in FAST_ROUTES:
-            if path.startswith(fast.prefix) and (match := fast.pattern.fullmatch(path)):
-                break
-        else:
+        if (found := fast_route(path)) is None:
             await self.app(scope, receive, send)
             return
-        named = match.groupdict()
-        model, version = named.get("model"), named.get("version")
+        fast, model, version = found
         scope["route"] = self.routes[fast.templates[version is not None]]
         watch = _DisconnectWatch(scope)
         request = Request(scope, receive)

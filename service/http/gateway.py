@@ -15,9 +15,11 @@ from service.errors import Forbidden, InvalidParameters, QuotaExceeded
 from service.http.answers import Answers
 from service.http.fetch import Fetcher
 from service.http.middleware import API_KEY
+from service.http.middleware import RESERVED as RESERVED  # the routes' import
 from service.http.quotas import Quotas
 from service.jobs.client import JobsClient
 from service.metrics import Metrics
+from service.serving.fair import Reservation
 from service.serving.registry import ServedModels
 from service.serving.served import ServedVersion
 from service.settings import Settings
@@ -113,6 +115,7 @@ async def online(
     images: list[ImageInput],
     top_k: int | None,
     deadline: float | None = None,
+    reserved: Reservation | None = None,
 ) -> list[np.ndarray] | list[Classification]:
     """An online request of an inference protocol (the v2 REST and gRPC fronts) for ``served``,
     admitted as ``/classify`` admits one (room, the API key's quota, the deadline: the sooner of
@@ -120,15 +123,17 @@ async def online(
     ranked with its batch as ``/classify``'s are (a sigmoid model's too, whatever their score: a
     protocol's tensor has ``top_k`` of them in every row), or with ``top_k`` None its score rows (an
     embedding model's vectors). Classes asked of an embedding model are refused before anything is
-    spent."""
+    spent. ``reserved``: the slot its head was admitted with (REST)."""
     if top_k is not None:
         require_labels(served.spec.profile, served.model, served.version)
     models = gateway.models
-    models.check(served)
+    models.check(served, reserved)
     spend_quota(gateway, key_id, len(images), served.model)
     timeout = asyncio.get_running_loop().time() + gateway.settings.request_timeout
     deadline = timeout if deadline is None else min(deadline, timeout)
-    async with models.hold(served, deadline) as served:  # a version a reload replaced: its replacement
+    async with models.hold(
+        served, deadline, reserved=reserved
+    ) as served:  # a version a reload replaced: its replacement
         classifier = served.classifier
         if top_k is None:
             rows: list[np.ndarray] | list[Classification] = await classifier.scores(images, deadline=deadline)

@@ -8,7 +8,7 @@ import re
 from typing import Any
 
 from fastapi import Request
-from starlette.datastructures import UploadFile
+from starlette.datastructures import QueryParams, UploadFile
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from service.classifier import ImageInput
@@ -38,12 +38,13 @@ MODE_DOC: dict[str, Any] = {
 }
 
 
-def query(request: Request, names: tuple[str, ...]) -> tuple[int, str]:
-    """``top_k`` (1-20, default 5; where ``names`` has it) and ``mode`` (online|offline), with the
-    same 422s FastAPI gives; any other parameter is a 422 naming the ones the route takes."""
-    if not request.scope["query_string"]:  # the common case: no parsing at all
+def query(query_string: bytes, names: tuple[str, ...]) -> tuple[int, str]:
+    """``top_k`` (1-20, default 5; where ``names`` has it) and ``mode`` (online|offline) from a
+    request's query string, with the same 422s FastAPI gives; any other parameter is a 422 naming
+    the ones the route takes."""
+    if not query_string:  # the common case: no parsing at all
         return DEFAULT_TOP_K, "online"
-    params = request.query_params
+    params = QueryParams(query_string)
     if not params:
         return DEFAULT_TOP_K, "online"
     unknown = sorted(set(params) - set(names))
@@ -73,9 +74,13 @@ def media_type(content_type: str | None) -> str:
     return (content_type or "").split(";", 1)[0].strip().lower()
 
 
+ACCEPTED_TYPES = (*MEDIA_TYPES, "application/octet-stream")
+"""What an image may be sent as, as the 415 answers list it."""
+
+
 def _check_image_type(media: str, where: str) -> None:
     if media and not (media.startswith("image/") or media == "application/octet-stream"):
-        raise UnsupportedMediaType(f"{where} has content type {media!r}; send an image")
+        raise UnsupportedMediaType(f"{where} has content type {media!r}; send an image ({', '.join(ACCEPTED_TYPES)})")
 
 
 async def read_images(request: Request, max_images: int) -> list[ImageInput]:
@@ -86,7 +91,18 @@ async def read_images(request: Request, max_images: int) -> list[ImageInput]:
         try:
             form = await request.form(max_files=max_images, max_fields=max_images)
         except StarletteHTTPException as exc:
-            raise BadRequest(f"malformed multipart body: {exc.detail}") from exc
+            detail = str(exc.detail)
+            if detail.startswith("Too many files"):  # Starlette's limits, ours
+                raise BadRequest(
+                    f"over {max_images} 'file' parts; at most {max_images} images per request "
+                    "(GATEWAY_MAX_IMAGES_PER_REQUEST)"
+                ) from exc
+            if detail.startswith("Too many fields"):
+                raise BadRequest(
+                    f"over {max_images} text fields; a body may have at most as many parts as images per request "
+                    f"({max_images}, GATEWAY_MAX_IMAGES_PER_REQUEST), and only 'file' parts are read"
+                ) from exc
+            raise BadRequest(f"malformed multipart body: {detail}") from exc
         try:
             unexpected = sorted({key for key in form if key != "file"})
             if unexpected:
@@ -112,5 +128,5 @@ async def read_images(request: Request, max_images: int) -> list[ImageInput]:
         return [ImageInput(body, None, media)]
     raise UnsupportedMediaType(
         f"content type {media or 'missing'!r} is not accepted; send multipart/form-data with 'file' parts, "
-        f"or an image body ({', '.join(MEDIA_TYPES)})"
+        f"an image body ({', '.join(ACCEPTED_TYPES)}), or application/json with image URLs"
     )

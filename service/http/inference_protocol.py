@@ -50,6 +50,7 @@ from service.http import inference_shapes, strict_json
 from service.http.gateway import (
     CANCEL_ON_DISCONNECT,
     CHECKED_QUERY,
+    RESERVED,
     choose,
     gateway_of,
     key_of,
@@ -59,9 +60,16 @@ from service.http.gateway import (
 from service.http.inference_request import HEADER_LENGTH, OUTPUT, read_request
 from service.http.json_body import read_within
 from service.http.model_routes import check_admin, set_loaded
+from service.http.openapi import INFERENCE_HEADER, V2_ERRORS, V2_INFER_BODY, v2_errors, v2_readiness
 from service.serving.served import ServedModel, ServedVersion, quoted
 
-router = APIRouter(include_in_schema=False)  # specified by the protocol, documented in docs/api.md
+router = APIRouter(tags=["Open Inference Protocol (KServe v2)"])
+"""Specified by the protocol, documented in docs/api.md; in /openapi.json with the protocol's error shape,
+each route with the errors it can answer."""
+REPOSITORY_ERRORS = v2_errors(400, 403, 404, 413, 422, 500, 503)
+MODEL_READINESS = {**v2_errors(404), **v2_readiness("name")}
+INFER_ERRORS = V2_ERRORS  # every one of the protocol's errors
+INFER_EXTRA = {"requestBody": V2_INFER_BODY, "parameters": [INFERENCE_HEADER]}
 
 REPOSITORY_BODY_BYTES = 16 * 1024
 """Largest body of a repository request (``{"ready": true}``, an unload's ``unload_dependents``):
@@ -88,7 +96,7 @@ def _version(request: Request, name: str, version: str | None) -> ServedVersion:
     return choose(gateway, key_of(request), name, version)
 
 
-@router.get("/v2")
+@router.get("/v2", responses=v2_errors())
 async def server_metadata() -> dict[str, Any]:
     return inference_shapes.server_metadata()
 
@@ -98,20 +106,20 @@ async def live() -> dict[str, bool]:
     return {"live": True}
 
 
-@router.get("/v2/health/ready")
+@router.get("/v2/health/ready", responses=v2_readiness())
 async def ready(request: Request) -> JSONResponse:
     is_ready = inference_shapes.serving(gateway_of(request))
     return JSONResponse({"ready": is_ready}, status_code=200 if is_ready else 503)
 
 
-@router.get("/v2/models/stats", dependencies=CHECKED_QUERY)
+@router.get("/v2/models/stats", dependencies=CHECKED_QUERY, responses=v2_errors(400, 422))
 async def all_statistics(request: Request) -> Response:
     """Every version's statistics. Before ``/v2/models/{name}``, which would take ``stats`` for a name."""
     return JSONResponse(inference_shapes.model_statistics(gateway_of(request), None, None))
 
 
-@router.get("/v2/models/{name}", dependencies=CHECKED_QUERY)
-@router.get("/v2/models/{name}/versions/{version}", dependencies=CHECKED_QUERY)
+@router.get("/v2/models/{name}", dependencies=CHECKED_QUERY, responses=v2_errors(400, 404, 422))
+@router.get("/v2/models/{name}/versions/{version}", dependencies=CHECKED_QUERY, responses=v2_errors(400, 404, 422))
 async def model_metadata(request: Request, name: str, version: str | None = None) -> Response:
     try:
         model = _model(request, name)
@@ -121,8 +129,10 @@ async def model_metadata(request: Request, name: str, version: str | None = None
     return JSONResponse(inference_shapes.model_metadata(gateway_of(request), model, versions))
 
 
-@router.get("/v2/models/{name}/config", dependencies=CHECKED_QUERY)
-@router.get("/v2/models/{name}/versions/{version}/config", dependencies=CHECKED_QUERY)
+@router.get("/v2/models/{name}/config", dependencies=CHECKED_QUERY, responses=v2_errors(400, 404, 422))
+@router.get(
+    "/v2/models/{name}/versions/{version}/config", dependencies=CHECKED_QUERY, responses=v2_errors(400, 404, 422)
+)
 async def model_config(request: Request, name: str, version: str | None = None) -> Response:
     """The version's configuration (without one, the model's first version: its versions may
     differ in backend and batching, not in what they take and give)."""
@@ -134,8 +144,10 @@ async def model_config(request: Request, name: str, version: str | None = None) 
     return JSONResponse(inference_shapes.model_config(gateway_of(request), served))
 
 
-@router.get("/v2/models/{name}/stats", dependencies=CHECKED_QUERY)
-@router.get("/v2/models/{name}/versions/{version}/stats", dependencies=CHECKED_QUERY)
+@router.get("/v2/models/{name}/stats", dependencies=CHECKED_QUERY, responses=v2_errors(400, 404, 422))
+@router.get(
+    "/v2/models/{name}/versions/{version}/stats", dependencies=CHECKED_QUERY, responses=v2_errors(400, 404, 422)
+)
 async def model_statistics(request: Request, name: str, version: str | None = None) -> Response:
     try:
         return JSONResponse(inference_shapes.model_statistics(gateway_of(request), name, version))
@@ -143,7 +155,7 @@ async def model_statistics(request: Request, name: str, version: str | None = No
         return protocol_error(exc)
 
 
-@router.post("/v2/repository/index", dependencies=CHECKED_QUERY)
+@router.post("/v2/repository/index", dependencies=CHECKED_QUERY, responses=v2_errors(400, 403, 413, 422))
 async def repository_index(request: Request) -> Response:
     """Every version and its state; with ``{"ready": true}``, those ready. ``tritonclient`` sends no body."""
     try:
@@ -157,7 +169,7 @@ async def repository_index(request: Request) -> Response:
     return JSONResponse(inference_shapes.repository_index(gateway_of(request), ready_only))
 
 
-@router.post("/v2/repository/models/{name}/load", dependencies=CHECKED_QUERY)
+@router.post("/v2/repository/models/{name}/load", dependencies=CHECKED_QUERY, responses=REPOSITORY_ERRORS)
 async def repository_load(request: Request, name: str) -> Response:
     """Load every version of a model (admin key): what ``POST /v1/models/{name}/load`` does.
     Triton's load may bring a configuration or files; the gateway loads what its models file
@@ -165,7 +177,7 @@ async def repository_load(request: Request, name: str) -> Response:
     return await _control(request, name, load=True)
 
 
-@router.post("/v2/repository/models/{name}/unload", dependencies=CHECKED_QUERY)
+@router.post("/v2/repository/models/{name}/unload", dependencies=CHECKED_QUERY, responses=REPOSITORY_ERRORS)
 async def repository_unload(request: Request, name: str) -> Response:
     """Unload every version of a model (admin key); ``unload_dependents`` is taken and changes
     nothing (the gateway has no ensembles)."""
@@ -235,8 +247,8 @@ def _kind(value: Any) -> str:
     return kinds.get(type(value), "null")
 
 
-@router.get("/v2/models/{name}/ready")
-@router.get("/v2/models/{name}/versions/{version}/ready")
+@router.get("/v2/models/{name}/ready", responses=MODEL_READINESS)
+@router.get("/v2/models/{name}/versions/{version}/ready", responses=MODEL_READINESS)
 async def model_ready(request: Request, name: str, version: str | None = None) -> Response:
     """A model is ready when a version taking traffic is; a version when its backend is."""
     try:
@@ -248,7 +260,7 @@ async def model_ready(request: Request, name: str, version: str | None = None) -
     return JSONResponse({"name": name, "ready": is_ready}, status_code=200 if is_ready else 503)
 
 
-@router.post("/v2/models/{name}/infer")
+@router.post("/v2/models/{name}/infer", openapi_extra=INFER_EXTRA, responses=INFER_ERRORS)
 async def infer(request: Request, name: str) -> Response:
     """Documents the route (its template names it in metrics); ``ClassifyFastPath`` serves it with
     ``handle_infer``, as it serves ``/classify``. A route of its own, not ``infer_version``'s with
@@ -257,7 +269,7 @@ async def infer(request: Request, name: str) -> Response:
     return await infer_version(request, name, None)
 
 
-@router.post("/v2/models/{name}/versions/{version}/infer")
+@router.post("/v2/models/{name}/versions/{version}/infer", openapi_extra=INFER_EXTRA, responses=INFER_ERRORS)
 async def infer_version(request: Request, name: str, version: str | None) -> Response:
     """The same, for a version named in the path."""
     try:
@@ -273,7 +285,8 @@ async def handle_infer(request: Request, name: str, version: str | None = None) 
     await reject_unknown_query(request)
     served = _version(request, name, version)
     gateway = gateway_of(request)
-    gateway.models.check(served)  # full now: refuse before reading the body
+    reserved = request.scope.get(RESERVED)  # admitted from its head
+    gateway.models.check(served, reserved)  # full now: refuse before reading the body
     body = await request.body()
     asked = await read_request(
         body,
@@ -281,7 +294,7 @@ async def handle_infer(request: Request, name: str, version: str | None = None) 
         gateway.settings.max_images_per_request,
         served.spec.profile.outputs,
     )
-    rows = await online(gateway, key_of(request), served, asked.images, asked.k)
+    rows = await online(gateway, key_of(request), served, asked.images, asked.k, reserved=reserved)
     return _answer(asked.id, served, rows, asked.binary_output)
 
 
@@ -319,8 +332,8 @@ UNSUPPORTED: tuple[tuple[re.Pattern[str], str], ...] = (
 """Extensions of the protocol the gateway does not serve: a 400 saying so, whatever the method."""
 
 
-@router.api_route("/v2", methods=METHODS)
-@router.api_route("/v2/{rest:path}", methods=METHODS)
+@router.api_route("/v2", methods=METHODS, include_in_schema=False)
+@router.api_route("/v2/{rest:path}", methods=METHODS, include_in_schema=False)
 async def unsupported(request: Request, rest: str = "") -> Response:
     """Registered last: any other path under ``/v2``, or a method a path of the protocol does not
     take, answers in the protocol's error shape (a 405 with ``Allow`` for the latter), not with

@@ -54,6 +54,18 @@ class BodyBudget:
         )
 
 
+def declared_over(headers: Iterable[tuple[bytes, bytes]], max_bytes: int) -> PayloadTooLarge | None:
+    """413 for a body whose ``Content-Length`` is over ``max_bytes`` (the HTTP parser has refused
+    any Content-Length that is not digits), else None: said before a byte of it is read."""
+    for name, value in headers:
+        if name == b"content-length":
+            declared = int(value) if value.isdigit() else 0
+            if declared > max_bytes:
+                return PayloadTooLarge(f"request body is {declared} bytes; the limit is {max_bytes}")
+            return None
+    return None
+
+
 class BodyLimitMiddleware:
     """Bound what receiving request bodies may cost in bytes (their time is bounded by the HTTP
     protocol, ``service.http.protocol``).
@@ -79,18 +91,10 @@ class BodyLimitMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        for name, value in scope["headers"]:
-            if name == b"content-length":
-                try:
-                    declared = int(value)
-                except ValueError:
-                    declared = 0
-                if declared > self.max_bytes:
-                    error = PayloadTooLarge(f"request body is {declared} bytes; the limit is {self.max_bytes}")
-                    self.metrics.rejections.labels(error.error).inc()
-                    await error_response_for(scope["path"])(error)(scope, receive, send)
-                    return
-                break
+        if (error := declared_over(scope["headers"], self.max_bytes)) is not None:
+            self.metrics.rejections.labels(error.error).inc()
+            await error_response_for(scope["path"])(error)(scope, receive, send)
+            return
         budget = self.budget
         shares = budget.shares
         model = budget.model_of(scope["path"])
@@ -120,6 +124,10 @@ class BodyLimitMiddleware:
             shares.leave(model, received)
 
 
+RESERVED = "gateway.reserved"
+"""Scope key: the ``Reservation`` of a request admitted from its head (``service.http.early``),
+claimed where it starts (``ServedModels.hold``); ``RequestMiddleware``, the outermost layer, gives
+it back if the request ends without (refused by a layer or a check, or its client gone)."""
 REFUSED = "gateway.refused"
 """Scope key set (to the error answered) when the HTTP protocol refused the request's body and
 closed the connection (``service.http.protocol``)."""
@@ -149,6 +157,36 @@ def new_request_id() -> str:
     return f"{random.getrandbits(64):016x}"
 
 
+class RequestSeries:
+    """The count and duration of HTTP requests by route template, method and status
+    (``gateway_http_requests_total``, ``gateway_http_request_duration_seconds``), for the layers
+    that answer requests: ``RequestMiddleware``, and the HTTP protocol's refusals from the headers.
+    A request whose client left (499) is counted but not timed: it was never answered, and its
+    time (until the client gave up) would read as slow 4xx answers."""
+
+    def __init__(self, metrics: Metrics) -> None:
+        self.metrics = metrics
+        self._series: dict[tuple[str, str, int], tuple[Counter, Histogram | None]] = {}
+        """Label children by (route, method, status): ``labels()`` costs a lock and a validation."""
+
+    def record(self, route: str, method: str, status: int, seconds: float, span: Span | None = None) -> None:
+        series = self._series.get((route, method, status))
+        if series is None:
+            series = (
+                self.metrics.http_requests.labels(route, method, str(status)),
+                None if status == CLIENT_CLOSED_REQUEST else self.metrics.http_duration.labels(route, str(status)),
+            )
+            if len(self._series) < 1024:  # methods and statuses are few, but a client chooses them
+                self._series[(route, method, status)] = series
+        series[0].inc()
+        if series[1] is None:
+            return
+        if span is not None:
+            series[1].observe(seconds, {"trace_id": trace_id_hex(span.get_span_context())})
+        else:
+            series[1].observe(seconds)
+
+
 class RequestMiddleware:
     """The outermost layer of every HTTP request: its id, its trace, and its metrics.
 
@@ -165,23 +203,8 @@ class RequestMiddleware:
         self.app = app
         self.metrics = metrics
         self.tracing = tracing
-        self._series: dict[tuple[str, str, int], tuple[Counter, Histogram]] = {}
-        """Label children by (route, method, status): ``labels()`` costs a lock and a validation."""
-
-    def _record(self, route: str, method: str, status: int, seconds: float, span: Span | None) -> None:
-        series = self._series.get((route, method, status))
-        if series is None:
-            series = (
-                self.metrics.http_requests.labels(route, method, str(status)),
-                self.metrics.http_duration.labels(route, f"{status // 100}xx"),
-            )
-            if len(self._series) < 1024:  # methods and statuses are few, but a client chooses them
-                self._series[(route, method, status)] = series
-        series[0].inc()
-        if span is not None:
-            series[1].observe(seconds, {"trace_id": trace_id_hex(span.get_span_context())})
-        else:
-            series[1].observe(seconds)
+        self._record = RequestSeries(metrics).record
+        self._in_flight = metrics.http_in_flight
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -216,9 +239,14 @@ class RequestMiddleware:
                 message["headers"] = [*message.get("headers", ()), id_header]
             await send(message)
 
+        in_flight = self._in_flight
+        in_flight.inc()
         try:
             await self.app(scope, receive, send_wrapper)
         finally:
+            in_flight.dec()
+            if (reserved := scope.pop(RESERVED, None)) is not None:
+                reserved.release()  # never claimed: the slot goes back (claimed: a no-op)
             if scope.get(CLIENT_LEFT):
                 status = CLIENT_CLOSED_REQUEST  # not a failure of ours: no 5xx in the metrics
             route = getattr(scope.get("route"), "path", None) or "unmatched"

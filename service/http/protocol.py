@@ -34,6 +34,9 @@ counted like a head, and over ``MAX_HEAD_BYTES`` gets 400. A body refused here i
 protocol (JSON, with the request's id) and the connection closed; the app learns of it as a
 disconnect whose scope carries ``REFUSED`` (the error answered), so it can count the refusal.
 
+A subclass may answer a request from its head alone (``service.http.refusing``): its body is then
+parsed and dropped (``_skip_body``), within the same bounds.
+
 The bounds live here, on the connection's own timer, rather than around every ``receive()`` in
 middleware: one timer per request phase costs less on the serving path than an asyncio timeout per
 body chunk. The app learns of a body timeout as a disconnect whose scope carries ``TIMED_OUT``
@@ -45,14 +48,14 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import Callable
-from functools import partial
 from http import HTTPStatus
 from typing import Any, cast
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from service.errors import BadRequest, GatewayError, HeadersTooLarge, PayloadTooLarge, RequestTimeout
+from service.errors import BadRequest, GatewayError, HeadersTooLarge, PayloadTooLarge, RequestTimeout, error_body
 from service.http.middleware import REFUSED, REQUEST_ID_SCOPE, new_request_id
+from service.http.transport import CoalescingTransport
 
 MAX_HEAD_BYTES = 64 * 1024
 """The most bytes of a request's URL, header names and values (with their separators): 431 over
@@ -79,35 +82,6 @@ ON_DISCONNECT = "gateway.on_disconnect"
 """Scope key an app may set to a callable: called (on the event loop, once) if the connection is
 lost before the request's answer is complete. Cheaper than a task per request awaiting
 ``http.disconnect``; a server without this protocol never calls it."""
-
-
-class CoalescingTransport:
-    """A connection's writes of one event-loop turn, sent as one: uvicorn writes a response's status
-    line and headers, then its body, each with its own ``send()``, and on uvloop each send is a
-    system call made holding the GIL. Every other transport method is the connection's own;
-    ``close`` sends what is pending first."""
-
-    def __init__(self, transport: asyncio.Transport, loop: asyncio.AbstractEventLoop) -> None:
-        self._transport = transport
-        self._loop = loop
-        self._pending: list[bytes] = []
-
-    def write(self, data: bytes) -> None:
-        if not self._pending:
-            self._loop.call_soon(self._flush)
-        self._pending.append(data)
-
-    def _flush(self) -> None:
-        pending, self._pending = self._pending, []
-        if pending and not self._transport.is_closing():
-            self._transport.write(pending[0] if len(pending) == 1 else b"".join(pending))
-
-    def close(self) -> None:
-        self._flush()
-        self._transport.close()
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._transport, name)
 
 
 class _Refused(Exception):
@@ -153,6 +127,9 @@ class TimeoutProtocol(HttpToolsProtocol):
         """The length of the read being parsed."""
         self._refusal: GatewayError | None = None
         """The answer to give in place of uvicorn's 400."""
+        self._skip_body = False
+        """The body being received is not the app's (its request was answered from its head):
+        parsed, within the bounds, and dropped."""
 
     def _wait(self, seconds: float, expired: Callable[[], None]) -> None:
         self._waiting = (self.loop.time() + seconds, expired)
@@ -182,12 +159,18 @@ class TimeoutProtocol(HttpToolsProtocol):
         # a 408) waits for pending writes to leave.
         transport.set_write_buffer_limits(high=0)
         super().connection_made(transport)
+        self._task_writes = CoalescingTransport(transport, self.loop)
+        """What every request's task writes through (one per connection, so that the protocol's
+        own writes can be ordered after all of theirs: ``_own_write``)."""
         self._wait(self.header_timeout, self._headers_too_slow)
         self._sync_timer()
 
     def data_received(self, data: bytes) -> None:
         self._read_len = len(data)
         super().data_received(data)
+        if self._after_read():
+            self._sync_timer()
+            return
         if self._counting:  # a head or trailers still arriving: count them, with no wait for their end
             self._count()
         if self._waiting is None and (self.cycle is None or self.cycle.response_complete) and not self._handed_over:
@@ -238,7 +221,7 @@ class TimeoutProtocol(HttpToolsProtocol):
         self._waiting = None
         cycle = self.cycle
         if cycle.response_started or self.pipeline:
-            self.transport.close()
+            self._own_close()
             return
         cycle.scope[REFUSED] = refusal  # type: ignore[literal-required]
         self._answer(refusal, cycle.scope.get(REQUEST_ID_SCOPE))  # type: ignore[arg-type]
@@ -263,18 +246,37 @@ class TimeoutProtocol(HttpToolsProtocol):
         if self._head_first + self._head_rest + self._read_len > MAX_HEAD_BYTES and self._head_size() > MAX_HEAD_BYTES:
             self._refuse_head(f"the request's URL and headers are over {MAX_HEAD_BYTES} bytes")
         self._waiting = None
+        if self._answers_head():
+            self._skip_body = True
+            self._body_bytes = self._chunks = 0
+            self._in_body = True
+            self._start_count(_SIZE_LINE)
+            return
         before = self.cycle
         super().on_headers_complete()
         if self.parser.should_upgrade():  # the connection is handed to another protocol
             self._sync_timer()
             return
         if self.cycle is not None and self.cycle is not before:  # its task has not run yet
-            self.cycle.transport = CoalescingTransport(self.transport, self.loop)  # type: ignore[assignment]
+            self.cycle.transport = self._task_writes  # type: ignore[assignment]
         self._body_bytes = self._chunks = 0
         self._in_body = True
         self._wait(self.body_timeout, self._body_too_slow)  # ended at once by a bodiless message
         # Until a byte of body: a chunk's size line, if the body is chunked (ended at once otherwise)
         self._start_count(_SIZE_LINE)
+
+    def _answers_head(self) -> bool:
+        """Whether the request whose head was just parsed is answered from it (a subclass's
+        choice): its body is then skipped, and ``_body_skipped`` called at its end."""
+        return False
+
+    def _body_skipped(self) -> None:
+        """The body of a request answered from its head has been skipped to its end."""
+
+    def _after_read(self) -> bool:
+        """Called after each read is parsed: True when the subclass has taken the connection over
+        for what is left of it (the usual end-of-read clocks are then not started)."""
+        return False
 
     def _head_size(self) -> int:
         return len(self.url) + sum(len(name) + len(value) + 4 for name, value in self.headers)
@@ -302,11 +304,16 @@ class TimeoutProtocol(HttpToolsProtocol):
     def on_body(self, body: bytes) -> None:
         self._counting = False
         self._body_bytes += len(body)
-        super().on_body(body)
+        if not self._skip_body:
+            super().on_body(body)
 
     def on_message_complete(self) -> None:
         self._waiting = None
         self._counting = self._in_body = False
+        if self._skip_body:
+            self._skip_body = False
+            self._body_skipped()
+            return
         super().on_message_complete()
         if not self.pipeline and self.cycle is not None and not self.cycle.response_complete:
             # uvicorn's pause over its 64 KiB high-water mark ends in the app's next receive(), none
@@ -358,7 +365,7 @@ class TimeoutProtocol(HttpToolsProtocol):
     def _body_too_slow(self) -> None:
         cycle = self.cycle
         if cycle is None or cycle.response_started:  # answered early (e.g. 429): just stop reading
-            self.transport.close()
+            self._own_close()
             return
         if self.pipeline and self.flow.read_paused:  # waiting its turn behind an earlier response, unread
             self._wait(self.body_timeout, self._body_too_slow)
@@ -379,21 +386,32 @@ class TimeoutProtocol(HttpToolsProtocol):
         if self.transport.is_closing():
             return
         request_id = request_id or new_request_id()
-        status = refusal.status_code
-        body = json.dumps({"error": refusal.error, "detail": refusal.detail, "request_id": request_id}).encode()
-        self.transport.write(
-            f"HTTP/1.1 {status} {HTTPStatus(status).phrase}\r\ncontent-type: application/json\r\n".encode()
-            + f"connection: close\r\nx-request-id: {request_id}\r\ncontent-length: {len(body)}\r\n\r\n".encode()
-            + body
-        )
+        body = json.dumps(error_body(refusal.error, refusal.detail, request_id)).encode()
+        headers = [("content-type", "application/json"), ("x-request-id", request_id)]
+        self._own_write(raw_answer(refusal.status_code, headers, body, keep_alive=False))
+        self._own_close()
+
+    def _own_write(self, data: bytes) -> None:
+        """Write an answer of the protocol's own (a refusal) after the answers the requests' tasks
+        wrote, which wait for the end of the loop's turn (``CoalescingTransport``): without it, a
+        pipelined request's 408 went out first, and the earlier answer was dropped by the close
+        (seen under load: the timer fired in the turn that answer was completed)."""
+        self._task_writes.flush()
+        self.transport.write(data)
+
+    def _own_close(self) -> None:
+        """Close once the answers written are sent (``close`` sends what the transport holds, not
+        what waits for the end of the turn)."""
+        self._task_writes.flush()
         self.transport.close()
 
 
-def http_protocol(header_timeout: float, body_timeout: float, max_body_bytes: int) -> Any:
-    """The protocol class to hand uvicorn (``http=``); picklable, for several worker processes."""
-    return partial(
-        TimeoutProtocol,
-        header_timeout=header_timeout,
-        body_timeout=body_timeout,
-        max_chunks=max_chunks(max_body_bytes),
-    )
+def raw_answer(status: int, headers: list[tuple[str, str]], body: bytes, *, keep_alive: bool) -> bytes:
+    """An HTTP/1.1 answer written by the protocol itself (outside any request's task): its status
+    line, ``headers``, ``Connection: close`` unless ``keep_alive``, and ``body`` with its length."""
+    head = [f"HTTP/1.1 {status} {HTTPStatus(status).phrase}\r\n"]
+    head += [f"{name}: {value}\r\n" for name, value in headers]
+    if not keep_alive:
+        head.append("connection: close\r\n")
+    head.append(f"content-length: {len(body)}\r\n\r\n")
+    return "".join(head).encode("latin-1") + body

@@ -39,8 +39,9 @@ from pamqp.common import FieldTable
 
 from service.errors import BackendUnavailable
 from service.jobs import frames
-from service.jobs.nodes import HANDSHAKE_TIMEOUT, Backoff, NodesConnection, addresses, redact
+from service.jobs.nodes import HANDSHAKE_TIMEOUT, Backoff, NodesConnection, addresses
 from service.jobs.topology import Names, Route, Topology, declare
+from service.settings.values import redact
 
 logger = logging.getLogger(__name__)
 

@@ -33,6 +33,8 @@ from aiormq.connection import TCPTransportFactory, TLSTransportFactory, Transpor
 from aiormq.exceptions import AMQPConnectionError
 from yarl import URL
 
+from service.settings.values import redact
+
 logger = logging.getLogger(__name__)
 
 CONNECT_TIMEOUT = 0.25
@@ -49,16 +51,6 @@ attempt then raised before connecting, retried at once, for ever)."""
 def addresses(url: str) -> list[str]:
     """The broker addresses of a ``GATEWAY_BROKER_URL``: one URL, or several comma-separated."""
     return [part.strip() for part in url.split(",") if part.strip()]
-
-
-def redact(url: str) -> str:
-    """The URL without its password, for logs and errors."""
-    if "@" not in url:
-        return url
-    scheme, rest = url.split("://", 1) if "://" in url else ("", url)
-    credentials, host = rest.rsplit("@", 1)
-    user = credentials.split(":", 1)[0]
-    return f"{scheme}://{user}:***@{host}" if scheme else f"{user}:***@{host}"
 
 
 @dataclass
@@ -139,6 +131,23 @@ class NodesConnection(RobustConnection):
         if reconnected:  # its address only at debug, as ``Broker`` says "connected" (the warnings name them)
             logger.info("broker: reconnected")
             logger.debug("broker: reconnected to %s", redact(self.address))
+
+    async def ready(self) -> None:
+        """Wait until connected; but in aio-pika's own reconnect loop, fail at once when not.
+
+        A consumer the broker cancels (its queue deleted, or its leader moved) makes that loop
+        restore the consumers on the open connection; when the connection is lost meanwhile (a
+        publish to a stream being deleted closes it: 506 or 541), the restore waited here for the
+        loop itself to reconnect, for ever (aio-pika 10.2). Raised instead, it is a failed attempt
+        the loop retries, by reconnecting."""
+        if not self.connected.is_set() and asyncio.current_task() is self._reconnect_loop():
+            raise AMQPConnectionError("the connection was lost while its consumers were being restored")
+        await super().ready()
+
+    def _reconnect_loop(self) -> asyncio.Task[None] | None:
+        """aio-pika's reconnect task (a private attribute: ``aio-pika<11`` is pinned)."""
+        task: asyncio.Task[None] | None = getattr(self, "_RobustConnection__reconnection_task", None)
+        return task
 
     async def _on_connection_close(self, closing: asyncio.Future[Any]) -> None:
         """A loss or a failed attempt (aio-pika calls this for both, before its next attempt)."""

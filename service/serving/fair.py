@@ -17,11 +17,26 @@ resource and let a model borrow what the others leave unused.
   idle for a while restarts at the current virtual time: idling earns no credit to burst with.
   The pool's own FIFO queue never fills, so one model's backlog cannot stand between another
   model's image and a thread.
+
+A request may be admitted from its head, before its body is read (``reserve_slot``): its slot is taken
+then, so that no request admitted later takes it while the body arrives, and the request claims it
+when it starts (``claim``). One whose body takes longer than ``RESERVATION_SECONDS`` loses it (and
+is checked again once read, as every request was before), so a slow sender holds a slot a quarter
+of a second at most. Reservations are not capped: a cap leaves the heads beyond it admitted without
+a slot, all seeing the same free ones and racing for them with their bodies (a cap of a quarter,
+then of half, of the slots did that at every burst of clients: bodies read only to be refused).
+
+A refusal says when to retry (``Admission.retry_after``): the time the requests in progress take
+to drain at the rate the last ``limit`` of them finished, spread by up to half again so that the
+clients refused together do not all come back together.
 """
 
 from __future__ import annotations
 
+import math
+import random
 import threading
+import time
 from collections import deque
 from collections.abc import Callable, Mapping
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
@@ -29,8 +44,30 @@ from typing import Any, ParamSpec, TypeVar
 
 from service.errors import QueueFull
 
+RESERVATION_SECONDS = 0.25
+"""The most a slot is held for a request admitted from its head while its body arrives."""
+
 P = ParamSpec("P")
 T = TypeVar("T")
+
+
+class Reservation:
+    """A slot taken for a request admitted from its head (``Admission.reserve_slot``)."""
+
+    __slots__ = ("admission", "expires", "model")
+
+    def __init__(self, admission: Admission, model: str, expires: float) -> None:
+        self.admission = admission
+        self.model = model
+        self.expires = expires
+
+    def holds(self, model: str) -> bool:
+        """Whether this still holds a slot of ``model`` (not claimed, released or expired)."""
+        return self.model == model and self in self.admission.reservations
+
+    def release(self) -> None:
+        """Give the slot back unless the request claimed it (idempotent)."""
+        self.admission.release(self)
 
 
 class Admission:
@@ -38,13 +75,19 @@ class Admission:
 
     reserve: dict[str, int]
 
-    def __init__(self, limit: int, shares: Mapping[str, float], fair: bool = True) -> None:
-        """``fair`` False: one limit, first come first served (nothing guaranteed, nothing kept)."""
+    def __init__(self, limit: int, shares: Mapping[str, float], fair: bool = True, *, longest: float = 60.0) -> None:
+        """``fair`` False: one limit, first come first served (nothing guaranteed, nothing kept).
+        ``longest``: the most seconds a request may be in progress (the most ``retry_after`` says)."""
         self.limit = limit
         self.fair = fair
+        self.longest = longest
         self.active = dict.fromkeys(shares, 0)
         self.total = 0
         self.guaranteed: dict[str, int] = {}
+        self.finished: deque[float] = deque(maxlen=max(2, min(limit, 1024)))
+        """When the latest requests left (monotonic seconds): the drain rate ``retry_after`` measures."""
+        self.reservations: dict[Reservation, None] = {}
+        """Slots taken for requests whose bodies are arriving, oldest first."""
         self.reshare(shares)
 
     def reshare(self, shares: Mapping[str, float]) -> None:
@@ -61,6 +104,8 @@ class Admission:
 
     def room(self, model: str, amount: int = 1) -> bool:
         """Whether ``model`` may start one more request now (take ``amount`` more)."""
+        if self.reservations:
+            self._expire()
         if self.total + amount > self.limit:
             return False
         if self.active.get(model, 0) + amount <= self.guaranteed.get(model, 0):  # a model removed: none
@@ -74,12 +119,30 @@ class Admission:
 
     def check(self, model: str) -> None:
         if not self.room(model):
+            retry = self.retry_after()
             if self.total >= self.limit:
-                raise QueueFull(f"{self.limit} requests are already being handled; retry later")
+                raise QueueFull(f"{self.limit} requests are already being handled; retry later", retry_after=retry)
             raise QueueFull(
                 f"model {model!r} has {self.active.get(model, 0)} requests in progress, its share and all it may "
-                "borrow from the other models now; retry later"
+                "borrow from the other models now; retry later",
+                retry_after=retry,
             )
+
+    def drain_seconds(self) -> float:
+        """Seconds the requests in progress take to finish at the rate the latest ones did (from
+        the first of them to now, so that a stalled backend reads as slow): ``longest`` until
+        two have finished."""
+        finished = self.finished
+        if len(finished) < 2:
+            return self.longest
+        per_request = (time.monotonic() - finished[0]) / (len(finished) - 1)
+        return min(self.longest, self.total * per_request)
+
+    def retry_after(self) -> int:
+        """``Retry-After`` for a refusal now: ``drain_seconds`` spread by up to half again, whole
+        seconds (at least 1, at most ``longest``)."""
+        spread = self.drain_seconds() * (1.0 + random.random() / 2)
+        return max(1, min(math.ceil(self.longest), math.ceil(spread)))
 
     def forget(self, model: str) -> None:
         """A model a reload removed, once its last request has left."""
@@ -93,6 +156,36 @@ class Admission:
     def leave(self, model: str, amount: int = 1) -> None:
         self.active[model] -= amount
         self.total -= amount
+        self.finished.append(time.monotonic())
+
+    def reserve_slot(self, model: str) -> Reservation:
+        """Take a slot of ``model`` for a request admitted from its head (after ``check``)."""
+        self.enter(model)
+        reservation = Reservation(self, model, time.monotonic() + RESERVATION_SECONDS)
+        self.reservations[reservation] = None
+        return reservation
+
+    def claim(self, reservation: Reservation) -> bool:
+        """The request starts: its reserved slot is its own now (True), or it was lost (False:
+        expired, released), and the request is admitted as any other."""
+        if reservation not in self.reservations:
+            return False
+        del self.reservations[reservation]
+        return True
+
+    def release(self, reservation: Reservation) -> None:
+        if reservation in self.reservations:
+            del self.reservations[reservation]
+            self.active[reservation.model] -= 1  # not a request finished: not in the drain rate
+            self.total -= 1
+
+    def _expire(self) -> None:
+        now = time.monotonic()
+        while self.reservations:
+            oldest = next(iter(self.reservations))
+            if oldest.expires > now:
+                return
+            self.release(oldest)
 
 
 class FairPool:

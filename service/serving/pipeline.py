@@ -29,6 +29,7 @@ from service.classifier import Classifier, Prepare, PrepareMany, rank_for
 from service.errors import ModelNotLoaded
 from service.host.allocator import keep_image_buffers
 from service.host.gpu import start_gpu_sampler
+from service.host.stages import PauseWatch
 from service.images.budget import Budget, BudgetShare, ByteBudget
 from service.images.preprocess import prepare
 from service.metrics import Metrics
@@ -83,6 +84,8 @@ async def open_models(
     lone = len(catalog.models) == 1 and len(catalog.models[0].versions) == 1
     assembly = Assembly(settings, metrics, tracing, pool, fair, budget, decode, decode_many)
     sampler = asyncio.create_task(_sample(metrics), name="sampler")
+    pauses = PauseWatch(metrics.observe_stage)
+    pauses.start()
     try:
         models = {spec.name: assembly.model(spec, backend if lone else None) for spec in catalog.models}
         every = [served for model in models.values() for served in model.versions.values()]
@@ -93,7 +96,9 @@ async def open_models(
         )
         assembly.loader = loader
         shares = {spec.name: spec.share for spec in catalog.models}
-        admission = Admission(settings.max_concurrent_requests, shares, fair=settings.fair_sharing)
+        admission = Admission(
+            settings.max_concurrent_requests, shares, fair=settings.fair_sharing, longest=settings.request_timeout
+        )
         bodies = Admission(settings.max_buffered_body_bytes_effective, shares, fair=settings.fair_sharing)
         served_models = ServedModels(catalog, models, admission, loader, bodies)
         served_models.assembly = assembly
@@ -114,6 +119,7 @@ async def open_models(
         if assembly.loader is not None:
             await assembly.loader.aclose()  # the loads under way finish first: what they start is stopped below
         sampler.cancel()
+        pauses.stop()
         await asyncio.gather(sampler, return_exceptions=True)
         if gpu is not None:
             gpu.stop()
@@ -251,6 +257,10 @@ async def _start_version(
             policy=settings.batch_policy,
             rank=rank_for(profile),  # once per batch, not once per image on the event loop
             on_abandon=metrics.abandoned_images.inc,
+            # a free slot of a CPU runtime is idle cores (at 8 clients: 1.25x, p50 0.7x), and the shared
+            # engine batches again: send at once
+            busy_at=settings.max_inflight_batches if capabilities_of(settings).sends_at_once else 1,
+            on_stage=metrics.observe_stage,
         )
         served.metrics.bind(batcher)
         batcher.start()

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 
 from service.errors import NotFound
 from service.serving.catalog import Catalog
-from service.serving.fair import Admission
+from service.serving.fair import Admission, Reservation
 from service.serving.loading import Loader
 from service.serving.served import ServedModel, ServedVersion, quoted
 
@@ -90,17 +90,27 @@ class ServedModels:
             raise NotFound(f"model {served.model!r} was removed; this gateway serves {', '.join(self.models)}")
         return model.version(served.version)
 
-    def check(self, served: ServedVersion) -> None:
+    def check(self, served: ServedVersion, reserved: Reservation | None = None) -> None:
         """Refuse now (``QueueFull``, 429) when ``served``'s model has no room for one more request:
-        before the request spends time or quota on what it could not run."""
-        self.admission.check(self.current(served).model)
+        before the request spends time or quota on what it could not run. A request admitted from
+        its head (``reserved``, its slot still held) has its room."""
+        model = self.current(served).model
+        if reserved is not None and reserved.holds(model):
+            return
+        self.admission.check(model)
 
-    @contextmanager
-    def admitted(self, served: ServedVersion) -> Iterator[None]:
-        """A request of ``served``'s model in progress (refused as ``check`` refuses), without the
-        version loaded: an offline submit, which only queues its images."""
+    def _enter(self, served: ServedVersion, reserved: Reservation | None) -> None:
+        """Take a slot for a request of ``served``'s model: its reserved one, or a free one."""
+        if reserved is not None and reserved.model == served.model and self.admission.claim(reserved):
+            return
         self.check(served)
         self.admission.enter(served.model)
+
+    @contextmanager
+    def admitted(self, served: ServedVersion, reserved: Reservation | None = None) -> Iterator[None]:
+        """A request of ``served``'s model in progress (refused as ``check`` refuses), without the
+        version loaded: an offline submit, which only queues its images."""
+        self._enter(served, reserved)
         try:
             yield
         finally:
@@ -108,7 +118,7 @@ class ServedModels:
 
     @asynccontextmanager
     async def hold(
-        self, served: ServedVersion, deadline: float | None, *, admit: bool = True
+        self, served: ServedVersion, deadline: float | None, *, admit: bool = True, reserved: Reservation | None = None
     ) -> AsyncIterator[ServedVersion]:
         """``served``, loaded, for the body of the ``async with``: admitted first (``admit``; the
         queue worker and the operator's loads are not requests in progress), then held by the
@@ -116,7 +126,8 @@ class ServedModels:
         no limit). Both are let go in reverse order whatever ends the body, a cancellation included;
         a request cancelled while it waits for the load leaves nothing counted. The version to use is
         yielded: ``served``, or its replacement where a reload retired it (``current``). An admitted
-        request is counted in the version's statistics, answered or failed, with its time here."""
+        request is counted in the version's statistics, answered or failed, with its time here.
+        ``reserved``: the slot taken for it from its head, if it still holds one."""
         served = self.current(served)
         served.held += 1
         served.idle.clear()
@@ -124,8 +135,7 @@ class ServedModels:
         answered = False
         try:
             if admit:
-                self.check(served)
-                self.admission.enter(served.model)
+                self._enter(served, reserved)
             try:
                 loader = self.loader
                 if loader is not None:

@@ -24,7 +24,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from service.batching.batcher import BatchReport
+from service.batching.items import BatchReport
 
 NS = 1_000_000_000
 

@@ -184,7 +184,8 @@ class OfflineFields(_Fields):
 
     broker_url: str | None = None
     """RabbitMQ URL (e.g. ``amqp://user:pass@rabbitmq:5672/``) for offline mode; without it,
-    ``mode=offline`` requests get 503 and ``gateway worker`` / ``gateway ingest`` refuse to start.
+    ``mode=offline`` requests get 400 (``bad_request``, naming this setting) and ``gateway worker`` /
+    ``gateway ingest`` refuse to start.
     Several comma-separated URLs name the nodes of a cluster (at most 16): each process starts on one
     at random and moves to the next when its node is lost."""
     queue_prefix: str = "gateway"

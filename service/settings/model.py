@@ -72,8 +72,10 @@ class ModelFields(BaseModel):
     max_batch_size: int = Field(16, ge=1, le=1024)
     """Most images the batcher puts in one backend call."""
     max_delay: float = Field(0.005, ge=0.0, le=10.0)
-    """Seconds the batcher waits for a batch to fill while another batch is in the backend; an idle
-    backend gets a lone request at once. With the adaptive policy, the most it may wait."""
+    """Seconds the batcher waits for a batch to fill while the backend is busy (Triton, a GPU: a
+    batch is in it; the in-process CPU runtimes: every one of ``max_inflight_batches``, as a free
+    one is idle cores); an idle backend gets a lone request at once. With the adaptive policy, the
+    most it may wait."""
     batch_policy: Literal["fixed", "adaptive"] = "fixed"
     """How long a batch waits to fill while the backend is busy: ``fixed`` waits for
     ``max_batch_size`` images or ``max_delay``; ``adaptive`` learns the backend's batch time

@@ -123,11 +123,21 @@ def read_at_most(fd: int, limit: int) -> bytes:
     return b"".join(chunks)
 
 
+def redact(url: str) -> str:
+    """A URL (or ``user:password@host``) without its password, for logs, errors and listings."""
+    if "@" not in url:
+        return url
+    scheme, rest = url.split("://", 1) if "://" in url else ("", url)
+    credentials, host = rest.rsplit("@", 1)
+    user = credentials.split(":", 1)[0]
+    return f"{scheme}://{user}:***@{host}" if scheme else f"{user}:***@{host}"
+
+
 def host_port(value: str) -> str:
     """``host:port``: a host name, an IPv4 address or a bracketed IPv6 one, and a port from 1 to
     65535, nothing else (no scheme, path or space). A port over 65535 was taken modulo 65536 by the
     gRPC client (99999 reached 34463), and a broken address passed for an unreachable server."""
-    problem = f"{value!r} is not host:port (a host and a port from 1 to 65535, no scheme or path)"
+    problem = f"{redact(value)!r} is not host:port (a host and a port from 1 to 65535, no scheme or path)"
     try:
         parts = urlsplit("//" + value)
         port = parts.port

@@ -20,6 +20,7 @@ from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2 as mc
 from tritonclient.utils import InferenceServerException
 
+from service.backends.triton_clients import client_module
 from service.host.files import atomic_write
 
 if TYPE_CHECKING:
@@ -115,8 +116,7 @@ class TritonModel:
             client.close()
 
     def _client(self) -> tritonclient.grpc.InferenceServerClient | tritonclient.http.InferenceServerClient:
-        if self.protocol == "http":  # imported here: its gevent is needed by HTTP users only
-            from tritonclient import http as triton_http  # a bare "import tritonclient.http" would shadow the module
-
-            return triton_http.InferenceServerClient(self.url)
+        if self.protocol == "http":  # imported here: its gevent is needed by HTTP users only (the triton extra)
+            client: tritonclient.http.InferenceServerClient = client_module("http").InferenceServerClient(self.url)
+            return client
         return tritonclient.grpc.InferenceServerClient(self.url)

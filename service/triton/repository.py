@@ -51,7 +51,7 @@ class TritonOptions:
     model, batch 1, one client: 10.8 req/s and p99 502 ms with the policy, 298 req/s and p99 5.5 ms
     without; see deploy/triton/README.md)."""
     instances: int = 1
-    """Model instances (per GPU for GPU variants): PAPER.md runs several per GPU."""
+    """Model instances (per GPU for GPU variants): the study (docs/study.md) runs several per GPU."""
     kind: Literal["KIND_GPU", "KIND_CPU"] | None = None
     """Default: GPU for tensorrt and onnxruntime, CPU for openvino and python."""
     intra_op_threads: int = 0

@@ -32,3 +32,13 @@ def test_a_version_gets_the_row_of_what_runs_it() -> None:
     assert (triton.in_budget, triton.on_triton, triton.precision(Settings())) == (False, True, "as deployed in Triton")
     openvino = Settings(backend="openvino", openvino_precision="int8")
     assert capabilities_of(openvino).precision(openvino) == "int8"
+
+
+def test_a_free_slot_sends_at_once_where_waiting_only_adds_a_wait() -> None:
+    """The in-process CPU runtimes (a free slot is idle cores) and the shared engine (it batches the
+    workers' batches again) send what is queued at once; Triton and a per-worker GPU wait to fill
+    the next batch while one runs."""
+    sends = {name for name, row in CAPABILITIES.items() if row.sends_at_once}
+    assert sends == {"embedded", "openvino", "engine"}
+    assert capabilities_of(Settings(backend="torch", torch_engine="shared", engine_socket="e.sock")).sends_at_once
+    assert not capabilities_of(Settings(backend="torch")).sends_at_once

@@ -18,7 +18,8 @@ import pytest
 from service.backends.base import Images
 from service.backends.embedded import EmbeddedBackend
 from service.batching.adaptive import HEADROOM, BatchLatencyModel
-from service.batching.batcher import BatchReport, DynamicBatcher
+from service.batching.batcher import DynamicBatcher
+from service.batching.items import BatchReport
 from service.errors import DeadlineExceeded, DeadlineUnmeetable
 from service.models.profiles import get_profile
 from service.models.store import model_path

@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from service.backends.fake import FakeBackend
-from service.batching.batcher import BatchReport, DynamicBatcher
+from service.batching.batcher import DynamicBatcher
+from service.batching.items import BatchReport
 from service.errors import BackendError, BackendUnavailable, BadImage, DeadlineExceeded, QueueFull
 from service.models.profiles import rank_rows, top_k
 from tests.conftest import solid_image
@@ -120,6 +121,29 @@ async def test_waiting_batch_leaves_when_backend_goes_idle(make: Factory, fake: 
     async with asyncio.timeout(2):
         assert classes(await first) == [1]
         assert classes(await second) == [2]
+
+
+async def test_a_free_slot_of_a_backend_busy_only_when_every_slot_is_gets_a_lone_request_at_once(
+    make: Factory, fake: FakeBackend
+) -> None:
+    """``busy_at=2`` (a CPU runtime: each batch on its own cores): with one batch running and a slot
+    free, the next request goes at once, alone, instead of waiting max_delay for company; with both
+    slots running, the next waits for one, then takes what queued meanwhile."""
+    batcher = make(max_delay=10.0, max_batch_size=4, max_inflight_batches=2, busy_at=2)
+    submit(batcher, 1)
+    await fake.wait_for_batches(1)
+    submit(batcher, 2)
+    async with asyncio.timeout(2):
+        await fake.wait_for_batches(2)
+    assert fake.batches == [1, 1]
+    waiting = [submit(batcher, v) for v in (3, 4, 5)]
+    await asyncio.sleep(0.01)
+    assert fake.batches == [1, 1]  # no slot free
+    assert fake.gate is not None
+    fake.gate.set()
+    async with asyncio.timeout(2):
+        assert [classes(await task)[0] for task in waiting] == [3, 4, 5]
+    assert fake.batches == [1, 1, 3]
 
 
 async def test_every_caller_gets_its_own_result(make: Factory, fake: FakeBackend) -> None:

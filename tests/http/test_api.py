@@ -134,7 +134,19 @@ async def test_too_many_images_is_refused(gateway_factory: MakeSettings) -> None
         files = [("file", (f"{i}.png", png_of_class(i), "image/png")) for i in range(4)]
         response = await client.post("/classify", files=files)
         assert error_of(response) == (400, "bad_request")
-        assert "3" in response.json()["detail"]
+        detail = response.json()["detail"]
+        assert detail == "over 3 'file' parts; at most 3 images per request (GATEWAY_MAX_IMAGES_PER_REQUEST)"
+        assert "malformed" not in detail  # a limit, not a broken body
+        fields = [("file", (f"{i}.png", png_of_class(i), "image/png")) for i in range(2)]
+        texts = {f"note{i}": "x" for i in range(4)}
+        response = await client.post("/classify", files=fields, data=texts)
+        assert error_of(response) == (400, "bad_request")
+        detail = response.json()["detail"]
+        assert detail.startswith("over 3 text fields; a body may have at most as many parts as images per request")
+        assert "only 'file' parts are read" in detail  # the text fields are the problem, not the images
+        listed = await client.post("/classify", content=b"x", headers={"content-type": "text/plain"})
+        assert error_of(listed)[0] == 415
+        assert listed.json()["detail"].endswith("or application/json with image URLs")
 
 
 async def test_one_bad_image_fails_its_request_only(gateway_factory: MakeSettings) -> None:
@@ -221,8 +233,8 @@ async def test_metrics_count_requests_batches_and_rejections(gateway_factory: Ma
     assert 'gateway_backend_duration_seconds_count{backend="fake",model="efficientnet-lite0",version="1"} 3.0' in text
     assert "gateway_preprocess_duration_seconds_count 4.0" in text
     duration = "gateway_http_request_duration_seconds_count"
-    assert f'{duration}{{route="/classify",status_class="2xx"}} 3.0' in text
-    assert f'{duration}{{route="/classify",status_class="4xx"}} 1.0' in text
+    assert f'{duration}{{route="/classify",status="200"}} 3.0' in text
+    assert f'{duration}{{route="/classify",status="400"}} 1.0' in text  # the label of gateway_http_requests_total
 
 
 async def test_openapi_documents_both_body_forms_and_errors(gateway_factory: MakeSettings) -> None:
@@ -323,7 +335,7 @@ async def test_large_images_take_turns_for_decoder_memory(gateway_factory: MakeS
         assert [r.status_code for r in responses] == [200] * 8
         metrics = (await client.get("/metrics")).text
     waits = re.search(r"^gateway_decode_budget_waits_total (\S+)$", metrics, re.M)
-    reserved = re.search(r"^gateway_decode_bytes_reserved (\S+)$", metrics, re.M)
+    reserved = re.search(r"^gateway_decode_reserved_bytes (\S+)$", metrics, re.M)
     assert waits is not None
     assert float(waits.group(1)) >= 1
     assert reserved is not None
@@ -366,3 +378,19 @@ async def test_images_are_decoded_into_the_memory_the_backend_hands_out(
     assert one.status_code == several.status_code == 200
     assert [r["labels"][0]["index"] for r in [*one.json()["results"], *several.json()["results"]]] == [5, 3, 7]
     assert backend.in_cells == [cells > 0] * 3
+
+
+async def test_a_refused_content_type_is_told_every_type_accepted(gateway_factory: MakeSettings) -> None:
+    """The 415 lists what is accepted, ``application/octet-stream`` included, and that type is
+    indeed accepted, for a body as for a ``file`` part."""
+    async with running_gateway(gateway_factory(backend="fake"), FakeBackend()) as client:
+        refused = await client.post("/classify", content=png_of_class(1), headers={"content-type": "text/plain"})
+        assert error_of(refused) == (415, "unsupported_media_type")
+        assert "application/octet-stream" in refused.json()["detail"]
+        part = await client.post("/classify", files={"file": ("a.txt", png_of_class(1), "text/plain")})
+        assert error_of(part) == (415, "unsupported_media_type")
+        assert "application/octet-stream" in part.json()["detail"]
+        octets = {"content-type": "application/octet-stream"}
+        assert (await client.post("/classify", content=png_of_class(1), headers=octets)).status_code == 200
+        as_part = await client.post("/classify", files={"file": ("a", png_of_class(1), "application/octet-stream")})
+        assert as_part.status_code == 200

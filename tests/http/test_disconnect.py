@@ -140,6 +140,8 @@ async def test_an_inference_protocol_client_that_leaves_mid_wait_is_dropped_and_
     assert counter(metrics, "gateway_abandoned_images_total") == 1
     assert f'{V2_ROUTE},status="499"}} 1.0' in metrics
     assert f'{V2_ROUTE},status="200"' not in metrics
+    # never answered: counted, not timed (its wait would read as a slow 4xx answer)
+    assert f'gateway_http_request_duration_seconds_count{{{V2_ROUTE},status="499"}}' not in metrics
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
 
 

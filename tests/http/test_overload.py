@@ -8,6 +8,7 @@ from loadtests.harness.overload import run
 
 
 @pytest.mark.slow
+@pytest.mark.serial  # it times the refusals: other tests' load on the cores would be in the figure
 def test_overload_is_shed_fast_within_the_memory_bound_and_recovers() -> None:
     """Memory stays within the documented bound, the excess gets 429 quickly (measured inside the
     gateway; at the clients it includes their own CPU on this 2-core machine), admitted requests

@@ -8,7 +8,7 @@ import time
 from collections.abc import Callable
 
 from service.backends.fake import FakeBackend
-from service.http.protocol import CoalescingTransport
+from service.http.transport import CoalescingTransport
 from service.settings import Settings
 from tests.conftest import png_bytes, running_gateway, solid_image
 
@@ -103,3 +103,25 @@ async def test_a_later_request_on_a_kept_connection_has_its_own_header_clock(gat
         assert answer.startswith(b"HTTP/1.1 408")
         assert 0.9 <= time.monotonic() - started <= 2.5
         writer.close()
+
+
+async def test_an_answer_of_the_protocols_own_goes_after_the_requests_answer_still_held() -> None:
+    """A pipelined request's 408 (the protocol's own answer) made in the loop turn that completed
+    the earlier request's answer: that answer, still held for the end of the turn, goes first and
+    whole, and the 408 after it, then the close (the 408 went first and the answer was dropped)."""
+    from service.errors import RequestTimeout
+    from service.http.protocol import TimeoutProtocol
+
+    recording = Recording()
+    protocol = object.__new__(TimeoutProtocol)
+    protocol.transport = recording
+    held = CoalescingTransport(recording, asyncio.get_running_loop())
+    protocol._task_writes = held
+    held.write(b"HTTP/1.1 200 OK\r\ncontent-length: 4\r\n\r\n")
+    held.write(b"done")
+    protocol._answer(RequestTimeout("the request headers did not arrive within 0.5 s"))
+    await asyncio.sleep(0)
+    assert recording.writes[0] == b"HTTP/1.1 200 OK\r\ncontent-length: 4\r\n\r\ndone"
+    assert recording.writes[1].startswith(b"HTTP/1.1 408 Request Timeout\r\n")
+    assert len(recording.writes) == 2
+    assert recording.closed

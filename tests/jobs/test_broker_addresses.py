@@ -206,3 +206,34 @@ async def test_a_long_outage_does_not_stop_the_reconnects() -> None:
         finally:
             await connection.close()
     assert Backoff(attempt=10**6).next() < 1.5 * Backoff().cap
+
+
+async def test_a_loss_while_consumers_are_restored_is_reconnected(prefix: str) -> None:
+    """A consumer cancelled by the broker makes aio-pika restore the consumers on the open
+    connection; a loss at that moment left the restore waiting for a reconnect only it could make
+    (seen when a publish to a stream being deleted closed the connection). Here the two happen in
+    that order, deterministically: the loss's first step, the recovery, then the socket closed."""
+    connection = NodesConnection([BROKER_URL])
+    await connection.connect(timeout=10)
+    try:
+        channel = await connection.channel()
+        queue = await channel.declare_queue(f"{prefix}.restore", auto_delete=True)
+        got: asyncio.Queue[bytes] = asyncio.Queue()
+
+        async def take(message: aio_pika.abc.AbstractIncomingMessage) -> None:
+            await message.ack()
+            got.put_nowait(message.body)
+
+        await queue.consume(take)
+        connection.connected.clear()  # what a lost connection does first
+        connection._request_recovery()  # what a consumer's cancel does
+        await asyncio.sleep(0.1)  # the reconnect loop is now restoring the consumers
+        assert connection.transport is not None
+        await connection.transport.connection.close()
+        async with asyncio.timeout(10):  # reconnected, the channel and its consumer restored
+            while channel.is_closed or not connection.connected.is_set():  # noqa: ASYNC110
+                await asyncio.sleep(0.05)
+            await channel.default_exchange.publish(aio_pika.Message(b"after"), queue.name)
+            assert await got.get() == b"after"
+    finally:
+        await connection.close()

@@ -20,7 +20,7 @@ import httpx
 import pytest
 
 from loadtests.harness import dead_addresses
-from loadtests.harness.rabbitmq_cluster import Node, RabbitCluster
+from loadtests.harness.rabbitmq_cluster import ClusterUnhealthy, Node, RabbitCluster
 from service.jobs.broker import Broker
 from service.jobs.policies import gateway_policies, rabbitmqctl_commands
 from service.jobs.topology import REQUEST_KEY, Names
@@ -45,6 +45,20 @@ def cluster(prefix: str) -> Iterator[RabbitCluster]:
         for command in policies:
             cluster.ctl(cluster.nodes[0], *command[1:])
         yield cluster
+
+
+@pytest.fixture(autouse=True)
+def whole_cluster(cluster: RabbitCluster) -> None:
+    """Each test starts on the whole cluster: every node up, serving and clustered, no partition.
+    A test that killed a node and could not bring it back (its failure is its own) does not leave
+    the next one a broken cluster: the node is waited for or restarted here, with a warning saying
+    what was wrong, and the test errors with the nodes' own account if it cannot be repaired."""
+    try:
+        repaired = cluster.ensure_healthy()
+    except ClusterUnhealthy as exc:
+        pytest.fail(f"the cluster is not whole before this test and could not be repaired: {exc}", pytrace=False)
+    if repaired:
+        warnings.warn(f"the cluster was not whole before this test: {'; '.join(repaired)}", stacklevel=1)
 
 
 def node_of(cluster: RabbitCluster, port: int) -> int:

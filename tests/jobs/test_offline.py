@@ -262,6 +262,7 @@ def test_worker_killed_mid_ingest_loses_nothing(tmp_path: Path, prefix: str, mod
 
 
 @pytest.mark.slow
+@pytest.mark.serial  # the broker every other test uses goes down
 def test_broker_restart_mid_ingest_loses_nothing(tmp_path: Path, prefix: str, models_dir: Path) -> None:
     """Stop and start RabbitMQ mid-run: durable queues, persistent messages, confirms and acks
     after results bring every image through."""

@@ -2,10 +2,10 @@ from __future__ import annotations
 
 import time
 
-from service.jobs.broker import redact
 from service.jobs.messages import JobNotice, JobResult
 from service.jobs.store import WAITING_CHARS, JobStore, PendingJob
 from service.schemas import Label
+from service.settings.values import redact
 
 
 def _result(job_id: str, status: str = "done", labels: int = 5) -> JobResult:

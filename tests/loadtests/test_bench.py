@@ -22,7 +22,8 @@ from loadtests.harness.grid import PROFILES, build_grid
 from loadtests.harness.http_load import start_gateway
 from loadtests.harness.perf_analyzer import PA_DIR
 
-pytestmark = pytest.mark.slow
+# serial: perf_analyzer must stabilise its measurements, which the other tests' load on the cores prevents
+pytestmark = [pytest.mark.slow, pytest.mark.serial]
 
 ARGS = ["--batches", "1,2", "--repeat", "2", "--images", "8", "--dataset-count", "12", "--protocols", "grpc"]
 

@@ -62,6 +62,17 @@ def test_the_rate_search_finds_a_rate_within_the_bound() -> None:
     assert [r.load.rate for r in runs] == [100.0, 250.0]
 
 
+def test_the_climbing_search_goes_up_by_its_factor_then_bisects() -> None:
+    with trivial_server(1) as server:
+        load = Load(server.url, b"x", connections=32, seconds=0.3)
+        best, runs = find_rate(load, 200.0, 100.0, 1000.0, steps=3, climb=2.0, rest=0.1)
+        assert [r.load.rate for r in runs] == [100.0, 200.0, 400.0]  # never past what met the bound by more than 2x
+        assert best == 400.0
+        # a bound nothing meets after the first: the next rate is halfway back, not further up
+        best, runs = find_rate(load, 200.0, 100.0, 150.0, steps=3, climb=2.0)
+        assert [r.load.rate for r in runs] == [100.0, 125.0, 137.5]
+
+
 def test_the_command_prints_its_figure_and_its_ceiling(tmp_path: Path) -> None:
     """``python -m loadtests.loadgen`` as a user runs it, against the trivial server."""
     body = tmp_path / "body.bin"
