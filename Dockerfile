@@ -32,10 +32,11 @@ RUN set -e; for m in $FETCH; do GATEWAY_MODELS_DIR=/opt/models gateway models fe
 
 # The serving environment: the package without its model-building extra, installed by the build
 # stage's pip into a venv that has no pip of its own. Package test suites are dropped (never imported).
-# EXTRAS adds optional backends to it, e.g. --build-arg EXTRAS=openvino (+180 MB).
+# EXTRAS names the optional backends it carries: `triton` by default (Triton over HTTP as well as
+# gRPC, for the compose and Kubernetes backends); e.g. --build-arg EXTRAS=triton,openvino (+180 MB).
 FROM build AS serve-env
 LABEL inference-gateway.stage=serve-env
-ARG EXTRAS=""
+ARG EXTRAS="triton"
 RUN python -m venv --without-pip /opt/serve \
     && pip --python /opt/serve/bin/python install --no-warn-script-location ".${EXTRAS:+[$EXTRAS]}" \
     && find /opt/serve -depth -type d -name tests -path '*/site-packages/*' -exec rm -rf {} + \

@@ -26,7 +26,7 @@ class ModelFields(BaseModel):
     """Where batches run: ``embedded`` (ONNX Runtime in this process, on CPU), ``openvino`` (the
     model converted by OpenVINO for this CPU, in this process; see ``openvino_precision``;
     ``pip install '.[openvino]'``, which ``scripts/bootstrap test`` does; in the image:
-    ``docker build --build-arg EXTRAS=openvino``), ``torch`` (ResNet-50
+    ``docker build --build-arg EXTRAS=triton,openvino``), ``torch`` (ResNet-50
     in PyTorch in this process, on a CUDA GPU; see ``torch_device``; ``pip install '.[torch]'``),
     ``triton`` (NVIDIA Triton Inference Server, see the ``triton_*`` settings) or ``fake`` (a
     deterministic stand-in with no model, for testing the gateway itself)."""
