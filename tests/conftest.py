@@ -41,6 +41,9 @@ they start while the many short ones fill the other processes, rather than endin
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if "models_dir" in getattr(item, "fixturenames", ()):  # it serves or runs the built model
+            item.add_marker(pytest.mark.model)
     rank = {module: i for i, module in enumerate(FIRST)}
     items.sort(key=lambda item: rank.get(item.nodeid.split("::", 1)[0], len(FIRST)))  # stable: else as collected
 

@@ -16,6 +16,8 @@ import pytest
 
 from loadtests.harness.http_load import start_gateway, stop_process
 
+pytestmark = pytest.mark.model  # the page's models, exported and served
+
 ROOT = Path(__file__).resolve().parents[1]
 DECLARATION = "--labels imagenet.txt --scale 1 --mean 127 --std 128 --output logits"
 CAT_WORDS = ("Egyptian cat", "tabby", "tiger cat")

@@ -38,6 +38,8 @@ from service.tune.runner import free_port
 from tests.backends.engine_process import MODEL, engine_client, engine_process
 from tests.backends.engine_process import images as process_images
 
+pytestmark = pytest.mark.slow  # every test starts the shared engine as a process of its own
+
 GEOMETRY = Geometry(image_size=8, classes=1000)
 
 

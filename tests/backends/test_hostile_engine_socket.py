@@ -21,6 +21,8 @@ from service.backends.engine import _HELLO, _MAGIC, _READY, _REQUEST, HELLO_TIME
 from service.errors import DeadlineExceeded
 from tests.backends.engine_process import GEOMETRY, engine_client, engine_process, images
 
+pytestmark = pytest.mark.slow  # every test starts the shared engine as a process of its own
+
 SLOTS, PER_SLOT = 2, 4
 CELLS = 3 * SLOTS * PER_SLOT  # a worker's: its slots, and a pool of twice as many cells
 BLOCK_BYTES = CELLS * GEOMETRY.image_bytes

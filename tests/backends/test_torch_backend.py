@@ -21,6 +21,8 @@ from service.models.profiles import get_profile
 from service.models.store import ensure_model
 from tests.conftest import running_gateway
 
+pytestmark = pytest.mark.model  # PyTorch models, built and run in this process
+
 
 @asynccontextmanager
 async def started(backend: TorchBackend) -> AsyncIterator[TorchBackend]:

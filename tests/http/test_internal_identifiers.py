@@ -239,6 +239,7 @@ def _rabbitmqctl(*args: str) -> str:
     return subprocess.run(["rabbitmqctl", *args], capture_output=True, text=True, check=True).stdout
 
 
+@pytest.mark.slow  # it starts the shared engine as a process of its own
 async def test_the_shared_engine_gone_or_failing_names_no_path(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:

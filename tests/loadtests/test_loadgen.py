@@ -9,7 +9,11 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
+import pytest
+
 from loadtests.harness.loadgen import Load, find_rate, run, trivial_server
+
+pytestmark = pytest.mark.slow  # the load generator runs its connections in processes of their own
 
 
 def test_a_closed_loop_uses_every_connection_over_its_processes() -> None:

@@ -26,6 +26,8 @@ from service.settings import Settings
 from tests.conftest import running_gateway
 from tests.torch_files import write_zip
 
+pytestmark = pytest.mark.model  # checkpoints built into models and run
+
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> bytes:

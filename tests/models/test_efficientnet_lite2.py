@@ -23,6 +23,8 @@ from service.models.store import ensure_model
 from tests.conftest import CAT_CLASSES, ESPRESSO
 from tests.models.exports import PLAIN, SIZES, VARIANTS, Exports, torch_scores
 
+pytestmark = pytest.mark.model  # real EfficientNet-Lite1/2 networks exported and run
+
 CONVENTIONS = ["nhwc-bgr-caffe", "float16", "minus-one-one", "softmax"]
 
 

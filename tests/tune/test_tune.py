@@ -44,8 +44,8 @@ def test_quick_tune_writes_settings_that_meet_the_slo(
             "2",
             "--worker-counts",
             "1,2",
-            "--max-concurrency",
-            "4",
+            "--max-concurrency",  # one client level: the search and its report, not the sweep, are tested here
+            "1",
             "--out",
             str(env_file),
             "--report",
