@@ -228,26 +228,61 @@ async def test_a_claim_whose_replica_died_is_taken_over_after_its_hold(prefix: s
         await client.aclose()
 
 
-async def test_without_the_claims_stream_an_idempotent_submit_is_503_and_queues_nothing(prefix: str) -> None:
-    """The claims stream is gone (deleted, or not read back in time): an idempotent submit
-    answers 503 within the publish timeout and publishes no image, so a retry is safe; plain
-    submits go on once the connection is back."""
+async def caught_up(client: JobsClient) -> None:
+    """Until the replica has read its claims stream up to the marker it appended."""
+    async with asyncio.timeout(30):
+        while not client.idempotency.caught_up():  # noqa: ASYNC110
+            await asyncio.sleep(0.05)
+
+
+async def test_a_claim_not_read_back_in_time_is_503_and_queues_nothing(prefix: str) -> None:
+    """The stream takes the intent but this replica does not read it back within the publish
+    timeout (its consumer gone: here its channel closed, which aio-pika does not restore): the
+    idempotent submit answers 503 and publishes no image, so a retry is safe; plain submits do
+    not need the stream."""
     names = Names(prefix)
     client = JobsClient(Settings(broker_url=BROKER_URL, queue_prefix=prefix, publish_timeout=0.5), Metrics())
     await client.broker.connect(timeout=30)
     images = [OfflineImage(PNGS[0], "image/png", "0.png")]
     try:
+        await caught_up(client)
+        channel = client.idempotency._channel
+        assert channel is not None
+        await channel.close()
+        with pytest.raises(BackendUnavailable, match="did not come back"):
+            await client.submit(images, 5, key="unread")
+        assert await queue_depth(names.work) == 0
+        assert len((await client.submit(images, 5)).job_ids) == 1
+    finally:
+        await client.aclose()
+
+
+async def test_a_deleted_claims_stream_is_declared_again_and_takes_claims_once(prefix: str) -> None:
+    """The claims stream deleted under a running replica (an operator's slip): an idempotent
+    submit that meets the gap answers 503 and publishes no image (a publish to a stream being
+    deleted can also close the connection: 506 or 541 on RabbitMQ 3.10, and the client
+    reconnects); aio-pika restores the cancelled consumer, which declares the stream again, empty
+    (the claims it held are gone for every replica), and the replica reads it from its start. The
+    retried key is then taken once: its repeat gets the same job, and one image is queued."""
+    names = Names(prefix)
+    client = JobsClient(Settings(broker_url=BROKER_URL, queue_prefix=prefix, publish_timeout=0.5), Metrics())
+    await client.broker.connect(timeout=30)
+    images = [OfflineImage(PNGS[0], "image/png", "0.png")]
+    try:
+        await caught_up(client)
         assert client.broker.channel is not None
         await client.broker.channel.queue_delete(names.idempotency)
-        with pytest.raises(BackendUnavailable):
-            await client.submit(images, 5, key="no-stream")
-        assert await queue_depth(names.work) == 0
-        # A publish to a stream the broker is still deleting can close the whole connection (506
-        # RESOURCE_ERROR or 541 INTERNAL_ERROR, measured on RabbitMQ 3.10): the client reconnects.
-        async with asyncio.timeout(30):
-            while not client.broker.is_open:  # noqa: ASYNC110
-                await asyncio.sleep(0.05)
-        assert len((await client.submit(images, 5)).job_ids) == 1  # plain submits do not need it
+        async with asyncio.timeout(60):
+            while True:
+                try:
+                    accepted = await client.submit(images, 5, key="after-delete")
+                    break
+                except BackendUnavailable:
+                    assert await queue_depth(names.work) == 0  # refused: nothing queued
+                    await asyncio.sleep(0.1)
+        assert len(accepted.job_ids) == 1
+        assert (await client.submit(images, 5, key="after-delete")).job_ids == accepted.job_ids
+        assert await queue_depth(names.work) == 1
     finally:
         await client.aclose()
 
