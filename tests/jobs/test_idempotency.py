@@ -7,7 +7,8 @@ from __future__ import annotations
 import asyncio
 import secrets
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
 from typing import Any
 
 import httpx
@@ -228,11 +229,19 @@ async def test_a_claim_whose_replica_died_is_taken_over_after_its_hold(prefix: s
         await client.aclose()
 
 
-async def caught_up(client: JobsClient) -> None:
-    """Until the replica has read its claims stream up to the marker it appended."""
-    async with asyncio.timeout(30):
-        while not client.idempotency.caught_up():  # noqa: ASYNC110
-            await asyncio.sleep(0.05)
+@asynccontextmanager
+async def caught_up_client(prefix: str) -> AsyncIterator[JobsClient]:
+    """A replica's jobs client (publish timeout 0.5 s), once it has read its claims stream up to
+    the marker it appended; closed at the end."""
+    client = JobsClient(Settings(broker_url=BROKER_URL, queue_prefix=prefix, publish_timeout=0.5), Metrics())
+    await client.broker.connect(timeout=30)
+    try:
+        async with asyncio.timeout(30):
+            while not client.idempotency.caught_up():  # noqa: ASYNC110
+                await asyncio.sleep(0.05)
+        yield client
+    finally:
+        await client.aclose()
 
 
 async def test_a_claim_not_read_back_in_time_is_503_and_queues_nothing(prefix: str) -> None:
@@ -240,21 +249,15 @@ async def test_a_claim_not_read_back_in_time_is_503_and_queues_nothing(prefix: s
     timeout (its consumer gone: here its channel closed, which aio-pika does not restore): the
     idempotent submit answers 503 and publishes no image, so a retry is safe; plain submits do
     not need the stream."""
-    names = Names(prefix)
-    client = JobsClient(Settings(broker_url=BROKER_URL, queue_prefix=prefix, publish_timeout=0.5), Metrics())
-    await client.broker.connect(timeout=30)
     images = [OfflineImage(PNGS[0], "image/png", "0.png")]
-    try:
-        await caught_up(client)
+    async with caught_up_client(prefix) as client:
         channel = client.idempotency._channel
         assert channel is not None
         await channel.close()
         with pytest.raises(BackendUnavailable, match="did not come back"):
             await client.submit(images, 5, key="unread")
-        assert await queue_depth(names.work) == 0
+        assert await queue_depth(Names(prefix).work) == 0
         assert len((await client.submit(images, 5)).job_ids) == 1
-    finally:
-        await client.aclose()
 
 
 async def test_a_deleted_claims_stream_is_declared_again_and_takes_claims_once(prefix: str) -> None:
@@ -265,11 +268,8 @@ async def test_a_deleted_claims_stream_is_declared_again_and_takes_claims_once(p
     (the claims it held are gone for every replica), and the replica reads it from its start. The
     retried key is then taken once: its repeat gets the same job, and one image is queued."""
     names = Names(prefix)
-    client = JobsClient(Settings(broker_url=BROKER_URL, queue_prefix=prefix, publish_timeout=0.5), Metrics())
-    await client.broker.connect(timeout=30)
     images = [OfflineImage(PNGS[0], "image/png", "0.png")]
-    try:
-        await caught_up(client)
+    async with caught_up_client(prefix) as client:
         assert client.broker.channel is not None
         await client.broker.channel.queue_delete(names.idempotency)
         async with asyncio.timeout(60):
@@ -283,8 +283,6 @@ async def test_a_deleted_claims_stream_is_declared_again_and_takes_claims_once(p
         assert len(accepted.job_ids) == 1
         assert (await client.submit(images, 5, key="after-delete")).job_ids == accepted.job_ids
         assert await queue_depth(names.work) == 1
-    finally:
-        await client.aclose()
 
 
 T0 = 1e10
