@@ -380,12 +380,11 @@ def test_a_partitioned_node_takes_no_work_and_loses_none_when_it_heals(
     cluster: RabbitCluster, prefix: str, tmp_path: Path, models_dir: Path
 ) -> None:
     """The node the ingest is connected to is cut off from the other two (every packet between
-    them dropped) a quarter into 1,600 images, until it has refused clients for 5 s while the
-    majority goes on (30 s at most), then the link heals. The cut node confirms
+    them dropped) a quarter into 2,400 images, for 30 s, then the link heals. The cut node confirms
     no publish while it is alone (pause_minority: it then closes its connections and refuses new
     ones); its clients move to the majority, which goes on; when the link heals the node rejoins,
     and every image ends done once."""
-    count = 1600  # the ingest outlasts the partition (30 s at most, the cut node refusing from about 10-20 s)
+    count = 2400
     classes = class_pngs(tmp_path / "images", count)
     env = ingest_env(cluster, f"{prefix}-partition", models_dir, fake_delay="0.5")
     out = tmp_path / "out.jsonl"
@@ -401,17 +400,12 @@ def test_a_partitioned_node_takes_no_work_and_loses_none_when_it_heals(
             cut_at = time.monotonic()
             outcomes: list[tuple[float, str]] = []
             seen, last, stall = result_lines(out), cut_at, 0.0
-            paused: tuple[float, int] | None = None  # when the cut node first refused, and the results then
             while time.monotonic() - cut_at < 30:
                 outcome = asyncio.run(publish_confirmed(cut.url, probe_queue, b"minority", timeout=2))
                 outcomes.append((time.monotonic() - cut_at, outcome))
                 now, lines = time.monotonic(), result_lines(out)
                 if lines > seen:
                     stall, seen, last = max(stall, now - last), lines, now
-                if paused is None and outcome.startswith("refused"):
-                    paused = (now, lines)
-                if paused is not None and now - paused[0] >= 5 and lines > paused[1]:
-                    break  # paused for 5 s while the majority went on: what the partition is held for
                 time.sleep(0.5)
             assert ingest.poll() is None, "the ingest ended during the partition: give it more images"
             cluster.heal()
